@@ -1,0 +1,262 @@
+"""Checkpointer (async) and SyncCheckpointer: two thin shims over one engine.
+
+Both plan a save on the caller's thread (``state_dict()`` calls, flattening, chunk layout)
+and hand the rest to :class:`~aiosnap.engine.Engine` on aiosnap's background loop thread.
+``save()`` returns once every byte of the state is captured; the handle it returns
+resolves when the checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .config import Config
+from .engine import Engine, SaveResult
+from .errors import CheckpointerClosedError
+from .loop import LoopThread
+from .manifest import Manifest
+from .pipeline.capture import CudaOrder
+from .plan import SavePlan, make_plan
+from .restore import apply_state, decode_tree
+from .storage.base import storage_from_url
+
+__all__ = ["Checkpointer", "SaveHandle", "SaveResult", "SyncCheckpointer", "SyncSaveHandle"]
+
+T = TypeVar("T")
+ConfigLike = Config | str | Path | dict[str, Any] | None
+log = logging.getLogger("aiosnap")
+
+
+class SaveHandle:
+    """A save in flight (async API): ``await handle`` returns its :class:`SaveResult` once
+    committed, or raises the failure with its original type."""
+
+    def __init__(self, step: int, durable: concurrent.futures.Future[SaveResult]) -> None:
+        self.step = step
+        self._durable = durable
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._durable.done()
+
+    @property
+    def result(self) -> SaveResult | None:
+        """The figures of the committed save; None while in flight or after a failure."""
+        if self._durable.done() and self._durable.exception() is None:
+            return self._durable.result()
+        return None
+
+    async def wait(self, timeout: float | None = None) -> SaveResult:
+        """Wait until committed; TimeoutError after ``timeout`` s (the save goes on)."""
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._durable)), timeout)
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} step={self.step} done={self.done()}>"
+
+
+class SyncSaveHandle(SaveHandle):
+    """A save in flight (sync API): ``handle.wait()`` blocks until committed."""
+
+    def wait(self, timeout: float | None = None) -> SaveResult:  # type: ignore[override]
+        """Block until committed; TimeoutError after ``timeout`` s (the save goes on)."""
+        return self._durable.result(timeout)
+
+    def __await__(self) -> Any:
+        raise TypeError("SyncSaveHandle is not awaitable; call handle.wait()")
+
+
+class _Core:
+    """What both APIs share: config, the loop thread, the engine, the lifecycle."""
+
+    def __init__(self, config: ConfigLike = None, *, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.config = Config.coerce(config)
+        ram_budget = self.config.ram_budget_bytes()
+        storage = storage_from_url(self.config.storage.url)
+        self.rank = rank
+        self.world_size = world_size
+        self._loop = LoopThread(self.config.loop)
+        self._engine = Engine(self.config, storage, ram_budget)
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """Where checkpoints go (the storage root)."""
+        return self._engine.storage.url
+
+    @property
+    def loop_kind(self) -> str:
+        """``uvloop`` or ``asyncio``: the background loop actually running."""
+        return self._loop.kind
+
+    @property
+    def ram_high_water(self) -> int:
+        """Most bytes of staging RAM ever held at once (never above the RAM budget)."""
+        return self._engine.budget.high_water
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointerClosedError(f"{type(self).__name__} for {self.url} is closed")
+
+    def _plan(
+        self, state: dict[str, Any], step: int, metadata: dict[str, Any] | None
+    ) -> tuple[SavePlan, CudaOrder | None]:
+        """Runs on the caller's thread: take state dicts, flatten, lay out chunks."""
+        self._check_open()
+        if metadata is not None:
+            if not isinstance(metadata, dict):
+                raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+            try:
+                json.dumps(metadata, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+        plan = make_plan(
+            state,
+            step=step,
+            chunk_bytes=self._engine.slab_bytes,
+            rank=self.rank,
+            world_size=self.world_size,
+            metadata=metadata,
+        )
+        return plan, CudaOrder.record(plan)
+
+    @staticmethod
+    def _finish_load(manifest: Manifest, tensors: dict[int, Any], state: dict[str, Any] | None) -> Any:
+        """Runs on the caller's thread (load_state_dict calls)."""
+        if state is None:
+            return decode_tree(manifest, tensors)
+        apply_state(manifest, tensors, state)
+        return state
+
+    def _begin_close(self) -> bool:
+        if self._closed:
+            return False
+        self._closed = True
+        return True
+
+    def _end_close(self, raise_failure: bool) -> None:
+        self._loop.stop()
+        failure = self._engine.last_failure
+        if failure is not None:
+            if raise_failure:
+                raise failure
+            log.warning("aiosnap: the last save failed: %r", failure)
+
+
+class Checkpointer(_Core):
+    """Async checkpoint service. Use ``async with Checkpointer(cfg) as ckpt:``.
+
+    ``config`` is a :class:`Config`, a dict of its fields, or a storage URL / path.
+    """
+
+    async def _call(self, coro: Any) -> Any:
+        return await asyncio.wrap_future(self._loop.submit(coro))
+
+    async def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SaveHandle:
+        """Capture ``state`` and return once every byte is captured (the state may then be
+        mutated). ``await`` the handle for durability. Waits first while
+        ``max_pending_saves`` saves are in flight. Raises a background failure of an earlier
+        save (original type) instead of starting a new one, once."""
+        started = time.perf_counter()
+        plan, order = self._plan(state, step, metadata)
+        durable = await self._call(self._engine.save(plan, order, started))
+        return SaveHandle(step, durable)
+
+    async def load(
+        self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False
+    ) -> Any:
+        """Restore the latest committed step (or ``step``): into ``state`` in place when
+        given (and return it), else as a new nested state. Every checksum is verified before
+        anything in ``state`` is touched."""
+        self._check_open()
+        manifest, tensors = await self._call(self._engine.read(step, allow_pickle))
+        return self._finish_load(manifest, tensors, state)
+
+    async def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        self._check_open()
+        result: list[int] = await self._call(self._engine.steps())
+        return result
+
+    async def manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (latest when None): metadata, entries, sizes."""
+        self._check_open()
+        result: Manifest = await self._call(self._engine.manifest(step))
+        return result
+
+    async def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
+        """Wait for pending saves (cancelling them after ``timeout`` s), free resources.
+        Raises the last save's failure with its original type unless a later save committed."""
+        if not self._begin_close():
+            return
+        try:
+            await self._call(self._engine.drain(timeout))
+        finally:
+            await self._call(self._engine.shutdown())
+            self._end_close(_raise_failure)
+
+    async def __aenter__(self) -> Checkpointer:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close(_raise_failure=exc is None)
+
+
+class SyncCheckpointer(_Core):
+    """The same service for plain (non-async) training loops: ``with SyncCheckpointer(cfg):``.
+
+    Safe to call from several threads. Calling it from aiosnap's own loop thread raises
+    :class:`~aiosnap.errors.WrongThreadError` at once instead of deadlocking.
+    """
+
+    def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
+        """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
+        Same waiting and failure rules as :meth:`Checkpointer.save`."""
+        started = time.perf_counter()
+        plan, order = self._plan(state, step, metadata)
+        return SyncSaveHandle(step, self._loop.run(self._engine.save(plan, order, started)))
+
+    def load(self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False) -> Any:
+        """See :meth:`Checkpointer.load`."""
+        self._check_open()
+        manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle))
+        return self._finish_load(manifest, tensors, state)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        self._check_open()
+        return self._loop.run(self._engine.steps())
+
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (latest when None)."""
+        self._check_open()
+        return self._loop.run(self._engine.manifest(step))
+
+    def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
+        """See :meth:`Checkpointer.close`."""
+        if not self._begin_close():
+            return
+        try:
+            self._loop.run(self._engine.drain(timeout))
+        finally:
+            self._loop.run(self._engine.shutdown())
+            self._end_close(_raise_failure)
+
+    def __enter__(self) -> SyncCheckpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(_raise_failure=exc is None)

@@ -1,0 +1,199 @@
+"""Configuration: frozen pydantic models, loadable from YAML, overridable by ``AIOSNAP_`` env vars.
+
+Precedence, highest first: arguments passed to :class:`Config` > ``AIOSNAP_*`` environment
+variables (nested fields with ``__``, e.g. ``AIOSNAP_UPLOAD__CONCURRENCY=4``) > the YAML file
+given to :func:`load_config` > the defaults below. Sizes accept integers (bytes) or strings
+with units (``"512MiB"``, ``"2GB"``); ``ram_budget`` also accepts a share of the memory
+available when the checkpointer starts (``"25%"``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import psutil
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+__all__ = ["Config", "load_config"]
+
+MIN_RAM_BUDGET = 64 * 1024
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def parse_size(value: Any) -> int:
+    """Parse ``1024``, ``"512MiB"`` or ``"2GB"`` into a positive number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 1048576 or '512MiB', got a boolean")
+    try:
+        size = int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as exc:
+        raise ValueError(f"expected a size such as 1048576 or '512MiB', got {value!r}") from exc
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def parse_budget(value: Any) -> int | str:
+    """Parse a byte budget: a size (see :func:`parse_size`) or a share such as ``"25%"``."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError as exc:
+            raise ValueError(f"expected a share such as '25%', got {value!r}") from exc
+        if not 0 < share <= 100:
+            raise ValueError(f"a share of memory must be in (0%, 100%], got {value!r}")
+        return f"{share:g}%"
+    return parse_size(value)
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Budget = Annotated[int | str, BeforeValidator(parse_budget)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StorageConfig(_Section):
+    """Where checkpoints go."""
+
+    url: str = Field("./checkpoints", min_length=1)
+    """A directory path, ``file:///abs/path``, or ``s3://bucket/prefix``."""
+
+
+class RetentionConfig(_Section):
+    """Which committed checkpoints to keep."""
+
+    keep_last: int | None = Field(3, ge=1)
+    """Keep the newest N committed steps (``null`` keeps all). Older steps are deleted only
+    after a new one has committed; the step just committed is never deleted."""
+
+
+class UploadConfig(_Section):
+    """The stage that writes captured chunks to storage."""
+
+    concurrency: int = Field(8, ge=1, le=256)
+    """Data objects written (and, on load, byte ranges read) at the same time."""
+    chunk_size: Size = 64 * 1024 * 1024
+    """Largest data object; large tensors are split, small ones batched, up to this size.
+    Capped at a quarter of the RAM budget so capture and upload overlap."""
+
+
+class Config(BaseSettings):
+    """Every tunable of aiosnap. Frozen; unknown keys are errors."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix="AIOSNAP_",
+        env_nested_delimiter="__",
+        validate_default=True,
+    )
+
+    storage: StorageConfig = StorageConfig()
+    ram_budget: Budget = 1024**3
+    """Most bytes of host RAM held by staging buffers: a size, or a share such as "25%" of
+    the memory available when the checkpointer starts."""
+    max_pending_saves: int = Field(1, ge=1, le=64)
+    """Saves captured but not yet committed; a further save() waits for the oldest."""
+    retention: RetentionConfig = RetentionConfig()
+    upload: UploadConfig = UploadConfig()
+    loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    """Event loop of the background thread: uvloop when installed (auto), or forced."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+    def ram_budget_bytes(self) -> int:
+        """The RAM budget in bytes, a share resolved against memory available now."""
+        memory = psutil.virtual_memory()
+        if isinstance(self.ram_budget, str):
+            budget = int(memory.available * float(self.ram_budget[:-1]) / 100)
+        else:
+            budget = self.ram_budget
+        if budget < MIN_RAM_BUDGET:
+            raise ConfigError(f"ram_budget: {budget} bytes is below the minimum of {MIN_RAM_BUDGET}")
+        if budget > memory.total:
+            raise ConfigError(f"ram_budget: {budget} bytes exceeds this machine's memory ({memory.total} bytes)")
+        return budget
+
+    @classmethod
+    def coerce(cls, value: Config | str | Path | dict[str, Any] | None) -> Config:
+        """Accept a Config, a storage URL or path, or a dict of fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, Config):
+            return value
+        if isinstance(value, (str, Path)):
+            return cls(storage=StorageConfig(url=str(value)))
+        if isinstance(value, dict):
+            return cls(**value)
+        raise ConfigError(f"expected a Config, a URL or a dict, got {type(value).__name__}")
+
+
+_file_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_file_data", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Values read from a YAML file by load_config(); below env vars in precedence."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return (_file_data.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_file_data.get() or {})
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a YAML file into a :class:`Config`; errors name the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    token = _file_data.set(data)
+    try:
+        return Config()
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(exc)}") from exc
+    finally:
+        _file_data.reset(token)

@@ -1,0 +1,89 @@
+"""The aiosnap error tree.
+
+Every error aiosnap raises on its own account derives from :class:`AiosnapError`::
+
+    AiosnapError
+    ├── ConfigError                  bad configuration (file, field, value)
+    ├── CheckpointerClosedError      the checkpointer was used after close()
+    ├── WrongThreadError             a blocking call was made from aiosnap's own loop thread
+    ├── UnsupportedStateError        a value in the state cannot be saved
+    ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
+    ├── CorruptCheckpointError       a checkpoint exists but must not be trusted
+    │   ├── ManifestError            manifest missing fields, wrong version, unsafe object name
+    │   ├── TruncatedObjectError     a data object is shorter than the manifest says
+    │   └── ChecksumMismatchError    a byte range does not match its crc32c
+    └── PickleNotAllowedError        loading would unpickle and allow_pickle is False
+
+Errors raised by storage while a save runs in the background (``OSError`` from a
+disk, for instance) are *not* translated: they surface with their original type at
+``await handle`` / ``handle.wait()``, at the next ``save()`` and at ``close()``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AiosnapError",
+    "CheckpointNotFoundError",
+    "CheckpointerClosedError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "ManifestError",
+    "PickleNotAllowedError",
+    "TruncatedObjectError",
+    "UnsupportedStateError",
+    "WrongThreadError",
+]
+
+
+class AiosnapError(Exception):
+    """Root of every error aiosnap raises on its own account."""
+
+
+class ConfigError(AiosnapError, ValueError):
+    """Configuration is invalid; the message names the file and the field."""
+
+
+class CheckpointerClosedError(AiosnapError, RuntimeError):
+    """The checkpointer was used after ``close()``."""
+
+
+class WrongThreadError(AiosnapError, RuntimeError):
+    """A blocking call was made from aiosnap's own event-loop thread (it would deadlock)."""
+
+
+class UnsupportedStateError(AiosnapError, TypeError):
+    """A value in the state cannot be saved (sparse or meta tensors, for example)."""
+
+
+class CheckpointNotFoundError(AiosnapError, LookupError):
+    """There is no committed checkpoint, or not the requested step."""
+
+
+class CorruptCheckpointError(AiosnapError):
+    """A checkpoint's manifest or data is damaged; it is refused rather than loaded."""
+
+
+class ManifestError(CorruptCheckpointError):
+    """The manifest is unreadable, of an unknown version, or names an unsafe object."""
+
+
+class TruncatedObjectError(CorruptCheckpointError):
+    """A data object is shorter than the byte ranges the manifest gives for it."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A byte range read back does not match the crc32c recorded in the manifest."""
+
+
+class PickleNotAllowedError(AiosnapError):
+    """The checkpoint holds pickled objects and the caller did not pass ``allow_pickle=True``."""
+
+
+def first_error(error: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an exception group (from a TaskGroup), so that it can be re-raised
+    with its original type."""
+    leaf: BaseException = error
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf

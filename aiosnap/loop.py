@@ -1,0 +1,90 @@
+"""LoopThread: the one background thread that runs aiosnap's asyncio event loop.
+
+The async API and the sync wrapper both hand coroutines to :meth:`LoopThread.submit`
+(``run_coroutine_threadsafe``) and get a ``concurrent.futures.Future`` back. Blocking on
+such a future from the loop thread itself would deadlock, so :meth:`run` refuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, Literal, TypeVar
+
+from .errors import WrongThreadError
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+log = logging.getLogger("aiosnap")
+
+
+def _new_loop(kind: Literal["auto", "uvloop", "asyncio"]) -> asyncio.AbstractEventLoop:
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise ImportError(
+                    "loop: 'uvloop' was asked for but uvloop is not installed (pip install 'aiosnap[uvloop]')"
+                ) from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """Owns a daemon thread running one event loop until :meth:`stop`."""
+
+    def __init__(self, kind: Literal["auto", "uvloop", "asyncio"] = "auto", name: str = "aiosnap") -> None:
+        self.loop = _new_loop(kind)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        self._started.wait()
+
+    @property
+    def kind(self) -> str:
+        """``uvloop`` or ``asyncio``: the loop actually running."""
+        return "uvloop" if type(self.loop).__module__.startswith("uvloop") else "asyncio"
+
+    def _run(self) -> None:
+        """Runs on the loop thread for its whole life."""
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            finally:
+                self.loop.close()
+
+    def in_loop_thread(self) -> bool:
+        """True when called from this loop's own thread."""
+        return threading.get_ident() == self._thread.ident
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block the calling thread for its result."""
+        if self.in_loop_thread():
+            coro.close()
+            raise WrongThreadError(
+                "a blocking aiosnap call was made from aiosnap's own event-loop thread; use the async API (await) there"
+            )
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        """Stop the loop and join the thread; idempotent. Not from the loop thread."""
+        if not self._thread.is_alive():
+            return
+        if self.in_loop_thread():
+            raise WrongThreadError("LoopThread.stop() called from the loop thread itself")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()

@@ -1,0 +1,1 @@
+"""The background stages of a save: capture -> upload -> commit, joined by bounded queues."""

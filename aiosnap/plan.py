@@ -1,0 +1,237 @@
+"""Planning a save: flatten the state, lay tensors out in chunks, name the objects.
+
+Pure code, no I/O and no event loop; runs on the caller's thread inside ``save()``
+(``state_dict()`` of Stateful objects must be taken before ``save()`` returns).
+
+The state becomes a JSON *tree* (containers with type tags, plain values inline) whose
+tensor leaves point into a table of :class:`Entry` objects. Entries are laid out in
+chunks of at most ``chunk_bytes``: small tensors are batched into one chunk, a tensor
+larger than a chunk is split across several. Each chunk becomes one data object.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedStateError
+
+__all__ = ["Chunk", "Entry", "Piece", "SavePlan", "make_plan", "object_prefix", "step_dir"]
+
+ALIGN = 64
+"""Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
+
+
+def step_dir(step: int) -> str:
+    """Directory name of a step: zero-padded so names sort like numbers."""
+    return f"{step:012d}"
+
+
+def object_prefix(step: int, save_id: str, rank: int) -> str:
+    """Root-relative prefix of the data objects one rank writes in one save attempt."""
+    return f"{step_dir(step)}/{save_id}/rank-{rank}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor (or one pickled object, as bytes) to be stored."""
+
+    index: int
+    path: str
+    kind: str  # "tensor" | "pickle"
+    tensor: torch.Tensor  # the source; for "pickle", a uint8 tensor of the pickled bytes
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[src_offset, src_offset + nbytes)`` of an entry, at ``dst_offset`` of a chunk."""
+
+    entry: int
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+@dataclass
+class Chunk:
+    """One data object: several small entries, or a slice of a large one."""
+
+    index: int
+    object_name: str
+    nbytes: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass
+class SavePlan:
+    """Everything the background pipeline needs; holds references, copies nothing."""
+
+    step: int
+    save_id: str
+    rank: int
+    world_size: int
+    tree: Any
+    entries: list[Entry]
+    chunks: list[Chunk]
+    metadata: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self._seen: dict[tuple[Any, ...], int] = {}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int) and type(value) is int:
+            return value
+        if type(value) is float:
+            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return {"t": "tensor", "id": self._tensor(value, path)}
+        if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
+            return {"t": "stateful", "v": self.encode(value.state_dict(), path)}
+        if type(value) in (dict, OrderedDict):
+            node: dict[str, Any] = {
+                "t": "dict" if type(value) is dict else "odict",
+                "items": [[self.encode(k, path), self.encode(v, _join(path, k))] for k, v in value.items()],
+            }
+            meta = getattr(value, "_metadata", None)
+            if meta is not None:
+                node["meta"] = self.encode(meta, path + "#_metadata")
+            return node
+        if type(value) is list:
+            return {"t": "list", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
+        if type(value) is torch.Size:
+            return {"t": "size", "items": list(value)}
+        if type(value) is tuple:
+            return {"t": "tuple", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, torch.dtype):
+            return {"t": "dtype", "v": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"t": "device", "v": str(value)}
+        if type(value) is bytes:
+            return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
+        if type(value) is complex:
+            return {"t": "complex", "v": [repr(value.real), repr(value.imag)]}
+        return {"t": "pickle", "id": self._pickle(value, path)}
+
+    def _tensor(self, tensor: torch.Tensor, path: str) -> int:
+        if tensor.layout != torch.strided:
+            raise UnsupportedStateError(f"{path}: {tensor.layout} tensors are not supported")
+        if tensor.is_meta:
+            raise UnsupportedStateError(f"{path}: meta tensors hold no data to save")
+        if tensor.is_quantized:
+            raise UnsupportedStateError(f"{path}: quantized tensors are not supported")
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+        if key in self._seen and tensor.numel() > 0:
+            return self._seen[key]  # the same view twice (tied weights): stored once
+        index = len(self.entries)
+        self.entries.append(Entry(index, path, "tensor", tensor, tensor.numel() * tensor.element_size()))
+        self._seen[key] = index
+        return index
+
+    def _pickle(self, value: Any, path: str) -> int:
+        try:
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise UnsupportedStateError(f"{path}: {type(value).__name__} cannot be saved: {exc}") from exc
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        index = len(self.entries)
+        self.entries.append(Entry(index, path, "pickle", data, len(blob)))
+        return index
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def layout_chunks(entries: list[Entry], chunk_bytes: int, prefix: str) -> list[Chunk]:
+    """Batch small entries and split large ones into chunks of at most ``chunk_bytes``."""
+    if chunk_bytes < ALIGN:
+        raise ValueError(f"chunk size must be at least {ALIGN} bytes, got {chunk_bytes}")
+    chunks: list[Chunk] = []
+
+    def new_chunk() -> Chunk:
+        chunk = Chunk(len(chunks), f"{prefix}/{len(chunks)}.bin")
+        chunks.append(chunk)
+        return chunk
+
+    current: Chunk | None = None
+    for entry in entries:
+        if entry.nbytes == 0:
+            continue
+        itemsize = entry.tensor.element_size()
+        if current is not None and _aligned(current.nbytes) + entry.nbytes > chunk_bytes:
+            current = None  # does not fit behind what is there: a fresh chunk
+        offset = 0
+        while offset < entry.nbytes:
+            if current is None:
+                current = new_chunk()
+            start = _aligned(current.nbytes)
+            take = min(entry.nbytes - offset, (chunk_bytes - start) // itemsize * itemsize)
+            if take <= 0:
+                current = None
+                continue
+            current.pieces.append(Piece(entry.index, offset, take, start))
+            current.nbytes = start + take
+            offset += take
+    return chunks
+
+
+def make_plan(
+    state: dict[str, Any],
+    *,
+    step: int,
+    chunk_bytes: int,
+    rank: int = 0,
+    world_size: int = 1,
+    metadata: dict[str, Any] | None = None,
+) -> SavePlan:
+    """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks."""
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    flattener = _Flattener()
+    tree = flattener.encode(state, "")
+    save_id = uuid.uuid4().hex[:16]
+    chunks = layout_chunks(flattener.entries, chunk_bytes, object_prefix(step, save_id, rank))
+    return SavePlan(
+        step=step,
+        save_id=save_id,
+        rank=rank,
+        world_size=world_size,
+        tree=tree,
+        entries=flattener.entries,
+        chunks=chunks,
+        metadata=dict(metadata or {}),
+    )

@@ -1,0 +1,75 @@
+"""The storage protocol and the URL -> backend factory.
+
+A backend is a small async interface over named objects (``/``-separated names relative
+to the storage root). Every method runs on aiosnap's background loop thread. Conventions
+every backend keeps:
+
+- :meth:`Storage.write` is atomic: a reader sees the whole object or nothing.
+- A missing object raises :class:`FileNotFoundError` (whatever the backend's own error).
+- Other failures keep their original type (``OSError`` from a disk, for example), so they
+  reach the user unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+from urllib.parse import urlparse
+
+from ..errors import ConfigError
+
+__all__ = ["BytesLike", "Storage", "storage_from_url"]
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class Storage(abc.ABC):
+    """Async object storage rooted at one URL."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def write(self, name: str, data: BytesLike) -> None:
+        """Store ``data`` under ``name``, atomically and durably (replaces an old object)."""
+
+    @abc.abstractmethod
+    async def read(self, name: str) -> bytes:
+        """The whole object (used for small objects such as manifests)."""
+
+    @abc.abstractmethod
+    async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        """Read up to ``len(dest)`` bytes from ``offset`` into ``dest``; returns bytes read
+        (fewer only when the object ends early)."""
+
+    @abc.abstractmethod
+    async def exists(self, name: str) -> bool:
+        """True when the object exists."""
+
+    @abc.abstractmethod
+    async def list_children(self, prefix: str = "") -> list[str]:
+        """Names of the immediate children (objects or folders) under ``prefix``."""
+
+    @abc.abstractmethod
+    async def delete(self, name: str) -> None:
+        """Delete one object; a missing object is not an error."""
+
+    @abc.abstractmethod
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``; a missing prefix is not an error."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and other resources."""
+
+
+def storage_from_url(url: str) -> Storage:
+    """A backend for ``url``: a plain path or ``file://`` (local), ``s3://`` (S3)."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
+        from .local import LocalStorage
+
+        path = parsed.path if parsed.scheme == "file" else url
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
+        return LocalStorage(path)
+    if parsed.scheme == "s3":
+        raise ConfigError(f"storage.url: {url!r}: S3 storage is not available in this version of aiosnap yet")
+    raise ConfigError(f"storage.url: unsupported scheme {parsed.scheme!r} in {url!r} (use a path, file:// or s3://)")

@@ -1,0 +1,74 @@
+"""Byte-level access to tensors: zero-copy memoryviews and range copies.
+
+Pure helpers with no event loop; the capture copier thread and the load path call them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["bytes_view", "copy_range_into", "iter_row_major_views"]
+
+
+def bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview of the bytes of a contiguous CPU tensor (no copy).
+
+    The view keeps the tensor alive for as long as the view (or a slice of it) exists.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("bytes_view needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._aiosnap_owner = tensor  # type: ignore[attr-defined]  # keeps the memory alive
+    return memoryview(array).cast("B")
+
+
+def iter_row_major_views(tensor: torch.Tensor, start: int, stop: int) -> Iterator[torch.Tensor]:
+    """Views of ``tensor`` that together cover elements ``[start, stop)`` in row-major order.
+
+    Never copies: a contiguous tensor gives one flat slice; a strided one is walked
+    along its leading dimension, whole rows grouped into one view where possible.
+    """
+    if start >= stop:
+        return
+    if tensor.is_contiguous():
+        yield tensor.reshape(-1)[start:stop]
+        return
+    if tensor.dim() == 1:
+        yield tensor[start:stop]
+        return
+    inner = tensor[0].numel()
+    first, last = start // inner, (stop - 1) // inner
+    row = first
+    while row <= last:
+        lo = max(start - row * inner, 0)
+        hi = min(stop - row * inner, inner)
+        if lo == 0 and hi == inner:
+            end = row + 1  # extend over following whole rows
+            while end <= last and stop - end * inner >= inner:
+                end += 1
+            yield tensor[row:end]
+            row = end
+        else:
+            yield from iter_row_major_views(tensor[row], lo, hi)
+            row += 1
+
+
+def copy_range_into(
+    dest: torch.Tensor, dest_offset: int, src: torch.Tensor, src_offset: int, nbytes: int, non_blocking: bool = False
+) -> None:
+    """Copy ``nbytes`` of ``src``'s row-major bytes from ``src_offset`` into the uint8 buffer
+    ``dest`` at ``dest_offset``. Offsets and lengths are multiples of the element size."""
+    itemsize = src.element_size()
+    typed = dest[dest_offset : dest_offset + nbytes].view(src.dtype)
+    first = src_offset // itemsize
+    position = 0
+    for view in iter_row_major_views(src.detach(), first, first + nbytes // itemsize):
+        count = view.numel()
+        typed[position : position + count].view(view.shape).copy_(view, non_blocking=non_blocking)
+        position += count
