@@ -25,7 +25,7 @@ from .manifest import Manifest
 from .pipeline.capture import CudaOrder
 from .plan import SavePlan, make_plan
 from .restore import apply_state, decode_tree
-from .storage.base import storage_from_url
+from .storage.base import Storage, storage_from_url
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "SyncCheckpointer", "SyncSaveHandle"]
 
@@ -78,12 +78,15 @@ class SyncSaveHandle(SaveHandle):
 class _Core:
     """What both APIs share: config, the loop thread, the engine, the lifecycle."""
 
-    def __init__(self, config: ConfigLike = None, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, config: ConfigLike = None, *, storage: Storage | None = None, rank: int = 0, world_size: int = 1
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.config = Config.coerce(config)
         ram_budget = self.config.ram_budget_bytes()
-        storage = storage_from_url(self.config.storage.url)
+        if storage is None:
+            storage = storage_from_url(self.config.storage.url)
         self.rank = rank
         self.world_size = world_size
         self._loop = LoopThread(self.config.loop)
@@ -158,6 +161,7 @@ class Checkpointer(_Core):
     """Async checkpoint service. Use ``async with Checkpointer(cfg) as ckpt:``.
 
     ``config`` is a :class:`Config`, a dict of its fields, or a storage URL / path.
+    ``storage`` replaces the backend chosen from ``config.storage.url`` (custom backends).
     """
 
     async def _call(self, coro: Any) -> Any:

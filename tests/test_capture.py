@@ -1,0 +1,44 @@
+"""save() captures: what is saved is the state at the call, whatever training does next."""
+
+from __future__ import annotations
+
+import torch
+from aiosnap import Config, SyncCheckpointer
+from tests.conftest import FaultyStorage
+
+
+def test_tensors_mutated_after_save_returns_keep_old_values(small_config: Config, faulty: FaultyStorage) -> None:
+    small = torch.arange(10, dtype=torch.float32)
+    large = torch.randn(200_000)  # 800 KB: many 64 KiB chunks, more than the 1 MiB budget holds at once
+    expected_small, expected_large = small.clone(), large.clone()
+    faulty.delay = 0.01  # storage lags behind capture
+    with SyncCheckpointer(small_config, storage=faulty) as ckpt:
+        handle = ckpt.save({"small": small, "large": large}, step=1)
+        small.add_(1)  # training goes on, in place
+        large.mul_(-1)
+        handle.wait()
+        restored = ckpt.load()
+    assert torch.equal(restored["small"], expected_small)
+    assert torch.equal(restored["large"], expected_large)
+
+
+def test_model_and_optimizer_mutated_by_training_after_save(small_config: Config) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(8, 256)).sum().backward()
+    optim.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    avg_before = optim.state_dict()["state"][0]["exp_avg"].clone()
+    with SyncCheckpointer(small_config) as ckpt:
+        handle = ckpt.save({"model": model, "optim": optim}, step=1)
+        for _ in range(3):
+            optim.zero_grad()
+            model(torch.randn(8, 256)).sum().backward()
+            optim.step()
+        handle.wait()
+        restored = ckpt.load()
+    for key, value in before.items():
+        assert torch.equal(restored["model"][key], value)
+    assert torch.equal(restored["optim"]["state"][0]["exp_avg"], avg_before)
+    assert not torch.equal(model.weight, before["weight"])  # training really did move on

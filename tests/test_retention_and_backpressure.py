@@ -1,0 +1,85 @@
+"""Retention after commit only; re-saving a step; max_pending_saves backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage
+
+
+def _config(root: Path, **extra: object) -> Config:
+    return Config(storage={"url": str(root)}, ram_budget="1MiB", upload={"chunk_size": "64KiB"}, **extra)  # type: ignore[arg-type]
+
+
+def test_keep_last_deletes_old_steps_only_after_the_new_one_commits(root: Path) -> None:
+    storage = FaultyStorage(LocalStorage(root))
+    with SyncCheckpointer(_config(root, retention={"keep_last": 2}), storage=storage) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((10,), step)}, step=step).wait()
+        storage.hold()  # step 3's writes hang: nothing may be deleted meanwhile
+        handle = ckpt.save({"x": torch.full((10,), 3)}, step=3)
+        time.sleep(0.1)
+        assert ckpt.steps() == [1, 2]
+        storage.release(ckpt._loop.loop)
+        result = handle.wait(10)
+        assert result.deleted_steps == (1,)
+        assert ckpt.steps() == [2, 3]
+    assert not (root / "000000000001").exists()
+
+
+def test_retention_never_deletes_the_step_just_committed(root: Path) -> None:
+    with SyncCheckpointer(_config(root, retention={"keep_last": 1}), storage=None) as ckpt:
+        ckpt.save({"x": torch.ones(1)}, step=10).wait()
+        ckpt.save({"x": torch.ones(1)}, step=5).wait()  # an older step number saved later
+        assert ckpt.steps() == [5, 10]
+        ckpt.save({"x": torch.ones(1)}, step=11).wait()
+        assert ckpt.steps() == [11]
+
+
+def test_failed_save_never_triggers_retention(root: Path) -> None:
+    storage = FaultyStorage(LocalStorage(root))
+    ckpt = SyncCheckpointer(_config(root, retention={"keep_last": 1}), storage=storage)
+    ckpt.save({"x": torch.ones(1)}, step=1).wait()
+    storage.fail_when = lambda name: True
+    storage.error = OSError("injected")
+    with pytest.raises(OSError, match="injected"):
+        ckpt.save({"x": torch.ones(1)}, step=2).wait()
+    assert ckpt.steps() == [1], "the only good checkpoint stays"
+    with pytest.raises(OSError, match="injected"):
+        ckpt.close()
+
+
+def test_resaving_a_step_replaces_its_objects(root: Path) -> None:
+    with SyncCheckpointer(_config(root), storage=None) as ckpt:
+        first = ckpt.save({"x": torch.zeros(100)}, step=7).wait()
+        second = ckpt.save({"x": torch.ones(100)}, step=7).wait()
+        assert first.save_id != second.save_id
+        assert torch.equal(ckpt.load()["x"], torch.ones(100))
+    attempts = sorted(p.name for p in (root / "000000000007").iterdir())
+    assert attempts == sorted([second.save_id, "manifest.json"])
+
+
+def test_max_pending_saves_makes_the_next_save_wait(root: Path) -> None:
+    storage = FaultyStorage(LocalStorage(root))
+    with SyncCheckpointer(_config(root, max_pending_saves=1), storage=storage) as ckpt:
+        storage.hold()
+        first = ckpt.save({"x": torch.ones(10)}, step=1)  # captured, upload held
+        returned = threading.Event()
+
+        def second_save() -> None:
+            ckpt.save({"x": torch.ones(10)}, step=2)
+            returned.set()
+
+        thread = threading.Thread(target=second_save)
+        thread.start()
+        assert not returned.wait(0.3), "second save() must wait while one save is pending"
+        storage.release(ckpt._loop.loop)
+        assert returned.wait(10)
+        thread.join()
+        assert first.wait(10).step == 1
