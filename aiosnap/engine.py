@@ -158,13 +158,14 @@ class Engine:
         pool = self._pool_for(plan)
         crcs: dict[tuple[int, int], int] = {}
         workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
-        queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=workers)
+        queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=len(plan.chunks) + 1)
+        may_start = asyncio.Event()
         blocked = 0.0
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(workers):
-                    group.create_task(upload_worker(queue, self.storage, crcs))
-                await capture_chunks(plan, pool, queue, self._executor, self._copier, order)
+                    group.create_task(upload_worker(queue, self.storage, crcs, may_start))
+                await capture_chunks(plan, pool, queue, self._executor, self._copier, order, may_start)
                 blocked = time.perf_counter() - started
                 captured.set_result(blocked)
                 for _ in range(workers):

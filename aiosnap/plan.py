@@ -6,7 +6,8 @@ Pure code, no I/O and no event loop; runs on the caller's thread inside ``save()
 The state becomes a JSON *tree* (containers with type tags, plain values inline) whose
 tensor leaves point into a table of :class:`Entry` objects. Entries are laid out in
 chunks of at most ``chunk_bytes``: small tensors are batched into one chunk, a tensor
-larger than a chunk is split across several. Each chunk becomes one data object.
+that does not fit in what is left of a chunk continues in the next one, so every chunk
+but the last is full (slabs are used fully). Each chunk becomes one data object.
 """
 
 from __future__ import annotations
@@ -190,8 +191,6 @@ def layout_chunks(entries: list[Entry], chunk_bytes: int, prefix: str) -> list[C
         if entry.nbytes == 0:
             continue
         itemsize = entry.tensor.element_size()
-        if current is not None and _aligned(current.nbytes) + entry.nbytes > chunk_bytes:
-            current = None  # does not fit behind what is there: a fresh chunk
         offset = 0
         while offset < entry.nbytes:
             if current is None:

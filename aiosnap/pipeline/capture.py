@@ -48,6 +48,10 @@ class BufferPool:
                 raise
         return await self._idle.get()
 
+    def would_wait(self) -> bool:
+        """True when :meth:`acquire` cannot be served at once."""
+        return self._idle.empty() and self.budget.used + self.slab_bytes > self.budget.capacity
+
     def release(self, slab: torch.Tensor) -> None:
         """Hand a slab back for reuse."""
         self._idle.put_nowait(slab)
@@ -140,10 +144,18 @@ async def capture_chunks(
     executor: concurrent.futures.Executor,
     copier: Copier,
     order: CudaOrder | None,
+    uploads_may_start: asyncio.Event,
 ) -> None:
-    """Copy every chunk of ``plan`` into a slab and queue it for upload (loop thread)."""
+    """Copy every chunk of ``plan`` into a slab and queue it for upload (loop thread).
+
+    While the budget has room, uploads are held back (``uploads_may_start`` unset) so that
+    the copies, which block training, get the CPU and memory bandwidth to themselves; the
+    event is set as soon as capture would have to wait for RAM, and when it is done.
+    """
     loop = asyncio.get_running_loop()
     for chunk in plan.chunks:
+        if pool.would_wait():
+            uploads_may_start.set()
         slab = await pool.acquire()
         try:
             await loop.run_in_executor(executor, copier.copy, plan, chunk, slab, order)
@@ -158,8 +170,11 @@ async def capture_chunks(
             ranges=[(p.dst_offset, p.nbytes) for p in chunk.pieces],
             release=release,
         )
+        if queue.full():
+            uploads_may_start.set()
         try:
             await queue.put(staged)
         except BaseException:
             release()
             raise
+    uploads_may_start.set()

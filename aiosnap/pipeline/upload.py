@@ -29,8 +29,12 @@ async def upload_worker(
     queue: asyncio.Queue[StagedChunk | None],
     storage: Storage,
     crcs: dict[tuple[int, int], int],
+    may_start: asyncio.Event,
 ) -> None:
-    """Take chunks off ``queue`` until a ``None`` arrives; each slab is released in finally."""
+    """Take chunks off ``queue`` until a ``None`` arrives; each slab is released in finally.
+
+    Starts only once ``may_start`` is set (capture has priority while RAM lasts)."""
+    await may_start.wait()
     while True:
         staged = await queue.get()
         if staged is None:

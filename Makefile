@@ -1,0 +1,38 @@
+# aiosnap developer tasks. `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first, pinned: a loose requirement would pull a multi-GB CUDA build.
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A local wheel cache, when this machine has one (the CPU torch build lives there).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(FIND_LINKS) "$(TORCH_SPEC)"
+	$(PIP) install --quiet $(FIND_LINKS) -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/train_loop.py
+
+lint: install
+	$(VENV)/bin/ruff check aiosnap tests examples
+	$(VENV)/bin/ruff format --check aiosnap tests examples
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m aiosnap.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints
