@@ -59,6 +59,12 @@ class LoopThread:
             self.loop.run_forever()
         finally:
             try:
+                # Whatever is still running (a save() racing close() from another thread)
+                # is cancelled, so that no caller waits forever on its future.
+                leftovers = asyncio.all_tasks(self.loop)
+                for task in leftovers:
+                    task.cancel()
+                self.loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
                 self.loop.run_until_complete(self.loop.shutdown_default_executor())
             finally:
                 self.loop.close()

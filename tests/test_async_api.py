@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from pathlib import Path
 
@@ -108,3 +109,14 @@ def test_checkpointer_accepts_url_path_dict_and_config(root: Path) -> None:
     for spec in (str(root), root, {"storage": {"url": str(root)}}, Config(storage={"url": f"file://{root}"})):
         with SyncCheckpointer(spec) as ckpt:  # type: ignore[arg-type]
             assert ckpt.url == str(root)
+
+
+def test_close_timeout_cancels_a_stuck_save(small_config: Config, faulty: FaultyStorage) -> None:
+    faulty.hold()  # the target never answers
+    ckpt = SyncCheckpointer(small_config, storage=faulty)
+    handle = ckpt.save({"x": torch.ones(10)}, step=1)
+    with pytest.raises(TimeoutError, match="did not commit"):
+        ckpt.close(timeout=0.2)
+    with pytest.raises(concurrent.futures.CancelledError):
+        handle.wait(timeout=5)
+    assert not any(p.name == "manifest.json" for p in faulty.inner.root.rglob("*"))  # type: ignore[attr-defined]
