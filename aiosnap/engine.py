@@ -17,7 +17,6 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -231,10 +230,3 @@ class Engine:
             self._pool.trim()
         self._executor.shutdown(wait=True)
         await self.storage.close()
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "ram_budget": self.budget.capacity,
-            "ram_high_water": self.budget.high_water,
-            "slab_bytes": self.slab_bytes,
-        }
