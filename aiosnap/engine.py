@@ -119,9 +119,11 @@ class Engine:
         durable: concurrent.futures.Future[SaveResult],
     ) -> None:
         assert self._pending is not None
+        committed = False
         try:
             blocked, crcs = await self._stage(plan, order, started, captured)
             manifest = await self._commit(plan, crcs)
+            committed = True
             deleted = await self._retention(manifest.step)
             result = SaveResult(
                 step=plan.step,
@@ -136,7 +138,8 @@ class Engine:
             self.last_failure = None
             durable.set_result(result)
         except BaseException as exc:
-            await asyncio.shield(remove_attempt(self.storage, plan.step, plan.save_id))
+            if not committed:  # a committed step's data is never removed here
+                await asyncio.shield(remove_attempt(self.storage, plan.step, plan.save_id))
             if not isinstance(exc, asyncio.CancelledError):
                 self.unreported = self.last_failure = exc
                 durable.set_exception(exc)

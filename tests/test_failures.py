@@ -98,3 +98,16 @@ def test_unsupported_values_fail_in_save_itself(small_config: Config) -> None:
         with pytest.raises(TypeError, match="metadata"):
             ckpt.save({"x": torch.ones(1)}, step=1, metadata={"bad": object()})
         assert ckpt.steps() == []
+
+
+def test_failing_cleanup_after_commit_keeps_the_checkpoint(small_config: Config, faulty: FaultyStorage) -> None:
+    class StubbornStorage(FaultyStorage):
+        async def delete_prefix(self, prefix: str) -> None:
+            raise PermissionError("cannot delete (injected)")
+
+    storage = StubbornStorage(faulty.inner)
+    with SyncCheckpointer(small_config, storage=storage) as ckpt:
+        ckpt.save({"x": torch.zeros(3)}, step=1).wait()
+        ckpt.save({"x": torch.ones(3)}, step=1).wait()  # re-save: the old attempt cannot be removed
+        assert ckpt.steps() == [1]
+        assert torch.equal(ckpt.load()["x"], torch.ones(3))

@@ -52,12 +52,16 @@ async def read_manifest(storage: Storage, step: int) -> Manifest:
 async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> None:
     """Write the manifest (the commit point), then drop other attempts at the same step.
 
-    Attempts whose save id is in ``in_flight`` (saves still running) are left alone.
+    Attempts whose save id is in ``in_flight`` (saves still running) are left alone. Once
+    the manifest is written the save has committed: a failing cleanup is only logged.
     """
     await storage.write(manifest_name(manifest.step), manifest.to_json())
-    for name in await storage.list_children(step_dir(manifest.step)):
-        if name not in (MANIFEST_FILE, manifest.save_id) and name not in in_flight and not name.startswith("."):
-            await storage.delete_prefix(f"{step_dir(manifest.step)}/{name}")
+    try:
+        for name in await storage.list_children(step_dir(manifest.step)):
+            if name not in (MANIFEST_FILE, manifest.save_id) and name not in in_flight and not name.startswith("."):
+                await storage.delete_prefix(f"{step_dir(manifest.step)}/{name}")
+    except Exception as exc:
+        log.warning("aiosnap: step %d committed, but removing older attempts failed: %r", manifest.step, exc)
 
 
 async def remove_attempt(storage: Storage, step: int, save_id: str) -> None:
