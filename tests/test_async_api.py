@@ -120,3 +120,13 @@ def test_close_timeout_cancels_a_stuck_save(small_config: Config, faulty: Faulty
     with pytest.raises(concurrent.futures.CancelledError):
         handle.wait(timeout=5)
     assert not any(p.name == "manifest.json" for p in faulty.inner.root.rglob("*"))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop", "auto"])
+def test_loop_kind_is_honoured(root: Path, kind: str) -> None:
+    with SyncCheckpointer({"storage": {"url": str(root)}, "loop": kind}) as ckpt:
+        assert ckpt.loop_kind == ("asyncio" if kind == "asyncio" else "uvloop")
+        result = ckpt.save({"x": torch.ones(3)}, step=1).wait()
+    assert result.blocked_s <= result.durable_s
+    assert result.nbytes == 12
+    assert result.objects == 1
