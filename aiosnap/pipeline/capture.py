@@ -160,6 +160,8 @@ async def capture_chunks(
         try:
             await loop.run_in_executor(executor, copier.copy, plan, chunk, slab, order)
         except BaseException:
+            # Cancelled mid-copy, the copier thread may still be writing into the slab; the
+            # executor has one thread, so any later copy into it is queued behind this one.
             pool.release(slab)
             raise
         release = _SlabLease(pool, slab)
