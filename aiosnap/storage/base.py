@@ -8,18 +8,37 @@ every backend keeps:
 - A missing object raises :class:`FileNotFoundError` (whatever the backend's own error).
 - Other failures keep their original type (``OSError`` from a disk, for example), so they
   reach the user unchanged.
+- When :meth:`Storage.write` or :meth:`Storage.read_into` returns or raises (cancellation
+  included), no thread uses the buffer any more: the caller reuses it at once.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from ..errors import ConfigError
 
-__all__ = ["BytesLike", "Storage", "storage_from_url"]
+__all__ = ["BytesLike", "Storage", "complete_before_cancel", "storage_from_url"]
 
 BytesLike = bytes | bytearray | memoryview
+T = TypeVar("T")
+
+
+async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
+    """Await ``operation``; if the caller is cancelled meanwhile, let the operation run to
+    its end first (no buffer still in use by a thread, no file left open), then re-raise."""
+    task = asyncio.ensure_future(operation)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # mark retrieved: the cancellation is what the caller reports
+        raise
 
 
 class Storage(abc.ABC):

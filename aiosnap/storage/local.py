@@ -18,7 +18,7 @@ import aiofiles
 import aiofiles.os
 
 from ..manifest import check_object_name
-from .base import BytesLike, Storage
+from .base import BytesLike, Storage, complete_before_cancel
 
 __all__ = ["LocalStorage"]
 
@@ -49,7 +49,9 @@ class LocalStorage(Storage):
         return path
 
     async def write(self, name: str, data: BytesLike) -> None:
-        path = self._path(name)
+        await complete_before_cancel(self._write(self._path(name), data))
+
+    async def _write(self, path: Path, data: BytesLike) -> None:
         await aiofiles.os.makedirs(path.parent, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -69,7 +71,10 @@ class LocalStorage(Storage):
             return await f.read()
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
-        async with aiofiles.open(self._path(name), "rb", buffering=0) as f:
+        return await complete_before_cancel(self._read_into(self._path(name), offset, dest))
+
+    async def _read_into(self, path: Path, offset: int, dest: memoryview) -> int:
+        async with aiofiles.open(path, "rb", buffering=0) as f:
             await f.seek(offset)
             total = 0
             while total < len(dest):
