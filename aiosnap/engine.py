@@ -160,6 +160,7 @@ class Engine:
         pool = self._pool_for(plan)
         crcs: dict[tuple[int, int], int] = {}
         workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
+        # Room for every chunk: what bounds the chunks in flight is the slab pool (RAM budget).
         queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=len(plan.chunks) + 1)
         may_start = asyncio.Event()
         blocked = 0.0

@@ -24,7 +24,7 @@ import torch
 
 from .errors import UnsupportedStateError
 
-__all__ = ["Chunk", "Entry", "Piece", "SavePlan", "make_plan", "object_prefix", "step_dir"]
+__all__ = ["Chunk", "Entry", "Piece", "SavePlan", "is_stateful", "make_plan", "object_prefix", "step_dir"]
 
 ALIGN = 64
 """Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
@@ -89,7 +89,8 @@ class SavePlan:
         return sum(e.nbytes for e in self.entries)
 
 
-def _is_stateful(value: Any) -> bool:
+def is_stateful(value: Any) -> bool:
+    """True for objects with callable ``state_dict()`` and ``load_state_dict()``."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
@@ -107,7 +108,7 @@ class _Flattener:
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
         if isinstance(value, torch.Tensor):
             return {"t": "tensor", "id": self._tensor(value, path)}
-        if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
+        if is_stateful(value) and not isinstance(value, (dict, list, tuple)):
             return {"t": "stateful", "v": self.encode(value.state_dict(), path)}
         if type(value) in (dict, OrderedDict):
             node: dict[str, Any] = {

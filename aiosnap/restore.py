@@ -15,7 +15,7 @@ import torch
 
 from .errors import ManifestError, PickleNotAllowedError
 from .manifest import Manifest, dtype_from_name
-from .plan import _is_stateful
+from .plan import is_stateful
 from .tensorio import bytes_view
 
 __all__ = ["apply_state", "check_pickles", "decode_tree"]
@@ -107,7 +107,7 @@ def _apply(decode: _Decoder, node: Any, target: dict[Any, Any], path: str) -> No
     for key, current in target.items():
         child = saved[key]
         where = f"{path}/{key}" if path else str(key)
-        if _is_stateful(current) and not isinstance(current, dict):
+        if is_stateful(current) and not isinstance(current, dict):
             current.load_state_dict(decode(child))
         elif isinstance(current, torch.Tensor):
             value = decode(child)

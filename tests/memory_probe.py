@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap.bench import PeakRSS
 
 MiB = 1024 * 1024
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def main(root: str, budget_mib: int) -> None:
@@ -30,18 +23,15 @@ def main(root: str, budget_mib: int) -> None:
     }
     total = sum(t.numel() * 4 for t in [state["huge"], *state["medium"], *state["small"].values(), state["rest"]])
     config = Config(storage={"url": root}, ram_budget=budget, upload={"chunk_size": "8MiB"})
-    with SyncCheckpointer(config) as ckpt:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM)
-        baseline = _status("VmRSS")
+    with SyncCheckpointer(config) as ckpt, PeakRSS() as rss:
         result = ckpt.save(state, step=1).wait()
-        peak = _status("VmHWM")
     print(
         json.dumps(
             {
                 "state_bytes": total,
                 "budget": budget,
                 "budget_high_water": result.ram_high_water,
-                "rss_increase": peak - baseline,
+                "rss_increase": rss.increase,
                 "blocked_s": result.blocked_s,
                 "durable_s": result.durable_s,
             }

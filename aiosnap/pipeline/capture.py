@@ -172,8 +172,6 @@ async def capture_chunks(
             ranges=[(p.dst_offset, p.nbytes) for p in chunk.pieces],
             release=release,
         )
-        if queue.full():
-            uploads_may_start.set()
         try:
             await queue.put(staged)
         except BaseException:
