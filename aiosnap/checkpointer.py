@@ -86,7 +86,7 @@ class _Core:
         self.config = Config.coerce(config)
         ram_budget = self.config.ram_budget_bytes()
         if storage is None:
-            storage = storage_from_url(self.config.storage.url)
+            storage = storage_from_url(self.config.storage.url, self.config)
         self.rank = rank
         self.world_size = world_size
         self._loop = LoopThread(self.config.loop)

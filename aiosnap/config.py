@@ -21,8 +21,10 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SecretStr,
     TypeAdapter,
     ValidationError,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -94,6 +96,41 @@ class UploadConfig(_Section):
     Capped at a quarter of the RAM budget so capture and upload overlap."""
 
 
+class S3Config(_Section):
+    """S3 and S3-compatible stores (used when ``storage.url`` is ``s3://bucket/prefix``).
+
+    Credentials come from the standard AWS chain (environment, profile, instance role)
+    unless given here; they are secrets: never logged, never written to a manifest."""
+
+    endpoint_url: str | None = None
+    """Custom endpoint (MinIO, Ceph RGW, R2, GCS interop, a local test server)."""
+    region: str | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    profile: str | None = None
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+    multipart_threshold: Size = 16 * 1024 * 1024
+    """Objects larger than this go as multipart uploads; smaller ones as one PUT."""
+    part_size: Size = 8 * 1024 * 1024
+    """Multipart part size; raised to S3's 5 MiB minimum and to fit in 10,000 parts."""
+    part_concurrency: int = Field(4, ge=1, le=64)
+    """Parts of one object uploaded at the same time."""
+    request_timeout: float = Field(60.0, gt=0)
+    """Seconds one request (body included) may take before it is abandoned and retried."""
+    retry_deadline: float = Field(120.0, gt=0)
+    """Seconds one operation keeps retrying throttling, 5xx, resets and timeouts."""
+    conditional_commit: bool = True
+    """Write a new step's manifest with If-None-Match so two writers never silently
+    overwrite one committed step (needs a server that supports conditional writes)."""
+
+    @model_validator(mode="after")
+    def _keys_come_in_pairs(self) -> S3Config:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("access_key_id and secret_access_key must be given together")
+        return self
+
+
 class Config(BaseSettings):
     """Every tunable of aiosnap. Frozen; unknown keys are errors."""
 
@@ -115,6 +152,7 @@ class Config(BaseSettings):
     upload: UploadConfig = UploadConfig()
     loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """Event loop of the background thread: uvloop when installed (auto), or forced."""
+    s3: S3Config = S3Config()
 
     @classmethod
     def settings_customise_sources(

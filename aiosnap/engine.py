@@ -174,7 +174,7 @@ class Engine:
                 for _ in range(workers):
                     await queue.put(None)
         except BaseExceptionGroup as group_error:
-            raise first_error(group_error) from None
+            raise (leaf := first_error(group_error)) from leaf.__cause__
         finally:
             while not queue.empty():
                 staged = queue.get_nowait()

@@ -8,6 +8,8 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── WrongThreadError             a blocking call was made from aiosnap's own loop thread
     ├── UnsupportedStateError        a value in the state cannot be saved
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
+    ├── StorageError                 a remote store refused or failed a request (botocore chained)
+    │   └── StorageUnavailableError  retries (throttling, 5xx, resets, timeouts) ran out of time
     ├── CorruptCheckpointError       a checkpoint exists but must not be trusted
     │   ├── ManifestError            manifest missing fields, wrong version, unsafe object name
     │   ├── TruncatedObjectError     a data object is shorter than the manifest says
@@ -30,6 +32,8 @@ __all__ = [
     "CorruptCheckpointError",
     "ManifestError",
     "PickleNotAllowedError",
+    "StorageError",
+    "StorageUnavailableError",
     "TruncatedObjectError",
     "UnsupportedStateError",
     "WrongThreadError",
@@ -60,6 +64,14 @@ class CheckpointNotFoundError(AiosnapError, LookupError):
     """There is no committed checkpoint, or not the requested step."""
 
 
+class StorageError(AiosnapError):
+    """A remote store refused or failed a request; the backend's error is chained."""
+
+
+class StorageUnavailableError(StorageError):
+    """A request kept failing with retryable errors until its retry deadline passed."""
+
+
 class CorruptCheckpointError(AiosnapError):
     """A checkpoint's manifest or data is damaged; it is refused rather than loaded."""
 
@@ -82,7 +94,8 @@ class PickleNotAllowedError(AiosnapError):
 
 def first_error(error: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first leaf of an exception group (from a TaskGroup), so that it can be re-raised
-    with its original type."""
+    with its original type: ``raise (leaf := first_error(g)) from leaf.__cause__`` keeps the
+    leaf's own cause."""
     leaf: BaseException = error
     while isinstance(leaf, BaseExceptionGroup):
         leaf = leaf.exceptions[0]

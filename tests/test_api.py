@@ -29,6 +29,8 @@ def test_public_names_are_locked() -> None:
         "RNGState",
         "SaveHandle",
         "SaveResult",
+        "StorageError",
+        "StorageUnavailableError",
         "SyncCheckpointer",
         "SyncSaveHandle",
         "TruncatedObjectError",

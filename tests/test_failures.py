@@ -111,3 +111,19 @@ def test_failing_cleanup_after_commit_keeps_the_checkpoint(small_config: Config,
         ckpt.save({"x": torch.ones(3)}, step=1).wait()  # re-save: the old attempt cannot be removed
         assert ckpt.steps() == [1]
         assert torch.equal(ckpt.load()["x"], torch.ones(3))
+
+
+def test_two_writers_never_silently_overwrite_one_new_step(small_config: Config, faulty: FaultyStorage) -> None:
+    class RacingStorage(FaultyStorage):
+        async def exists(self, name: str) -> bool:
+            return False if name.endswith(MANIFEST_FILE) else await self.inner.exists(name)
+
+    with SyncCheckpointer(small_config, storage=faulty) as first:
+        first.save({"x": torch.zeros(3)}, step=5).wait()
+    second = SyncCheckpointer(small_config, storage=RacingStorage(faulty.inner))  # checked just before the rival
+    with pytest.raises(FileExistsError, match="committed by another writer"):
+        second.save({"x": torch.ones(3)}, step=5).wait()
+    with pytest.raises(FileExistsError):
+        second.close()
+    with SyncCheckpointer(small_config) as reader:
+        assert torch.equal(reader.load(step=5)["x"], torch.zeros(3)), "the first commit stands"

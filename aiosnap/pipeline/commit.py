@@ -52,16 +52,36 @@ async def read_manifest(storage: Storage, step: int) -> Manifest:
 async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> None:
     """Write the manifest (the commit point), then drop other attempts at the same step.
 
+    A new step's manifest is written only if still absent (a conditional write), so two
+    writers never silently overwrite one committed step; re-saving a step replaces it.
+
     Attempts whose save id is in ``in_flight`` (saves still running) are left alone. Once
     the manifest is written the save has committed: a failing cleanup is only logged.
     """
-    await storage.write(manifest_name(manifest.step), manifest.to_json())
+    name = manifest_name(manifest.step)
+    new_step = not await storage.exists(name)
+    try:
+        await storage.write(name, manifest.to_json(), if_absent=new_step)
+    except FileExistsError as exc:
+        # A retried conditional write may be refused because its first attempt landed.
+        if not await _committed_by(storage, manifest.step, manifest.save_id):
+            raise FileExistsError(
+                f"{storage.url}/{name}: step {manifest.step} was committed by another writer "
+                "while this save ran; not overwriting it"
+            ) from exc
     try:
         for name in await storage.list_children(step_dir(manifest.step)):
             if name not in (MANIFEST_FILE, manifest.save_id) and name not in in_flight and not name.startswith("."):
                 await storage.delete_prefix(f"{step_dir(manifest.step)}/{name}")
     except Exception as exc:
         log.warning("aiosnap: step %d committed, but removing older attempts failed: %r", manifest.step, exc)
+
+
+async def _committed_by(storage: Storage, step: int, save_id: str) -> bool:
+    try:
+        return (await read_manifest(storage, step)).save_id == save_id
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return False
 
 
 async def remove_attempt(storage: Storage, step: int, save_id: str) -> None:

@@ -67,5 +67,5 @@ async def fetch_entries(storage: Storage, manifest: Manifest, concurrency: int) 
                     )
                     position += r.nbytes
     except BaseExceptionGroup as group_error:
-        raise first_error(group_error) from None
+        raise (leaf := first_error(group_error)) from leaf.__cause__
     return tensors

@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from ..config import Config
 from ..errors import ConfigError
 
 __all__ = ["BytesLike", "Storage", "complete_before_cancel", "storage_from_url"]
@@ -47,8 +48,10 @@ class Storage(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    async def write(self, name: str, data: BytesLike) -> None:
-        """Store ``data`` under ``name``, atomically and durably (replaces an old object)."""
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        """Store ``data`` under ``name``, atomically and durably (replaces an old object).
+
+        With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
 
     @abc.abstractmethod
     async def read(self, name: str) -> bytes:
@@ -79,8 +82,9 @@ class Storage(abc.ABC):
         """Release connections and other resources."""
 
 
-def storage_from_url(url: str) -> Storage:
-    """A backend for ``url``: a plain path or ``file://`` (local), ``s3://`` (S3)."""
+def storage_from_url(url: str, config: Config | None = None) -> Storage:
+    """A backend for ``url``: a plain path or ``file://`` (local), ``s3://`` (S3, configured
+    by ``config.s3``; aiobotocore is imported only then)."""
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
         from .local import LocalStorage
@@ -90,5 +94,10 @@ def storage_from_url(url: str) -> Storage:
             raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
         return LocalStorage(path)
     if parsed.scheme == "s3":
-        raise ConfigError(f"storage.url: {url!r}: S3 storage is not available in this version of aiosnap yet")
+        if not parsed.netloc:
+            raise ConfigError(f"storage.url: {url!r} names no bucket (use s3://bucket/prefix)")
+        from .s3 import S3Storage
+
+        config = config or Config()
+        return S3Storage(parsed.netloc, parsed.path.strip("/"), config.s3, concurrency=config.upload.concurrency)
     raise ConfigError(f"storage.url: unsupported scheme {parsed.scheme!r} in {url!r} (use a path, file:// or s3://)")

@@ -48,10 +48,10 @@ class LocalStorage(Storage):
             raise ValueError(f"object name {name!r} leaves the storage root")
         return path
 
-    async def write(self, name: str, data: BytesLike) -> None:
-        await complete_before_cancel(self._write(self._path(name), data))
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        await complete_before_cancel(self._write(self._path(name), data, if_absent))
 
-    async def _write(self, path: Path, data: BytesLike) -> None:
+    async def _write(self, path: Path, data: BytesLike, if_absent: bool) -> None:
         await aiofiles.os.makedirs(path.parent, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -59,7 +59,11 @@ class LocalStorage(Storage):
                 await f.write(data)
                 await f.flush()
                 await _fsync(f.fileno())
-            await aiofiles.os.replace(tmp, path)
+            if if_absent:
+                await aiofiles.os.link(tmp, path)  # fails if path exists: no silent overwrite
+                await aiofiles.os.remove(tmp)
+            else:
+                await aiofiles.os.replace(tmp, path)
         except BaseException:
             with suppress(OSError):
                 await aiofiles.os.remove(tmp)

@@ -1,0 +1,375 @@
+"""S3 and S3-compatible storage through aiobotocore (imported only for ``s3://`` URLs).
+
+Runs on aiosnap's background loop thread. One long-lived client per storage, its
+connection pool sized to ``upload.concurrency x s3.part_concurrency``. botocore's own
+retries are off: every request goes through :meth:`S3Storage._call`, which bounds each
+attempt by ``s3.request_timeout`` (a stalled body never hangs) and retries throttling,
+5xx, connection resets and timeouts with exponential backoff and full jitter until
+``s3.retry_deadline``, then raises :class:`~aiosnap.errors.StorageUnavailableError`
+chained to the last botocore/aiohttp error. Reads resume where a broken body stopped.
+
+Objects above ``s3.multipart_threshold`` are uploaded as multipart uploads whose parts go
+concurrently, straight from the staging buffer (no copy of the object in Python); a failed
+multipart upload is aborted. Each PUT and part carries its CRC32C for the server to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import math
+import random
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any, TypeVar
+
+import crc32c
+
+try:
+    import aiobotocore.session
+    import aiohttp
+    from aiobotocore.config import AioConfig
+    from botocore.exceptions import ClientError, HTTPClientError, ResponseStreamingError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("s3:// storage needs aiobotocore: pip install 'aiosnap[s3]'") from exc
+
+from ..config import S3Config
+from ..errors import StorageError, StorageUnavailableError, first_error
+from ..manifest import check_object_name
+from .base import BytesLike, Storage
+
+__all__ = ["S3Storage"]
+
+log = logging.getLogger("aiosnap")
+T = TypeVar("T")
+
+MIN_PART = 5 * 1024 * 1024
+MAX_PARTS = 10_000
+BACKOFF_BASE = 0.1
+BACKOFF_CAP = 5.0
+RETRYABLE_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+}  # fmt: skip
+RETRYABLE_ERRORS = (
+    HTTPClientError, BotoConnectionError, ResponseStreamingError, aiohttp.ClientError, TimeoutError, ConnectionError,
+)  # fmt: skip
+
+
+def part_size_for(size: int, wanted: int) -> int:
+    """A part size within S3's limits: at least 5 MiB and at most 10,000 parts."""
+    return max(wanted, MIN_PART, math.ceil(size / MAX_PARTS))
+
+
+def _b64_crc32c(data: memoryview) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode("ascii")
+
+
+def _status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx, resets and timeouts are worth another attempt."""
+    if isinstance(exc, ClientError):
+        return _code(exc) in RETRYABLE_CODES or _status(exc) >= 500 or _status(exc) == 429
+    return isinstance(exc, RETRYABLE_ERRORS)
+
+
+class _BufferReader(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: botocore takes it as a body without
+    the bytes being copied into one big ``bytes`` first."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + offset, 0), len(self._view))
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(self._pos + size, len(self._view))
+        chunk = bytes(self._view[self._pos : end])
+        self._pos = end
+        return chunk
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+class S3Storage(Storage):
+    """Objects live under ``s3://bucket/prefix/``; names map to keys below the prefix."""
+
+    def __init__(self, bucket: str, prefix: str, config: S3Config, *, concurrency: int = 8) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.config = config
+        self.concurrency = concurrency
+        self._client: Any = None
+        self._stack: AsyncExitStack | None = None
+        self._lock: asyncio.Lock | None = None
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if self._client is None:
+                cfg = self.config
+                session = aiobotocore.session.AioSession(profile=cfg.profile)
+                aio_config = AioConfig(
+                    s3={"addressing_style": cfg.addressing_style},
+                    max_pool_connections=self.concurrency * cfg.part_concurrency + 4,
+                    retries={"total_max_attempts": 1},  # retries are ours (deadline-bounded)
+                    connect_timeout=min(10.0, cfg.request_timeout),
+                    read_timeout=cfg.request_timeout,
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                kwargs: dict[str, Any] = {"config": aio_config}
+                if cfg.endpoint_url:
+                    kwargs["endpoint_url"] = cfg.endpoint_url
+                if cfg.region:
+                    kwargs["region_name"] = cfg.region
+                if cfg.access_key_id is not None and cfg.secret_access_key is not None:
+                    kwargs["aws_access_key_id"] = cfg.access_key_id.get_secret_value()
+                    kwargs["aws_secret_access_key"] = cfg.secret_access_key.get_secret_value()
+                    if cfg.session_token is not None:
+                        kwargs["aws_session_token"] = cfg.session_token.get_secret_value()
+                stack = AsyncExitStack()
+                self._client = await stack.enter_async_context(session.create_client("s3", **kwargs))
+                self._stack = stack
+        return self._client
+
+    def _key(self, name: str) -> str:
+        name = check_object_name(name.rstrip("/")) if name else ""
+        return f"{self.prefix}/{name}" if self.prefix and name else (self.prefix or name)
+
+    async def _call(self, what: str, request: Callable[[Any], Awaitable[T]], *, deadline: float | None = None) -> T:
+        """Run ``request(client)`` with a per-attempt timeout and deadline-bounded retries."""
+        client = await self._get_client()
+        loop = asyncio.get_running_loop()
+        budget = self.config.retry_deadline if deadline is None else deadline
+        give_up = loop.time() + budget
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with asyncio.timeout(self.config.request_timeout):
+                    return await request(client)
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise self._translate(exc, what) from exc
+                remaining = give_up - loop.time()
+                if remaining <= 0:
+                    raise StorageUnavailableError(
+                        f"{self.url}: {what} failed {attempt} time(s) within the {budget:g} s retry deadline; "
+                        f"last error: {type(exc).__name__}: {exc}"
+                    ) from exc
+                delay = min(remaining, random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt)))  # noqa: S311
+                log.debug("aiosnap: %s: %s: %s; retry %d in %.2f s", self.url, what, type(exc).__name__, attempt, delay)
+                await asyncio.sleep(delay)
+
+    def _translate(self, exc: Exception, what: str) -> Exception:
+        if isinstance(exc, ClientError):
+            status, code = _status(exc), _code(exc)
+            if code not in ("NoSuchBucket", "NoSuchUpload") and (status == 404 or code in ("NoSuchKey", "NotFound")):
+                return FileNotFoundError(f"{self.url}: {what}: no such object")
+            if status == 412 or code == "PreconditionFailed":
+                return FileExistsError(f"{self.url}: {what}: the object already exists")
+            message = exc.response.get("Error", {}).get("Message", "")
+            return StorageError(f"{self.url}: {what}: {code or status}: {message}")
+        return exc
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        view = memoryview(data).cast("B")
+        key = self._key(name)
+        conditions = {"IfNoneMatch": "*"} if if_absent and self.config.conditional_commit else {}
+        if view.nbytes <= self.config.multipart_threshold:
+            checksum = _b64_crc32c(view)
+            await self._call(
+                f"PUT {name}",
+                lambda c: c.put_object(
+                    Bucket=self.bucket, Key=key, Body=_BufferReader(view), ContentLength=view.nbytes,
+                    ChecksumCRC32C=checksum, **conditions,
+                ),
+            )  # fmt: skip
+        else:
+            await self._multipart(name, key, view, conditions)
+
+    async def _multipart(self, name: str, key: str, view: memoryview, conditions: dict[str, str]) -> None:
+        size = view.nbytes
+        part = part_size_for(size, self.config.part_size)
+        created = await self._call(
+            f"create multipart upload of {name}",
+            lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C"),
+        )
+        upload_id = created["UploadId"]
+        limit = asyncio.Semaphore(self.config.part_concurrency)
+
+        async def upload_part(number: int, start: int) -> dict[str, Any]:
+            piece = view[start : min(start + part, size)]
+            async with limit:
+                checksum = await asyncio.to_thread(_b64_crc32c, piece)
+                response = await self._call(
+                    f"part {number} of {name}",
+                    lambda c: c.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                        Body=_BufferReader(piece), ContentLength=piece.nbytes, ChecksumCRC32C=checksum,
+                    ),
+                )  # fmt: skip
+            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
+
+        try:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(upload_part(number, start))
+                        for number, start in enumerate(range(0, size, part), start=1)
+                    ]
+            except BaseExceptionGroup as group_error:
+                raise (leaf := first_error(group_error)) from leaf.__cause__
+            parts = [t.result() for t in tasks]
+            await self._call(
+                f"complete multipart upload of {name}",
+                lambda c: c.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **conditions
+                ),
+            )
+        except BaseException:
+            await asyncio.shield(self._abort(name, key, upload_id))
+            raise
+
+    async def _abort(self, name: str, key: str, upload_id: str) -> None:
+        try:
+            await self._call(
+                f"abort multipart upload of {name}",
+                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
+                deadline=min(30.0, self.config.retry_deadline),
+            )
+        except Exception as exc:  # the original failure is what the caller must see
+            log.warning("aiosnap: %s: could not abort the multipart upload of %s: %r", self.url, name, exc)
+
+    async def read(self, name: str) -> bytes:
+        key = self._key(name)
+
+        async def get(c: Any) -> bytes:
+            response = await c.get_object(Bucket=self.bucket, Key=key)
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        return await self._call(f"GET {name}", get)
+
+    async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        key = self._key(name)
+        wanted = len(dest)
+        got = 0
+        if wanted == 0:
+            return 0
+
+        async def get(c: Any) -> None:
+            nonlocal got  # a retry resumes after the bytes already received
+            try:
+                response = await c.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={offset + got}-{offset + wanted - 1}"
+                )
+            except ClientError as exc:
+                if _status(exc) == 416:  # the range starts past the end: a short object
+                    return
+                raise
+            async with response["Body"] as body:
+                while got < wanted:
+                    n = await body.readinto(dest[got:])
+                    if n == 0:
+                        return
+                    got += n
+
+        await self._call(f"GET {name} bytes {offset}+{wanted}", get)
+        return got
+
+    async def exists(self, name: str) -> bool:
+        key = self._key(name)
+        try:
+            await self._call(f"HEAD {name}", lambda c: c.head_object(Bucket=self.bucket, Key=key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        """Keys and common prefixes (both relative to ``prefix``) below ``prefix``."""
+        keys: list[str] = []
+        folders: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = delimiter
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._call(f"LIST {prefix or '/'}", lambda c: c.list_objects_v2(**kwargs))  # noqa: B023 - awaited in this iteration
+            keys.extend(item["Key"][len(prefix) :] for item in page.get("Contents", []))
+            folders.extend(item["Prefix"][len(prefix) :].rstrip("/") for item in page.get("CommonPrefixes", []))
+            if not page.get("IsTruncated"):
+                return keys, folders
+            token = page["NextContinuationToken"]
+
+    def _folder(self, prefix: str) -> str:
+        key = self._key(prefix)
+        return f"{key}/" if key else ""
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        keys, folders = await self._list(self._folder(prefix), "/")
+        return sorted(set(keys) | set(folders))
+
+    async def delete(self, name: str) -> None:
+        key = self._key(name)
+        await self._call(f"DELETE {name}", lambda c: c.delete_object(Bucket=self.bucket, Key=key))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        if not prefix:
+            raise ValueError("refusing to delete the whole storage root")
+        folder = self._folder(prefix)
+        keys, _ = await self._list(folder, None)
+        for start in range(0, len(keys), 1000):
+            objects = [{"Key": folder + k} for k in keys[start : start + 1000]]
+            response = await self._call(
+                f"DELETE {len(objects)} objects under {prefix}",
+                lambda c: c.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}),  # noqa: B023
+            )
+            if response.get("Errors"):
+                first = response["Errors"][0]
+                raise StorageError(f"{self.url}: deleting under {prefix}: {first.get('Code')}: {first.get('Message')}")
+
+    async def close(self) -> None:
+        if self._stack is not None:
+            stack, self._stack, self._client = self._stack, None, None
+            await stack.aclose()

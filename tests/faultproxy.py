@@ -1,0 +1,149 @@
+"""A TCP proxy on 127.0.0.1 between aiosnap and the S3 test server, injecting faults.
+
+Runs its own event loop in a daemon thread. Faults are switched on and off by the test:
+- ``reset_every`` / ``reset_after_bytes``: every Nth connection is reset (RST) once more
+  than that many request bytes went through it, i.e. mid-body;
+- ``rate_bytes_per_s``: a cap on throughput in each direction (token bucket);
+- ``slowdown_requests``: the next N connections get ``503 SlowDown`` without reaching the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import struct
+import threading
+import time
+
+
+def _slowdown_response() -> bytes:
+    body = (
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>"
+    )
+    head = (
+        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    return head + body
+
+
+class _Bucket:
+    """Token bucket shared by the connections of one direction (proxy loop only)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self._tokens = 0.0
+        self._stamp = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        if self.rate is None:
+            return
+        now = time.monotonic()
+        self._tokens = min(self.rate * 0.05, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        self._tokens -= n
+        if self._tokens < 0:
+            await asyncio.sleep(-self._tokens / self.rate)
+
+
+class FaultProxy:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.reset_every = 0
+        self.reset_after_bytes = 256 * 1024
+        self.slowdown_requests = 0
+        self.resets = 0
+        self.slowdowns = 0
+        self._up = _Bucket()
+        self._down = _Bucket()
+        self._counter = itertools.count(1)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fault-proxy")
+        self._thread.start()
+        self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_rate(self, bytes_per_s: float | None) -> None:
+        self._up.rate = self._down.rate = bytes_per_s
+
+    def clear(self) -> None:
+        self.reset_every = 0
+        self.slowdown_requests = 0
+        self.set_rate(None)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+        tasks = asyncio.all_tasks(self._loop)
+        for task in tasks:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.close()
+
+    def close(self) -> None:
+        def stop() -> None:
+            self._server.close()
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(stop)
+        self._thread.join(10)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        number = next(self._counter)
+        if self.slowdown_requests > 0:
+            self.slowdown_requests -= 1
+            self.slowdowns += 1
+            await client_r.readuntil(b"\r\n\r\n")
+            client_w.write(_slowdown_response())
+            await client_w.drain()
+            client_w.close()
+            return
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            client_w.close()
+            return
+        doomed = self.reset_every > 0 and number % self.reset_every == 0
+        up = asyncio.ensure_future(self._pump(client_r, server_w, self._up, doomed))
+        down = asyncio.ensure_future(self._pump(server_r, client_w, self._down, False))
+        done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        if up in done and up.result() == "reset":
+            self.resets += 1
+            for writer in (client_w, server_w):
+                sock = writer.get_extra_info("socket")
+                if sock is not None:  # linger 0: close sends RST, as a dropped connection does
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            down.cancel()
+            return
+        for task in pending:
+            task.cancel()
+        for writer in (client_w, server_w):
+            writer.close()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: _Bucket, doomed: bool
+    ) -> str:
+        sent = 0
+        try:
+            while True:
+                data = await reader.read(64 * 1024)
+                if not data:
+                    return "eof"
+                if doomed and sent + len(data) > self.reset_after_bytes:
+                    return "reset"
+                await bucket.take(len(data))
+                writer.write(data)
+                await writer.drain()
+                sent += len(data)
+        except (ConnectionError, OSError):
+            return "error"
