@@ -33,6 +33,8 @@ test: lint
 
 bench: install
 	$(PY) -m aiosnap.bench
+	$(PY) -m aiosnap.bench_s3
+	$(PY) -m aiosnap.bench_s3 --cap-mb-s 50
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -131,7 +131,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    from tests.s3server import TEST_ENV, moto_server
+    from aiosnap.testing.s3server import TEST_ENV, moto_server
 
     saved = {k: os.environ.get(k) for k in TEST_ENV}
     os.environ.update(TEST_ENV)
@@ -166,7 +166,7 @@ def s3_client(s3_endpoint: str) -> Any:
 
 @pytest.fixture
 def proxy(s3_endpoint: str) -> Iterator[Any]:
-    from tests.faultproxy import FaultProxy
+    from aiosnap.testing.faultproxy import FaultProxy
 
     port = int(s3_endpoint.rsplit(":", 1)[1])
     fault_proxy = FaultProxy(port)

@@ -123,3 +123,8 @@ def test_env_overrides_file_and_arguments_override_env(tmp_path: Path, monkeypat
 def test_unknown_storage_scheme_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="storage.url"):
         SyncCheckpointer("gs://bucket/x")
+
+
+def test_s3_url_without_bucket_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="storage.url.*no bucket"):
+        SyncCheckpointer("s3:///prefix-only")
