@@ -204,3 +204,28 @@ def test_s3_config_validation() -> None:
     with pytest.raises(ValueError, match="part_concurrency"):
         Config(s3={"part_concurrency": 0})
     assert "s3cret" not in repr(S3Config(access_key_id="k", secret_access_key="s3cret"))
+
+
+def test_stalled_bodies_are_timed_out_and_retried(s3_endpoint: str, s3_bucket: str, proxy: Any) -> None:
+    proxy.stall_every = 2
+    proxy.reset_after_bytes = 512 * 1024
+    state = {"w": torch.randn(4_000_000)}  # 16 MB
+    with SyncCheckpointer(s3_config(proxy.url, s3_bucket, request_timeout=1)) as ckpt:
+        ckpt.save(state, step=1).wait(120)
+        proxy.clear()
+        assert torch.equal(ckpt.load()["w"], state["w"])
+    assert proxy.stalls > 0
+
+
+def test_missing_aiobotocore_gives_an_install_hint() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['aiobotocore'] = None\n"
+        "from aiosnap.storage.base import storage_from_url\n"
+        "try:\n    storage_from_url('s3://bucket/prefix')\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert "pip install 'aiosnap[s3]'" in out.stdout

@@ -3,6 +3,8 @@
 Runs its own event loop in a daemon thread. Faults are switched on and off by the test:
 - ``reset_every`` / ``reset_after_bytes``: every Nth connection is reset (RST) once more
   than that many request bytes went through it, i.e. mid-body;
+- ``stall_every``: every Nth connection stops forwarding (without closing) once more than
+  ``reset_after_bytes`` request bytes went through it: a body that hangs mid-way;
 - ``rate_bytes_per_s``: a cap on throughput in each direction (token bucket);
 - ``slowdown_requests``: the next N connections get ``503 SlowDown`` without reaching the server.
 """
@@ -52,6 +54,8 @@ class FaultProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.reset_every = 0
+        self.stall_every = 0
+        self.stalls = 0
         self.reset_after_bytes = 256 * 1024
         self.slowdown_requests = 0
         self.resets = 0
@@ -74,6 +78,7 @@ class FaultProxy:
 
     def clear(self) -> None:
         self.reset_every = 0
+        self.stall_every = 0
         self.slowdown_requests = 0
         self.set_rate(None)
 
@@ -87,6 +92,7 @@ class FaultProxy:
         for task in tasks:
             task.cancel()
         self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.run_until_complete(asyncio.sleep(0))  # let transports finish closing
         self._loop.close()
 
     def close(self) -> None:
@@ -113,25 +119,27 @@ class FaultProxy:
             client_w.close()
             return
         doomed = self.reset_every > 0 and number % self.reset_every == 0
-        up = asyncio.ensure_future(self._pump(client_r, server_w, self._up, doomed))
-        down = asyncio.ensure_future(self._pump(server_r, client_w, self._down, False))
-        done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if up in done and up.result() == "reset":
-            self.resets += 1
+        stalled = self.stall_every > 0 and number % self.stall_every == 0
+        up = asyncio.ensure_future(self._pump(client_r, server_w, self._up, doomed, stalled))
+        down = asyncio.ensure_future(self._pump(server_r, client_w, self._down, False, False))
+        try:
+            done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            if up in done and up.result() == "reset":
+                self.resets += 1
+                for writer in (client_w, server_w):
+                    sock = writer.get_extra_info("socket")
+                    if sock is not None:  # linger 0: close sends RST, as a dropped connection does
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+        finally:  # also when the proxy shuts down with this connection still open
+            for task in (up, down):
+                task.cancel()
             for writer in (client_w, server_w):
-                sock = writer.get_extra_info("socket")
-                if sock is not None:  # linger 0: close sends RST, as a dropped connection does
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
-            down.cancel()
-            return
-        for task in pending:
-            task.cancel()
-        for writer in (client_w, server_w):
-            writer.close()
+                if not writer.transport.is_closing():
+                    writer.close()
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: _Bucket, doomed: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: _Bucket, doomed: bool, stalled: bool
     ) -> str:
         sent = 0
         try:
@@ -141,6 +149,9 @@ class FaultProxy:
                     return "eof"
                 if doomed and sent + len(data) > self.reset_after_bytes:
                     return "reset"
+                if stalled and sent + len(data) > self.reset_after_bytes:
+                    self.stalls += 1
+                    await asyncio.sleep(3600)  # hold the connection open, forward nothing
                 await bucket.take(len(data))
                 writer.write(data)
                 await writer.drain()
