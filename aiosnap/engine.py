@@ -23,7 +23,7 @@ import torch
 from .budget import ByteBudget
 from .config import Config
 from .errors import CheckpointNotFoundError, first_error
-from .manifest import Manifest, build_manifest
+from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
 from .pipeline.commit import apply_retention, commit_manifest, committed_steps, read_manifest, remove_attempt
 from .pipeline.fetch import fetch_entries
@@ -154,11 +154,11 @@ class Engine:
 
     async def _stage(
         self, plan: SavePlan, order: CudaOrder | None, started: float, captured: asyncio.Future[float]
-    ) -> tuple[float, dict[tuple[int, int], int]]:
+    ) -> tuple[float, Checksums]:
         """Capture and upload concurrently; returns the seconds save() was blocked and the
         crc32c of every piece."""
         pool = self._pool_for(plan)
-        crcs: dict[tuple[int, int], int] = {}
+        crcs: Checksums = {}
         workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
         # Room for every chunk: what bounds the chunks in flight is the slab pool (RAM budget).
         queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=len(plan.chunks) + 1)
@@ -182,8 +182,8 @@ class Engine:
                     staged.release()
         return blocked, crcs
 
-    async def _commit(self, plan: SavePlan, crcs: dict[tuple[int, int], int]) -> Manifest:
-        manifest = build_manifest(plan, crcs)
+    async def _commit(self, plan: SavePlan, crcs: Checksums) -> Manifest:
+        manifest = build_manifest(plan).with_checksums(crcs)
         others = {sid for sid, step in self._in_flight.items() if sid != plan.save_id}
         await commit_manifest(self.storage, manifest, others)
         return manifest

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ManifestError
 from .plan import SavePlan, step_dir
 
-__all__ = ["FORMAT_VERSION", "Manifest", "build_manifest", "check_object_name", "manifest_name"]
+__all__ = ["FORMAT_VERSION", "Checksums", "Manifest", "build_manifest", "check_object_name", "manifest_name"]
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -120,6 +120,16 @@ class Manifest(_Frozen):
     def total_bytes(self) -> int:
         return sum(o.nbytes for o in self.objects)
 
+    def with_checksums(self, crcs: Checksums) -> Manifest:
+        """A copy with every range's crc32c taken from ``crcs`` (KeyError if one is missing)."""
+        entries = [
+            e.model_copy(
+                update={"ranges": [r.model_copy(update={"crc32c": crcs[(r.object, r.offset)]}) for r in e.ranges]}
+            )
+            for e in self.entries
+        ]
+        return self.model_copy(update={"entries": entries, "created_at": time.time()})
+
     def to_json(self) -> bytes:
         return self.model_dump_json().encode("utf-8")
 
@@ -145,20 +155,23 @@ class Manifest(_Frozen):
             raise ManifestError(f"{where}: invalid manifest: {problems}") from exc
 
 
-def build_manifest(plan: SavePlan, crcs: dict[tuple[int, int], int]) -> Manifest:
-    """Make the manifest of a save whose chunks have all landed.
+Checksums = dict[tuple[str, int], int]
+"""crc32c of each byte range, keyed by (object name, offset in the object)."""
 
-    ``crcs`` maps (chunk index, piece position) to the crc32c of that piece's bytes.
-    """
+
+def build_manifest(plan: SavePlan) -> Manifest:
+    """The manifest of ``plan`` with every crc32c still 0: fill them with
+    :meth:`Manifest.with_checksums` once the chunks are checksummed. Pure, JSON-able, so a
+    spool journal can carry it across a crash."""
     ranges: dict[int, list[ByteRange]] = {e.index: [] for e in plan.entries}
     for chunk in plan.chunks:
-        for position, piece in enumerate(chunk.pieces):
+        for piece in chunk.pieces:
             ranges[piece.entry].append(
                 ByteRange(
                     object=chunk.object_name,
                     offset=piece.dst_offset,
                     nbytes=piece.nbytes,
-                    crc32c=crcs[(chunk.index, position)],
+                    crc32c=0,
                 )
             )
     entries = [

@@ -10,6 +10,7 @@ import asyncio
 
 import crc32c
 
+from ..manifest import Checksums
 from ..storage.base import Storage
 from .capture import StagedChunk
 
@@ -28,7 +29,7 @@ def _range_checksums(staged: StagedChunk) -> list[int]:
 async def upload_worker(
     queue: asyncio.Queue[StagedChunk | None],
     storage: Storage,
-    crcs: dict[tuple[int, int], int],
+    crcs: Checksums,
     may_start: asyncio.Event,
 ) -> None:
     """Take chunks off ``queue`` until a ``None`` arrives; each slab is released in finally.
@@ -42,7 +43,7 @@ async def upload_worker(
         try:
             checksums = await asyncio.to_thread(_range_checksums, staged)
             await storage.write(staged.object_name, staged.data)
-            for position, crc in enumerate(checksums):
-                crcs[(staged.index, position)] = crc
+            for (offset, _), crc in zip(staged.ranges, checksums, strict=True):
+                crcs[(staged.object_name, offset)] = crc
         finally:
             staged.release()
