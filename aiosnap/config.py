@@ -96,6 +96,35 @@ class UploadConfig(_Section):
     Capped at a quarter of the RAM budget so capture and upload overlap."""
 
 
+class SpoolConfig(_Section):
+    """Local-disk spool: captured chunks that RAM cannot hold go to local disk, so save()
+    returns at disk speed while a slow target (S3, NFS, Lustre) catches up."""
+
+    dir: str | None = None
+    """Spool directory on fast local disk (one checkpointer at a time: a lock file)."""
+    budget: Budget = "50%"
+    """Most bytes on spool disk: a size, or a share such as "50%" of the free space of the
+    spool file system when the checkpointer starts (never more than that free space)."""
+    mode: Literal["off", "overflow", "always"] | None = None
+    """overflow: spill only when the RAM budget is exhausted (default when ``dir`` is set);
+    always: every chunk is on local disk before save() returns (survives a crash);
+    off: no spool (default without ``dir``)."""
+    resume: bool = True
+    """On start, finish the uploads of fully captured saves a crashed process left behind."""
+
+    @property
+    def effective_mode(self) -> Literal["off", "overflow", "always"]:
+        if self.mode is not None:
+            return self.mode
+        return "overflow" if self.dir else "off"
+
+    @model_validator(mode="after")
+    def _dir_when_on(self) -> SpoolConfig:
+        if self.mode in ("overflow", "always") and not self.dir:
+            raise ValueError(f"spool mode {self.mode!r} needs spool.dir")
+        return self
+
+
 class S3Config(_Section):
     """S3 and S3-compatible stores (used when ``storage.url`` is ``s3://bucket/prefix``).
 
@@ -153,6 +182,7 @@ class Config(BaseSettings):
     loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """Event loop of the background thread: uvloop when installed (auto), or forced."""
     s3: S3Config = S3Config()
+    spool: SpoolConfig = SpoolConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -29,6 +29,11 @@ BytesLike = bytes | bytearray | memoryview
 T = TypeVar("T")
 
 
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
     """Await ``operation``; if the caller is cancelled meanwhile, let the operation run to
     its end first (no buffer still in use by a thread, no file left open), then re-raise."""
@@ -52,6 +57,13 @@ class Storage(abc.ABC):
         """Store ``data`` under ``name``, atomically and durably (replaces an old object).
 
         With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
+
+    async def write_file(self, name: str, path: str) -> None:
+        """Store the local file ``path`` under ``name`` (used for spooled chunks).
+
+        This default reads the whole file into memory; the built-in backends stream it."""
+        data = await asyncio.to_thread(_read_file, path)
+        await self.write(name, data)
 
     @abc.abstractmethod
     async def read(self, name: str) -> bytes:

@@ -33,6 +33,25 @@ def _fsync_dir_sync(path: Path) -> None:
         os.close(fd)
 
 
+def _copy_file_sync(source: str, path: Path) -> None:
+    """Copy (kernel-side where possible), fsync, rename into place, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        shutil.copyfile(source, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir_sync(path.parent)
+
+
 class LocalStorage(Storage):
     """Objects are files under ``root``; names map to relative paths."""
 
@@ -69,6 +88,9 @@ class LocalStorage(Storage):
                 await aiofiles.os.remove(tmp)
             raise
         await asyncio.to_thread(_fsync_dir_sync, path.parent)
+
+    async def write_file(self, name: str, path: str) -> None:
+        await complete_before_cancel(asyncio.to_thread(_copy_file_sync, path, self._path(name)))
 
     async def read(self, name: str) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:

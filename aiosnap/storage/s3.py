@@ -20,6 +20,7 @@ import base64
 import io
 import logging
 import math
+import os
 import random
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -120,6 +121,81 @@ class _BufferReader(io.RawIOBase):
         return len(self._view)
 
 
+class _FileWindow(io.RawIOBase):
+    """Bytes ``[start, end)`` of a local file as a read-only, seekable file."""
+
+    def __init__(self, path: str, start: int, end: int) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._start, self._end = start, end
+        self._file.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._file.tell() - self._start
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self._end - self._start}[whence]
+        position = min(max(base + offset, 0), self._end - self._start)
+        self._file.seek(self._start + position)
+        return position
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self._end - self._file.tell()
+        return self._file.read(left if size is None or size < 0 else min(size, left))
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+class _MemorySource:
+    """Upload source: a buffer in RAM (a staging slab)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.size = view.nbytes
+
+    def body(self, start: int, end: int) -> io.RawIOBase:
+        return _BufferReader(self.view[start:end])
+
+    def checksum(self, start: int, end: int) -> str:
+        return _b64_crc32c(self.view[start:end])
+
+
+class _FileSource:
+    """Upload source: a local file (a spooled chunk), streamed from disk."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+
+    def body(self, start: int, end: int) -> io.RawIOBase:
+        return _FileWindow(self.path, start, end)
+
+    def checksum(self, start: int, end: int) -> str:
+        crc = 0
+        with _FileWindow(self.path, start, end) as window:
+            while block := window.read(8 * 1024 * 1024):
+                crc = crc32c.crc32c(block, crc)
+        return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
+_Source = _MemorySource | _FileSource
+
+
 class S3Storage(Storage):
     """Objects live under ``s3://bucket/prefix/``; names map to keys below the prefix."""
 
@@ -210,23 +286,36 @@ class S3Storage(Storage):
     # -- the protocol ---------------------------------------------------------------------
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
-        view = memoryview(data).cast("B")
-        key = self._key(name)
         conditions = {"IfNoneMatch": "*"} if if_absent and self.config.conditional_commit else {}
-        if view.nbytes <= self.config.multipart_threshold:
-            checksum = _b64_crc32c(view)
-            await self._call(
-                f"PUT {name}",
-                lambda c: c.put_object(
-                    Bucket=self.bucket, Key=key, Body=_BufferReader(view), ContentLength=view.nbytes,
-                    ChecksumCRC32C=checksum, **conditions,
-                ),
-            )  # fmt: skip
-        else:
-            await self._multipart(name, key, view, conditions)
+        await self._upload(name, _MemorySource(memoryview(data).cast("B")), conditions)
 
-    async def _multipart(self, name: str, key: str, view: memoryview, conditions: dict[str, str]) -> None:
-        size = view.nbytes
+    async def write_file(self, name: str, path: str) -> None:
+        await self._upload(name, await asyncio.to_thread(_FileSource, path), {})
+
+    async def _send(self, what: str, source: _Source, start: int, end: int, **request: Any) -> Any:
+        """One PUT or part upload of ``source[start:end]``, with its CRC32C; a fresh body
+        per attempt (a retry re-reads from the start)."""
+        checksum = await asyncio.to_thread(source.checksum, start, end)
+
+        async def send(client: Any) -> Any:
+            with source.body(start, end) as body:
+                method = client.upload_part if "UploadId" in request else client.put_object
+                response = await method(
+                    Bucket=self.bucket, Body=body, ContentLength=end - start, ChecksumCRC32C=checksum, **request
+                )
+            return {**response, "ChecksumCRC32C": checksum}
+
+        return await self._call(what, send)
+
+    async def _upload(self, name: str, source: _Source, conditions: dict[str, str]) -> None:
+        key = self._key(name)
+        if source.size <= self.config.multipart_threshold:
+            await self._send(f"PUT {name}", source, 0, source.size, Key=key, **conditions)
+        else:
+            await self._multipart(name, key, source, conditions)
+
+    async def _multipart(self, name: str, key: str, source: _Source, conditions: dict[str, str]) -> None:
+        size = source.size
         part = part_size_for(size, self.config.part_size)
         created = await self._call(
             f"create multipart upload of {name}",
@@ -236,17 +325,12 @@ class S3Storage(Storage):
         limit = asyncio.Semaphore(self.config.part_concurrency)
 
         async def upload_part(number: int, start: int) -> dict[str, Any]:
-            piece = view[start : min(start + part, size)]
             async with limit:
-                checksum = await asyncio.to_thread(_b64_crc32c, piece)
-                response = await self._call(
-                    f"part {number} of {name}",
-                    lambda c: c.upload_part(
-                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                        Body=_BufferReader(piece), ContentLength=piece.nbytes, ChecksumCRC32C=checksum,
-                    ),
+                response = await self._send(
+                    f"part {number} of {name}", source, start, min(start + part, size),
+                    Key=key, UploadId=upload_id, PartNumber=number,
                 )  # fmt: skip
-            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
+            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": response["ChecksumCRC32C"]}
 
         try:
             try:
