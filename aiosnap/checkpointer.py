@@ -18,11 +18,12 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
-from .engine import Engine, SaveResult
+from .engine import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .errors import CheckpointerClosedError
 from .loop import LoopThread
 from .manifest import Manifest
 from .pipeline.capture import CudaOrder
+from .pipeline.spool import Spool
 from .plan import SavePlan, make_plan
 from .restore import apply_state, decode_tree
 from .storage.base import Storage, storage_from_url
@@ -89,9 +90,14 @@ class _Core:
             storage = storage_from_url(self.config.storage.url, self.config)
         self.rank = rank
         self.world_size = world_size
+        spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
         self._loop = LoopThread(self.config.loop)
-        self._engine = Engine(self.config, storage, ram_budget)
+        self._engine = Engine(self.config, storage, ram_budget, spool)
         self._closed = False
+        self.resume_report = ResumeReport()
+        """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
+        if spool is not None and self.config.spool.resume:
+            self.resume_report = self._loop.run(self._engine.resume())
 
     @property
     def url(self) -> str:

@@ -27,12 +27,14 @@ from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
 from .pipeline.commit import apply_retention, commit_manifest, committed_steps, read_manifest, remove_attempt
 from .pipeline.fetch import fetch_entries
+from .pipeline.resume import ResumeReport, resume_spooled
+from .pipeline.spool import Bounce, Spool, SpoolSession
 from .pipeline.upload import upload_worker
 from .plan import ALIGN, SavePlan
 from .restore import check_pickles
 from .storage.base import Storage
 
-__all__ = ["Engine", "SaveResult", "slab_bytes_for"]
+__all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
 log = logging.getLogger("aiosnap")
 
@@ -56,16 +58,27 @@ class SaveResult:
     durable_s: float
     ram_high_water: int
     deleted_steps: tuple[int, ...]
+    spooled_chunks: int = 0
+    """Chunks that went through the local-disk spool."""
+    spool_fallback: str | None = None
+    """Why spooling stopped for this save (disk full, unwritable), if it did."""
 
 
 class Engine:
     """Owns storage, the RAM budget and its slabs, and the saves in flight. Loop thread only."""
 
-    def __init__(self, config: Config, storage: Storage, ram_budget: int) -> None:
+    def __init__(self, config: Config, storage: Storage, ram_budget: int, spool: Spool | None = None) -> None:
         self.config = config
         self.storage = storage
         self.budget = ByteBudget(ram_budget, "ram_budget")
         self.slab_bytes = slab_bytes_for(config, ram_budget)
+        self.spool = spool
+        self._bounce: Bounce | None = None
+        if spool is not None and spool.mode == "overflow":
+            # one slab of the RAM budget is set aside to spill through when the rest is taken
+            if not self.budget.try_acquire(self.slab_bytes):
+                raise AssertionError("a fresh budget always has room for one slab")
+            self._bounce = Bounce(self.slab_bytes)
         self._pool: BufferPool | None = None
         self._pending: asyncio.Semaphore | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
@@ -121,9 +134,14 @@ class Engine:
         assert self._pending is not None
         committed = False
         try:
-            blocked, crcs = await self._stage(plan, order, started, captured)
-            manifest = await self._commit(plan, crcs)
-            committed = True
+            session = self._spool_session(plan)
+            try:
+                blocked, crcs = await self._stage(plan, order, started, captured, session)
+                manifest = await self._commit(plan, crcs)
+                committed = True
+            finally:  # committed or failed, the save's spool folder has served
+                if session is not None:
+                    await asyncio.shield(session.finish())
             deleted = await self._retention(manifest.step)
             result = SaveResult(
                 step=plan.step,
@@ -134,6 +152,8 @@ class Engine:
                 durable_s=time.perf_counter() - started,
                 ram_high_water=self.budget.high_water,
                 deleted_steps=tuple(deleted),
+                spooled_chunks=0 if session is None else session.spooled,
+                spool_fallback=None if session is None else session.fallback,
             )
             self.last_failure = None
             durable.set_result(result)
@@ -152,8 +172,18 @@ class Engine:
             self._in_flight.pop(plan.save_id, None)
             self._pending.release()
 
+    def _spool_session(self, plan: SavePlan) -> SpoolSession | None:
+        if self.spool is None:
+            return None
+        return SpoolSession(self.spool, plan, self.storage.url, self._pool_for(plan), self._bounce)
+
     async def _stage(
-        self, plan: SavePlan, order: CudaOrder | None, started: float, captured: asyncio.Future[float]
+        self,
+        plan: SavePlan,
+        order: CudaOrder | None,
+        started: float,
+        captured: asyncio.Future[float],
+        session: SpoolSession | None,
     ) -> tuple[float, Checksums]:
         """Capture and upload concurrently; returns the seconds save() was blocked and the
         crc32c of every piece."""
@@ -167,8 +197,11 @@ class Engine:
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(workers):
-                    group.create_task(upload_worker(queue, self.storage, crcs, may_start))
-                await capture_chunks(plan, pool, queue, self._executor, self._copier, order, may_start)
+                    landed = None if session is None else session.landed
+                    group.create_task(upload_worker(queue, self.storage, crcs, may_start, landed))
+                await capture_chunks(plan, pool, queue, self._executor, self._copier, order, may_start, session)
+                if session is not None:
+                    await session.captured()  # the journal is on disk before save() returns
                 blocked = time.perf_counter() - started
                 captured.set_result(blocked)
                 for _ in range(workers):
@@ -228,9 +261,22 @@ class Engine:
             await asyncio.wait(pending)
             raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
 
+    async def resume(self) -> ResumeReport:
+        """Finish the spooled saves an earlier process left behind (see pipeline.resume)."""
+        if self.spool is None:
+            return ResumeReport()
+        return await resume_spooled(
+            self.spool,
+            self.storage,
+            concurrency=self.config.upload.concurrency,
+            keep_last=self.config.retention.keep_last,
+        )
+
     async def shutdown(self) -> None:
-        """Free slabs and connections (after drain)."""
+        """Free slabs, the spool lock and connections (after drain)."""
         if self._pool is not None:
             self._pool.trim()
+        if self.spool is not None:
+            self.spool.close()
         self._executor.shutdown(wait=True)
         await self.storage.close()

@@ -6,6 +6,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── ConfigError                  bad configuration (file, field, value)
     ├── CheckpointerClosedError      the checkpointer was used after close()
     ├── WrongThreadError             a blocking call was made from aiosnap's own loop thread
+    ├── SpoolBusyError               another process holds the spool directory's lock
     ├── UnsupportedStateError        a value in the state cannot be saved
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
     ├── StorageError                 a remote store refused or failed a request (botocore chained)
@@ -32,6 +33,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ManifestError",
     "PickleNotAllowedError",
+    "SpoolBusyError",
     "StorageError",
     "StorageUnavailableError",
     "TruncatedObjectError",
@@ -54,6 +56,10 @@ class CheckpointerClosedError(AiosnapError, RuntimeError):
 
 class WrongThreadError(AiosnapError, RuntimeError):
     """A blocking call was made from aiosnap's own event-loop thread (it would deadlock)."""
+
+
+class SpoolBusyError(AiosnapError, RuntimeError):
+    """Another process (or checkpointer) holds the lock of the spool directory."""
 
 
 class UnsupportedStateError(AiosnapError, TypeError):

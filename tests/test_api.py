@@ -29,6 +29,7 @@ def test_public_names_are_locked() -> None:
         "RNGState",
         "SaveHandle",
         "SaveResult",
+        "SpoolBusyError",
         "StorageError",
         "StorageUnavailableError",
         "SyncCheckpointer",

@@ -12,12 +12,16 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..budget import ByteBudget
 from ..plan import Chunk, SavePlan
 from ..tensorio import bytes_view, copy_range_into
+
+if TYPE_CHECKING:
+    from .spool import SpoolSession
 
 __all__ = ["BufferPool", "Copier", "CudaOrder", "StagedChunk", "capture_chunks"]
 
@@ -72,6 +76,9 @@ class StagedChunk:
     data: memoryview
     ranges: list[tuple[int, int]]  # (offset, nbytes) of each piece, for checksums
     release: Callable[[], None] = field(repr=False)
+    spool_path: str | None = None  # set when the bytes are on the spool disk, not in ``data``
+    chunk_crc: int | None = None  # crc32c of the whole spooled chunk (checked before upload)
+    piece_crcs: list[int] | None = None  # crc32c of each range, known for spooled chunks
 
 
 @dataclass
@@ -145,6 +152,7 @@ async def capture_chunks(
     copier: Copier,
     order: CudaOrder | None,
     uploads_may_start: asyncio.Event,
+    spool: SpoolSession | None = None,
 ) -> None:
     """Copy every chunk of ``plan`` into a slab and queue it for upload (loop thread).
 
@@ -156,6 +164,17 @@ async def capture_chunks(
     for chunk in plan.chunks:
         if pool.would_wait():
             uploads_may_start.set()
+        if spool is not None and spool.wants(pool):
+            if spool.disk_would_wait(chunk.nbytes):
+                uploads_may_start.set()  # only landed chunks free spool disk
+
+            async def copy_into(buffer: torch.Tensor, chunk: Chunk = chunk) -> None:
+                await loop.run_in_executor(executor, copier.copy, plan, chunk, buffer, order)
+
+            spooled = await spool.capture(chunk, copy_into)
+            if spooled is not None:
+                await queue.put(spooled)
+                continue
         slab = await pool.acquire()
         try:
             await loop.run_in_executor(executor, copier.copy, plan, chunk, slab, order)

@@ -7,12 +7,15 @@ Workers run on the background loop thread; checksums run in the default executor
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import crc32c
 
+from ..errors import ChecksumMismatchError
 from ..manifest import Checksums
 from ..storage.base import Storage
 from .capture import StagedChunk
+from .spool import file_crc32c
 
 __all__ = ["crc32c_of", "upload_worker"]
 
@@ -26,13 +29,29 @@ def _range_checksums(staged: StagedChunk) -> list[int]:
     return [crc32c_of(staged.data[offset : offset + nbytes]) for offset, nbytes in staged.ranges]
 
 
+async def _upload_spooled(storage: Storage, staged: StagedChunk) -> list[int]:
+    """Upload a chunk from its spool file after checking the file's crc32c."""
+    assert staged.spool_path is not None
+    assert staged.piece_crcs is not None
+    found = await asyncio.to_thread(file_crc32c, staged.spool_path)
+    if found != staged.chunk_crc:
+        raise ChecksumMismatchError(
+            f"spool file {staged.spool_path} is corrupt (crc32c {found:#010x}, written {staged.chunk_crc:#010x}); "
+            f"not committing {staged.object_name}"
+        )
+    await storage.write_file(staged.object_name, staged.spool_path)
+    return staged.piece_crcs
+
+
 async def upload_worker(
     queue: asyncio.Queue[StagedChunk | None],
     storage: Storage,
     crcs: Checksums,
     may_start: asyncio.Event,
+    on_landed: Callable[[StagedChunk, list[int]], Awaitable[None]] | None = None,
 ) -> None:
-    """Take chunks off ``queue`` until a ``None`` arrives; each slab is released in finally.
+    """Take chunks off ``queue`` until a ``None`` arrives; each chunk's RAM (or spool disk)
+    is released in finally, after ``on_landed`` (the spool journal) has run.
 
     Starts only once ``may_start`` is set (capture has priority while RAM lasts)."""
     await may_start.wait()
@@ -41,9 +60,14 @@ async def upload_worker(
         if staged is None:
             return
         try:
-            checksums = await asyncio.to_thread(_range_checksums, staged)
-            await storage.write(staged.object_name, staged.data)
+            if staged.spool_path is not None:
+                checksums = await _upload_spooled(storage, staged)
+            else:
+                checksums = await asyncio.to_thread(_range_checksums, staged)
+                await storage.write(staged.object_name, staged.data)
             for (offset, _), crc in zip(staged.ranges, checksums, strict=True):
                 crcs[(staged.object_name, offset)] = crc
+            if on_landed is not None:
+                await on_landed(staged, checksums)
         finally:
             staged.release()

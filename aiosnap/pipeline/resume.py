@@ -1,0 +1,94 @@
+"""Finishing the saves a crashed process left in the spool (loop thread).
+
+A save is resumed when its journal says capture was complete and every chunk has either
+landed in storage or is on the spool disk with the crc32c it was written with; its spooled
+chunks are uploaded, its manifest committed, retention applied. Anything else (no journal:
+capture never finished; a chunk that was only in RAM; a corrupt spool file) is discarded
+and reported. Saves of another storage URL are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..manifest import Manifest
+from ..storage.base import Storage
+from .commit import apply_retention, commit_manifest
+from .spool import Spool, file_crc32c
+
+__all__ = ["ResumeReport", "resume_spooled"]
+
+log = logging.getLogger("aiosnap")
+
+
+@dataclass
+class ResumeReport:
+    """What a resume found: steps committed, saves discarded (with why), saves that failed."""
+
+    resumed: list[int] = field(default_factory=list)
+    discarded: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _why_not(spool: Spool, save_id: str, doc: dict[str, Any] | None) -> str | None:
+    if doc is None:
+        return "no journal: the process stopped before capture finished"
+    if doc.get("format") != 1 or not doc.get("captured"):
+        return "journal does not say capture finished"
+    for index, chunk in enumerate(doc["chunks"]):
+        if chunk["state"] == "ram":
+            return f"chunk {index} was only in RAM when the process stopped"
+        if chunk["state"] == "spooled":
+            path = spool.save_dir(save_id) / f"{index}.bin"
+            if not path.is_file() or path.stat().st_size != chunk["nbytes"]:
+                return f"spool file {path} is missing or truncated"
+            if file_crc32c(path) != chunk["crc"]:
+                return f"spool file {path} is corrupt (crc32c mismatch)"
+    return None
+
+
+async def _finish(spool: Spool, storage: Storage, save_id: str, doc: dict[str, Any], concurrency: int,
+                  keep_last: int | None) -> int:  # fmt: skip
+    limit = asyncio.Semaphore(concurrency)
+
+    async def upload(index: int, chunk: dict[str, Any]) -> None:
+        async with limit:
+            await storage.write_file(chunk["object"], str(spool.save_dir(save_id) / f"{index}.bin"))
+
+    await asyncio.gather(*(upload(i, c) for i, c in enumerate(doc["chunks"]) if c["state"] == "spooled"))
+    crcs = {(obj, offset): crc for obj, offset, crc in doc["crcs"]}
+    manifest = Manifest.model_validate(doc["manifest"]).with_checksums(crcs)
+    await commit_manifest(storage, manifest, set())
+    await apply_retention(storage, keep_last, manifest.step, set())
+    return manifest.step
+
+
+async def resume_spooled(spool: Spool, storage: Storage, *, concurrency: int, keep_last: int | None) -> ResumeReport:
+    """Commit every resumable save in ``spool`` to ``storage``; discard the others."""
+    report = ResumeReport()
+    for save_id, doc in await asyncio.to_thread(spool.leftovers):
+        if doc is not None and doc.get("storage_url") != storage.url:
+            report.skipped.append((save_id, f"belongs to {doc.get('storage_url')}"))
+            continue
+        reason = await asyncio.to_thread(_why_not, spool, save_id, doc)
+        if reason is not None:
+            log.warning("aiosnap: discarding spooled save %s: %s", save_id, reason)
+            report.discarded.append((save_id, reason))
+            await spool.discard(save_id)
+            continue
+        assert doc is not None
+        try:
+            step = await _finish(spool, storage, save_id, doc, concurrency, keep_last)
+        except Exception as exc:  # kept for the next attempt; the caller reports it
+            log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
+            report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
+            continue
+        log.info("aiosnap: resumed and committed step %d from spool %s", step, Path(spool.root))
+        report.resumed.append(step)
+        await spool.discard(save_id)
+    return report

@@ -1,0 +1,26 @@
+"""Run by test_spool.py as a child process that gets SIGKILLed during upload.
+
+argv: config-json step. Saves a deterministic state, prints CAPTURED once save() returned,
+then waits for the upload (and is killed meanwhile)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from aiosnap import Config, SyncCheckpointer
+
+
+def state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return {"w": torch.randn(4_000_000, generator=generator), "b": torch.randn(1000, generator=generator)}
+
+
+if __name__ == "__main__":
+    config = Config(**json.loads(sys.argv[1]))
+    with SyncCheckpointer(config) as ckpt:
+        handle = ckpt.save(state(), step=int(sys.argv[2]))
+        print("CAPTURED", flush=True)
+        handle.wait()
+        print("DURABLE", flush=True)

@@ -1,0 +1,240 @@
+"""Local-disk spool: save() returns at disk speed, budgets hold, crashes lose nothing captured."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer
+from aiosnap.pipeline import spool as spool_module
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, s3_config
+from tests.spool_child import state as child_state
+
+MiB = 1024 * 1024
+REPO = Path(__file__).parent.parent
+
+
+def _spool_config(base: Config, spool_dir: Path, **spool: Any) -> Config:
+    validated = type(base.spool).model_validate({**base.spool.model_dump(), "dir": str(spool_dir), **spool})
+    return base.model_copy(update={"spool": validated})
+
+
+def _local(root: Path, spool_dir: Path, ram: str = "4MiB", **spool: Any) -> Config:
+    base = Config(storage={"url": str(root)}, ram_budget=ram, upload={"chunk_size": "1MiB", "concurrency": 2})
+    return _spool_config(base, spool_dir, **spool)
+
+
+def _spool_files(spool_dir: Path) -> list[Path]:
+    return [p for p in spool_dir.rglob("*") if p.is_file() and p.name != "LOCK"]
+
+
+def test_overflow_returns_long_before_a_throttled_upload(
+    s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
+) -> None:
+    proxy.set_rate(8e6)  # 8 MB/s target
+    base = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 4 * MiB})
+    config = _spool_config(base, tmp_path / "spool", mode="overflow")
+    state = {"w": torch.randn(4_000_000)}  # 16 MB: 4x the RAM budget
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save(state, step=1).wait(120)
+        proxy.clear()
+        restored = ckpt.load()
+    print(f"blocked {result.blocked_s:.2f} s, durable {result.durable_s:.2f} s, spooled {result.spooled_chunks}")
+    assert result.spooled_chunks > 0
+    assert result.blocked_s < result.durable_s / 2
+    assert result.ram_high_water <= 4 * MiB
+    assert torch.equal(restored["w"], state["w"])
+    assert _spool_files(tmp_path / "spool") == [], "spool files are deleted once committed"
+
+
+def test_without_spool_the_same_save_blocks_for_the_upload(s3_endpoint: str, s3_bucket: str, proxy: Any) -> None:
+    proxy.set_rate(8e6)
+    config = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 4 * MiB})
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save({"w": torch.randn(4_000_000)}, step=1).wait(120)
+    assert result.spooled_chunks == 0
+    assert result.blocked_s > result.durable_s / 2
+
+
+def test_disk_budget_is_respected_on_disk(tmp_path: Path) -> None:
+    slow = FaultyStorage(LocalStorage(tmp_path / "c"))
+    slow.delay = 0.02
+    spool_dir = tmp_path / "spool"
+    config = _local(tmp_path / "c", spool_dir, mode="always", budget="3MiB")
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            with contextlib.suppress(FileNotFoundError):  # a file vanished while summing
+                peak = max(peak, sum(p.stat().st_size for p in _spool_files(spool_dir)))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    state = {"w": torch.randn(3_000_000)}  # 12 MB through a 3 MiB spool
+    try:
+        with SyncCheckpointer(config, storage=slow) as ckpt:
+            result = ckpt.save(state, step=1).wait(60)
+            assert ckpt._engine.spool is not None
+            assert ckpt._engine.spool.budget.high_water <= 3 * MiB
+            assert torch.equal(ckpt.load()["w"], state["w"])
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.spooled_chunks == 12
+    assert 0 < peak <= 3 * MiB
+
+
+def test_disk_full_falls_back_to_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_write = spool_module._write_durably
+    written = 0
+
+    def fill_up(path: Path, data: memoryview | bytes) -> None:
+        nonlocal written
+        if written >= 2 * MiB:  # the spool disk is full after two chunks
+            with open(path, "wb") as f:
+                f.write(bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written += len(data)
+        real_write(path, data)
+
+    monkeypatch.setattr(spool_module, "_write_durably", fill_up)
+    config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
+    state = {"w": torch.randn(2_000_000)}  # 8 chunks of 1 MiB
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save(state, step=1).wait(60)
+        assert torch.equal(ckpt.load()["w"], state["w"])
+    assert result.spooled_chunks == 2
+    assert result.spool_fallback is not None and "No space left" in result.spool_fallback
+    assert "waits for RAM instead" in caplog.text
+    assert _spool_files(tmp_path / "spool") == []
+
+
+def test_unwritable_spool_dir_means_no_spool_not_a_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = _local(tmp_path / "c", blocker / "spool", mode="always")
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save({"w": torch.randn(2_000_000)}, step=1).wait(60)
+    assert result.spooled_chunks == 0
+    assert "not usable" in caplog.text
+
+
+def test_two_checkpointers_never_share_a_spool(tmp_path: Path) -> None:
+    config = _local(tmp_path / "c", tmp_path / "spool")
+    first = SyncCheckpointer(config)
+    with pytest.raises(SpoolBusyError, match="in use"):
+        SyncCheckpointer(config)
+    first.close()
+    SyncCheckpointer(config).close()
+
+
+def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write = spool_module._write_durably
+
+    def write_then_rot(path: Path, data: memoryview | bytes) -> None:
+        real_write(path, data)
+        if path.name == "1.bin":  # the disk flips a bit of the second chunk after the write
+            with open(path, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+
+    monkeypatch.setattr(spool_module, "_write_durably", write_then_rot)
+    config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
+    ckpt = SyncCheckpointer(config)
+    with pytest.raises(ChecksumMismatchError, match="spool file .*1.bin is corrupt"):
+        ckpt.save({"w": torch.randn(500_000)}, step=1).wait(30)  # 2 chunks, both spooled
+    assert ckpt.steps() == []
+    with pytest.raises(ChecksumMismatchError):
+        ckpt.close()
+    assert _spool_files(tmp_path / "spool") == []
+
+
+def _crash_child(config: Config, step: int, env: dict[str, str]) -> None:
+    """Start a child that saves, wait until save() returned, SIGKILL it mid-upload."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.spool_child", config.model_dump_json(), str(step)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.strip() == "CAPTURED", line
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def test_crash_after_capture_is_resumed_and_committed(
+    s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
+) -> None:
+    proxy.set_rate(2e6)  # 16 MB at 2 MB/s: the child is killed long before it finishes
+    base = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB})
+    config = _spool_config(base, tmp_path / "spool", mode="always")
+    _crash_child(config, 7, dict(os.environ))
+    assert (tmp_path / "spool").exists()
+    proxy.clear()
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [7]
+        restored = ckpt.load()
+    expected = child_state()
+    assert torch.equal(restored["w"], expected["w"])
+    assert torch.equal(restored["b"], expected["b"])
+    assert _spool_files(tmp_path / "spool") == []
+
+
+def test_cli_resume_commits_what_a_crash_left(s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path) -> None:
+    proxy.set_rate(2e6)
+    base = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB})
+    config = _spool_config(base, tmp_path / "spool", mode="always")
+    _crash_child(config, 3, dict(os.environ))
+    proxy.clear()
+    config_file = tmp_path / "job.yaml"
+    document = json.loads(config.model_dump_json())
+    document["s3"] = {k: v for k, v in document["s3"].items() if v is not None}
+    config_file.write_text(json.dumps(document))  # JSON is YAML
+    out = subprocess.run([sys.executable, "-m", "aiosnap", "resume", "--config", str(config_file), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["resumed"] == [3]
+    assert report["committed_steps"] == [3]
+
+
+def test_half_captured_crash_is_discarded_and_the_previous_step_stays(
+    s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
+) -> None:
+    base = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB})
+    config = _spool_config(base, tmp_path / "spool", mode="overflow")
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"w": torch.zeros(10)}, step=1).wait(60)
+    proxy.set_rate(1e6)  # chunks held in RAM cannot land before the kill
+    _crash_child(config, 2, dict(os.environ))
+    proxy.clear()
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == []
+        assert len(ckpt.resume_report.discarded) == 1
+        assert "only in RAM" in ckpt.resume_report.discarded[0][1]
+        assert ckpt.steps() == [1]
+        assert torch.equal(ckpt.load()["w"], torch.zeros(10))
+    assert _spool_files(tmp_path / "spool") == []
