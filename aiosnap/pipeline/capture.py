@@ -156,14 +156,13 @@ async def capture_chunks(
 ) -> None:
     """Copy every chunk of ``plan`` into a slab and queue it for upload (loop thread).
 
-    While the budget has room, uploads are held back (``uploads_may_start`` unset) so that
-    the copies, which block training, get the CPU and memory bandwidth to themselves; the
-    event is set as soon as capture would have to wait for RAM, and when it is done.
+    While RAM (or spool disk) has room, uploads are held back (``uploads_may_start`` unset)
+    so that the copies and spills, which block training, get the CPU, memory and disk
+    bandwidth to themselves; the event is set as soon as capture would have to wait for RAM
+    or spool disk, and when it is done.
     """
     loop = asyncio.get_running_loop()
     for chunk in plan.chunks:
-        if pool.would_wait():
-            uploads_may_start.set()
         if spool is not None and spool.wants(pool):
             if spool.disk_would_wait(chunk.nbytes):
                 uploads_may_start.set()  # only landed chunks free spool disk
@@ -175,6 +174,8 @@ async def capture_chunks(
             if spooled is not None:
                 await queue.put(spooled)
                 continue
+        if pool.would_wait():
+            uploads_may_start.set()
         slab = await pool.acquire()
         try:
             await loop.run_in_executor(executor, copier.copy, plan, chunk, slab, order)
