@@ -97,7 +97,12 @@ class _Core:
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
         if spool is not None and self.config.spool.resume:
-            self.resume_report = self._loop.run(self._engine.resume())
+            try:
+                self.resume_report = self._loop.run(self._engine.resume())
+            except BaseException:
+                self._loop.run(self._engine.shutdown())  # releases the spool lock
+                self._loop.stop()
+                raise
 
     @property
     def url(self) -> str:
