@@ -13,13 +13,16 @@ import concurrent.futures
 import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
 from .engine import Engine, ResumeReport, SaveResult, slab_bytes_for
-from .errors import CheckpointerClosedError
+from .errors import CheckpointerClosedError, ConfigError
+from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .loop import LoopThread
 from .manifest import Manifest
 from .pipeline.capture import CudaOrder
@@ -76,23 +79,56 @@ class SyncSaveHandle(SaveHandle):
         raise TypeError("SyncSaveHandle is not awaitable; call handle.wait()")
 
 
+def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHandler]:
+    handlers: list[EventHandler] = []
+    if config.events.log:
+        handlers.append(LoggingHandler())
+    if config.events.jsonl is not None:
+        try:
+            handlers.append(JsonlHandler(config.events.jsonl))
+        except OSError as exc:
+            raise ConfigError(f"events.jsonl: cannot open {config.events.jsonl}: {exc.strerror or exc}") from exc
+    for handler in extra:
+        if not callable(handler):
+            raise TypeError(f"event_handlers: {handler!r} is not callable")
+        handlers.append(handler)
+    return handlers
+
+
 class _Core:
-    """What both APIs share: config, the loop thread, the engine, the lifecycle."""
+    """What both APIs share: config, the loop thread, the engine, the lifecycle.
+
+    ``rank``/``world_size`` default to the position in ``process_group`` when one is given
+    (else 0 and 1); events name that group's backend and size (the default group's when
+    none is given and torch.distributed is initialised). ``event_handlers`` are callables
+    receiving every :class:`~aiosnap.events.Event`, after the ones ``config.events`` sets up.
+    """
 
     def __init__(
-        self, config: ConfigLike = None, *, storage: Storage | None = None, rank: int = 0, world_size: int = 1
+        self,
+        config: ConfigLike = None,
+        *,
+        storage: Storage | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        process_group: Any | None = None,
+        event_handlers: Sequence[EventHandler] = (),
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        group = ProcessGroupInfo.of(process_group, rank, world_size)
         self.config = Config.coerce(config)
         ram_budget = self.config.ram_budget_bytes()
         if storage is None:
             storage = storage_from_url(self.config.storage.url, self.config)
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self._storage = storage
+        self._keep_last = self.config.retention.keep_last
+        self._views: list[_Core] = []
+        self._owner: _Core | None = None
+        events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
         self._loop = LoopThread(self.config.loop)
-        self._engine = Engine(self.config, storage, ram_budget, spool)
+        self._engine = Engine(self.config, storage, ram_budget, events, spool)
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
@@ -102,12 +138,35 @@ class _Core:
             except BaseException:
                 self._loop.run(self._engine.shutdown())  # releases the spool lock
                 self._loop.stop()
+                events.close()
                 raise
+
+    def _view(self, url: str, keep_last: int | None) -> Any:
+        """A checkpointer of the same class for another storage root, sharing this one's
+        loop thread, RAM budget, staging slabs and event handlers."""
+        self._check_open()
+        if self._owner is not None:
+            return self._owner._view(url, keep_last)
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view._storage = storage_from_url(url, self.config)
+        view._keep_last = keep_last
+        view._views = []
+        view._owner = self
+        view._closed = False
+        view.resume_report = ResumeReport()
+        self._views.append(view)
+        return view
 
     @property
     def url(self) -> str:
         """Where checkpoints go (the storage root)."""
-        return self._engine.storage.url
+        return self._storage.url
+
+    @property
+    def event_handlers(self) -> list[EventHandler]:
+        """The handlers events go to (config's first, then the ones passed in); appendable."""
+        return self._engine.events.handlers
 
     @property
     def loop_kind(self) -> str:
@@ -153,14 +212,48 @@ class _Core:
         apply_state(manifest, tensors, state)
         return state
 
+    @contextmanager
+    def _load_events(self, step: int | None) -> Iterator[dict[str, Any]]:
+        """The event scope of one load; the body fills in ``manifest`` and ``fetch_s``.
+        Caller's thread."""
+        emit = self._engine.events.emit
+        started = time.perf_counter()
+        emit("start", "load", step, url=self.url)
+        box: dict[str, Any] = {}
+        try:
+            yield box
+        except BaseException as exc:
+            emit("exception", "load", box["manifest"].step if "manifest" in box else step, url=self.url, exception=exc)
+            raise
+        manifest: Manifest = box["manifest"]
+        seconds = time.perf_counter() - started
+        emit("end", "load", manifest.step, url=self.url, nbytes=manifest.total_bytes, seconds=seconds)
+
+    def _fetched(self, box: dict[str, Any], manifest: Manifest, fetch_started: float) -> None:
+        box["manifest"] = manifest
+        seconds = time.perf_counter() - fetch_started
+        self._engine.events.emit(
+            "end", "load", manifest.step, stage="fetch", url=self.url, nbytes=manifest.total_bytes, seconds=seconds
+        )
+
     def _begin_close(self) -> bool:
         if self._closed:
             return False
         self._closed = True
         return True
 
+    def _close_views(self) -> list[Any]:
+        """Storages of the views still open, marked closed (the owner closes them)."""
+        storages = [view._storage for view in self._views if not view._closed]
+        for view in self._views:
+            view._closed = True
+        return storages
+
     def _end_close(self, raise_failure: bool) -> None:
+        if self._owner is not None:  # a view: the owner's loop and engine stay
+            return
         self._loop.stop()
+        self._engine.events.close()
         failure = self._engine.last_failure
         if failure is not None:
             if raise_failure:
@@ -178,6 +271,13 @@ class Checkpointer(_Core):
     async def _call(self, coro: Any) -> Any:
         return await asyncio.wrap_future(self._loop.submit(coro))
 
+    def at(self, url: str, *, keep_last: int | None = None) -> Checkpointer:
+        """A checkpointer for another storage root (``keep_last`` is its retention; None
+        keeps every step) that shares this one's background thread, RAM budget, staging
+        slabs and event handlers. Close it to wait for its saves; closing this one closes it."""
+        view: Checkpointer = self._view(url, keep_last)
+        return view
+
     async def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SaveHandle:
         """Capture ``state`` and return once every byte is captured (the state may then be
         mutated). ``await`` the handle for durability. Waits first while
@@ -185,7 +285,7 @@ class Checkpointer(_Core):
         save (original type) instead of starting a new one, once."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata)
-        durable = await self._call(self._engine.save(plan, order, started))
+        durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
         return SaveHandle(step, durable)
 
     async def load(
@@ -195,19 +295,22 @@ class Checkpointer(_Core):
         given (and return it), else as a new nested state. Every checksum is verified before
         anything in ``state`` is touched."""
         self._check_open()
-        manifest, tensors = await self._call(self._engine.read(step, allow_pickle))
-        return self._finish_load(manifest, tensors, state)
+        with self._load_events(step) as box:
+            fetch_started = time.perf_counter()
+            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage))
+            self._fetched(box, manifest, fetch_started)
+            return self._finish_load(manifest, tensors, state)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
         self._check_open()
-        result: list[int] = await self._call(self._engine.steps())
+        result: list[int] = await self._call(self._engine.steps(self._storage))
         return result
 
     async def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None): metadata, entries, sizes."""
         self._check_open()
-        result: Manifest = await self._call(self._engine.manifest(step))
+        result: Manifest = await self._call(self._engine.manifest(step, self._storage))
         return result
 
     async def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
@@ -215,9 +318,17 @@ class Checkpointer(_Core):
         Raises the last save's failure with its original type unless a later save committed."""
         if not self._begin_close():
             return
+        if self._owner is not None:
+            try:
+                await self._call(self._engine.drain(timeout, self._storage))
+            finally:
+                await self._call(self._storage.close())
+            return
         try:
             await self._call(self._engine.drain(timeout))
         finally:
+            for storage in self._close_views():
+                await self._call(storage.close())
             await self._call(self._engine.shutdown())
             self._end_close(_raise_failure)
 
@@ -237,36 +348,53 @@ class SyncCheckpointer(_Core):
     :class:`~aiosnap.errors.WrongThreadError` at once instead of deadlocking.
     """
 
+    def at(self, url: str, *, keep_last: int | None = None) -> SyncCheckpointer:
+        """See :meth:`Checkpointer.at`."""
+        view: SyncCheckpointer = self._view(url, keep_last)
+        return view
+
     def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
         """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
         Same waiting and failure rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata)
-        return SyncSaveHandle(step, self._loop.run(self._engine.save(plan, order, started)))
+        durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
+        return SyncSaveHandle(step, durable)
 
     def load(self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False) -> Any:
         """See :meth:`Checkpointer.load`."""
         self._check_open()
-        manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle))
-        return self._finish_load(manifest, tensors, state)
+        with self._load_events(step) as box:
+            fetch_started = time.perf_counter()
+            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage))
+            self._fetched(box, manifest, fetch_started)
+            return self._finish_load(manifest, tensors, state)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
         self._check_open()
-        return self._loop.run(self._engine.steps())
+        return self._loop.run(self._engine.steps(self._storage))
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None)."""
         self._check_open()
-        return self._loop.run(self._engine.manifest(step))
+        return self._loop.run(self._engine.manifest(step, self._storage))
 
     def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
         """See :meth:`Checkpointer.close`."""
         if not self._begin_close():
             return
+        if self._owner is not None:
+            try:
+                self._loop.run(self._engine.drain(timeout, self._storage))
+            finally:
+                self._loop.run(self._storage.close())
+            return
         try:
             self._loop.run(self._engine.drain(timeout))
         finally:
+            for storage in self._close_views():
+                self._loop.run(storage.close())
             self._loop.run(self._engine.shutdown())
             self._end_close(_raise_failure)
 

@@ -125,6 +125,16 @@ class SpoolConfig(_Section):
         return self
 
 
+class EventsConfig(_Section):
+    """Where structured save/load events go (see :mod:`aiosnap.events`); callbacks are
+    passed to the checkpointer in code."""
+
+    log: bool = True
+    """Send events to the standard logger ``aiosnap.events`` (INFO; failures at WARNING)."""
+    jsonl: Path | None = None
+    """Append every event as one JSON line to this file."""
+
+
 class S3Config(_Section):
     """S3 and S3-compatible stores (used when ``storage.url`` is ``s3://bucket/prefix``).
 
@@ -183,6 +193,7 @@ class Config(BaseSettings):
     """Event loop of the background thread: uvloop when installed (auto), or forced."""
     s3: S3Config = S3Config()
     spool: SpoolConfig = SpoolConfig()
+    events: EventsConfig = EventsConfig()
 
     @classmethod
     def settings_customise_sources(

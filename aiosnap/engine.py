@@ -16,13 +16,14 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .budget import ByteBudget
 from .config import Config
 from .errors import CheckpointNotFoundError, first_error
+from .events import EventBus
 from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
 from .pipeline.commit import apply_retention, commit_manifest, committed_steps, read_manifest, remove_attempt
@@ -62,14 +63,45 @@ class SaveResult:
     """Chunks that went through the local-disk spool."""
     spool_fallback: str | None = None
     """Why spooling stopped for this save (disk full, unwritable), if it did."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds each stage took: capture, spool (when used), upload, commit."""
+    spool_high_water: int | None = None
+    """Most bytes of spool disk ever held at once (None without a spool)."""
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second from ``save()`` to durable."""
+        return self.nbytes / self.durable_s if self.durable_s > 0 else 0.0
+
+
+class _StageClock:
+    """When the upload stage ran: first chunk taken to last chunk landed. Loop thread."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def began(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def landed(self) -> None:
+        self.last = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.first is None or self.last is None else self.last - self.first
 
 
 class Engine:
     """Owns storage, the RAM budget and its slabs, and the saves in flight. Loop thread only."""
 
-    def __init__(self, config: Config, storage: Storage, ram_budget: int, spool: Spool | None = None) -> None:
+    def __init__(
+        self, config: Config, storage: Storage, ram_budget: int, events: EventBus, spool: Spool | None = None
+    ) -> None:
         self.config = config
         self.storage = storage
+        self.events = events
         self.budget = ByteBudget(ram_budget, "ram_budget")
         self.slab_bytes = slab_bytes_for(config, ram_budget)
         self.spool = spool
@@ -83,8 +115,8 @@ class Engine:
         self._pending: asyncio.Semaphore | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
         self._copier = Copier()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._in_flight: dict[str, int] = {}  # save id -> step
+        self._tasks: dict[asyncio.Task[None], Storage] = {}  # saves running, and where to
+        self._in_flight: dict[str, tuple[Storage, int]] = {}  # save id -> where, step
         self.unreported: BaseException | None = None  # raised by the next save(), then cleared
         self.last_failure: BaseException | None = None  # raised by close() unless a later save committed
 
@@ -101,9 +133,15 @@ class Engine:
             raise failure
 
     async def save(
-        self, plan: SavePlan, order: CudaOrder | None, started: float
+        self,
+        plan: SavePlan,
+        order: CudaOrder | None,
+        started: float,
+        storage: Storage,
+        keep_last: int | None,
     ) -> concurrent.futures.Future[SaveResult]:
-        """Start a save; returns once every byte is captured, with a future for durability."""
+        """Start a save to ``storage``; returns once every byte is captured, with a future
+        for durability. ``keep_last`` is the retention applied there after the commit."""
         self.raise_unreported()
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
@@ -116,12 +154,17 @@ class Engine:
         durable: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
         durable.set_running_or_notify_cancel()  # nobody may cancel it from outside
         captured = asyncio.get_running_loop().create_future()
-        self._in_flight[plan.save_id] = plan.step
-        task = asyncio.get_running_loop().create_task(self._run(plan, order, started, captured, durable))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._in_flight[plan.save_id] = (storage, plan.step)
+        self.events.scope("save", plan.step, storage.url, plan.save_id)("start")
+        run = self._run(plan, order, started, captured, durable, storage, keep_last)
+        task = asyncio.get_running_loop().create_task(run)
+        self._tasks[task] = storage
+        task.add_done_callback(self._tasks.pop)
         await asyncio.shield(captured)
         return durable
+
+    def _saves_to(self, storage: Storage) -> set[str]:
+        return {save_id for save_id, (where, _) in self._in_flight.items() if where is storage}
 
     async def _run(
         self,
@@ -130,19 +173,26 @@ class Engine:
         started: float,
         captured: asyncio.Future[float],
         durable: concurrent.futures.Future[SaveResult],
+        storage: Storage,
+        keep_last: int | None,
     ) -> None:
         assert self._pending is not None
         committed = False
+        emit = self.events.scope("save", plan.step, storage.url, plan.save_id)
         try:
-            session = self._spool_session(plan)
+            session = self._spool_session(plan, storage)
+            stages: dict[str, float] = {}
             try:
-                blocked, crcs = await self._stage(plan, order, started, captured, session)
-                manifest = await self._commit(plan, crcs)
+                blocked, crcs = await self._stage(plan, order, started, captured, session, storage, stages)
+                commit_started = time.perf_counter()
+                manifest = await self._commit(plan, crcs, storage)
                 committed = True
+                stages["commit"] = time.perf_counter() - commit_started
+                emit("end", stage="commit", seconds=stages["commit"])
             finally:  # committed or failed, the save's spool folder has served
                 if session is not None:
                     await asyncio.shield(session.finish())
-            deleted = await self._retention(manifest.step)
+            deleted = await self._retention(manifest.step, storage, keep_last)
             result = SaveResult(
                 step=plan.step,
                 save_id=plan.save_id,
@@ -154,12 +204,16 @@ class Engine:
                 deleted_steps=tuple(deleted),
                 spooled_chunks=0 if session is None else session.spooled,
                 spool_fallback=None if session is None else session.fallback,
+                stage_seconds=stages,
+                spool_high_water=None if self.spool is None else self.spool.budget.high_water,
             )
             self.last_failure = None
+            emit("end", nbytes=result.nbytes, seconds=result.durable_s)
             durable.set_result(result)
         except BaseException as exc:
+            emit("exception", exception=exc)
             if not committed:  # a committed step's data is never removed here
-                await asyncio.shield(remove_attempt(self.storage, plan.step, plan.save_id))
+                await asyncio.shield(remove_attempt(storage, plan.step, plan.save_id))
             if not isinstance(exc, asyncio.CancelledError):
                 self.unreported = self.last_failure = exc
                 durable.set_exception(exc)
@@ -172,10 +226,10 @@ class Engine:
             self._in_flight.pop(plan.save_id, None)
             self._pending.release()
 
-    def _spool_session(self, plan: SavePlan) -> SpoolSession | None:
+    def _spool_session(self, plan: SavePlan, storage: Storage) -> SpoolSession | None:
         if self.spool is None:
             return None
-        return SpoolSession(self.spool, plan, self.storage.url, self._pool_for(plan), self._bounce)
+        return SpoolSession(self.spool, plan, storage.url, self._pool_for(plan), self._bounce)
 
     async def _stage(
         self,
@@ -184,25 +238,36 @@ class Engine:
         started: float,
         captured: asyncio.Future[float],
         session: SpoolSession | None,
+        storage: Storage,
+        stages: dict[str, float],
     ) -> tuple[float, Checksums]:
         """Capture and upload concurrently; returns the seconds save() was blocked and the
-        crc32c of every piece."""
+        crc32c of every piece. Fills ``stages`` and emits each stage's end event."""
         pool = self._pool_for(plan)
         crcs: Checksums = {}
         workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
         # Room for every chunk: what bounds the chunks in flight is the slab pool (RAM budget).
         queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=len(plan.chunks) + 1)
         may_start = asyncio.Event()
+        clock = _StageClock()
+        landed = None if session is None else session.landed
+        emit = self.events.scope("save", plan.step, storage.url, plan.save_id)
         blocked = 0.0
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(workers):
-                    landed = None if session is None else session.landed
-                    group.create_task(upload_worker(queue, self.storage, crcs, may_start, landed))
+                    group.create_task(upload_worker(queue, storage, crcs, may_start, landed, clock))
+                capture_started = time.perf_counter()
                 await capture_chunks(plan, pool, queue, self._executor, self._copier, order, may_start, session)
                 if session is not None:
                     await session.captured()  # the journal is on disk before save() returns
-                blocked = time.perf_counter() - started
+                now = time.perf_counter()
+                blocked = now - started
+                stages["capture"] = now - capture_started
+                emit("end", stage="capture", nbytes=plan.total_bytes, seconds=stages["capture"])
+                if session is not None and session.spooled:
+                    stages["spool"] = session.spool_seconds
+                    emit("end", stage="spool", nbytes=session.spooled_bytes, seconds=session.spool_seconds)
                 captured.set_result(blocked)
                 for _ in range(workers):
                     await queue.put(None)
@@ -213,45 +278,49 @@ class Engine:
                 staged = queue.get_nowait()
                 if staged is not None:
                     staged.release()
+        stages["upload"] = clock.seconds
+        emit("end", stage="upload", nbytes=plan.total_bytes, seconds=clock.seconds)
         return blocked, crcs
 
-    async def _commit(self, plan: SavePlan, crcs: Checksums) -> Manifest:
+    async def _commit(self, plan: SavePlan, crcs: Checksums, storage: Storage) -> Manifest:
         manifest = build_manifest(plan).with_checksums(crcs)
-        others = {sid for sid, step in self._in_flight.items() if sid != plan.save_id}
-        await commit_manifest(self.storage, manifest, others)
+        others = self._saves_to(storage) - {plan.save_id}
+        await commit_manifest(storage, manifest, others)
         return manifest
 
-    async def _retention(self, step: int) -> list[int]:
+    async def _retention(self, step: int, storage: Storage, keep_last: int | None) -> list[int]:
+        busy = {s for where, s in self._in_flight.values() if where is storage}
         try:
-            return await apply_retention(
-                self.storage, self.config.retention.keep_last, step, set(self._in_flight.values())
-            )
+            return await apply_retention(storage, keep_last, step, busy)
         except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
             log.warning("aiosnap: retention after step %d failed: %r", step, exc)
             return []
 
-    async def steps(self) -> list[int]:
+    async def steps(self, storage: Storage) -> list[int]:
         """Committed steps, ascending."""
-        return await committed_steps(self.storage)
+        return await committed_steps(storage)
 
-    async def read(self, step: int | None, allow_pickle: bool) -> tuple[Manifest, dict[int, torch.Tensor]]:
+    async def read(
+        self, step: int | None, allow_pickle: bool, storage: Storage
+    ) -> tuple[Manifest, dict[int, torch.Tensor]]:
         """The manifest of ``step`` (latest committed when None) and its verified tensors."""
-        manifest = await self.manifest(step)
+        manifest = await self.manifest(step, storage)
         check_pickles(manifest, allow_pickle)
-        return manifest, await fetch_entries(self.storage, manifest, self.config.upload.concurrency)
+        return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency)
 
-    async def manifest(self, step: int | None) -> Manifest:
+    async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""
         if step is None:
-            steps = await committed_steps(self.storage)
+            steps = await committed_steps(storage)
             if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.url}")
+                raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
             step = steps[-1]
-        return await read_manifest(self.storage, step)
+        return await read_manifest(storage, step)
 
-    async def drain(self, timeout: float | None) -> None:
-        """Wait for saves in flight; after ``timeout`` seconds cancel the rest."""
-        tasks = set(self._tasks)
+    async def drain(self, timeout: float | None, storage: Storage | None = None) -> None:
+        """Wait for saves in flight (to ``storage`` only, when given); after ``timeout``
+        seconds cancel the rest."""
+        tasks = {task for task, where in self._tasks.items() if storage is None or where is storage}
         if not tasks:
             return
         _, pending = await asyncio.wait(tasks, timeout=timeout)

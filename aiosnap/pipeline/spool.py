@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -211,6 +212,9 @@ class SpoolSession:
         self.bounce = bounce
         self.fallback: str | None = None
         self.spooled = 0
+        self.spooled_bytes = 0
+        self.spool_seconds = 0.0
+        """Time spent copying into spool buffers and writing spool files."""
         self._state: dict[int, str] = {}
         self._chunk_crcs: dict[int, int] = {}
         self._crcs: Checksums = {}
@@ -247,6 +251,7 @@ class SpoolSession:
             buffer = self.bounce.buffer
             give_back = self.bounce.lock.release
         ranges = [(p.dst_offset, p.nbytes) for p in chunk.pieces]
+        began = time.perf_counter()
         try:
             await copy(buffer)
             path, crc, pieces = await self.spool.spill(
@@ -266,6 +271,8 @@ class SpoolSession:
         finally:
             give_back()
         self.spooled += 1
+        self.spooled_bytes += nbytes
+        self.spool_seconds += time.perf_counter() - began
         self._state[chunk.index] = "spooled"
         self._chunk_crcs[chunk.index] = crc
         for (offset, _), piece_crc in zip(ranges, pieces, strict=True):

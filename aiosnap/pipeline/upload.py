@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import crc32c
 
@@ -17,7 +18,12 @@ from ..storage.base import Storage
 from .capture import StagedChunk
 from .spool import file_crc32c
 
-__all__ = ["crc32c_of", "upload_worker"]
+__all__ = ["UploadClock", "crc32c_of", "upload_worker"]
+
+
+class UploadClock(Protocol):
+    def began(self) -> None: ...
+    def landed(self) -> None: ...
 
 
 def crc32c_of(data: memoryview) -> int:
@@ -49,16 +55,20 @@ async def upload_worker(
     crcs: Checksums,
     may_start: asyncio.Event,
     on_landed: Callable[[StagedChunk, list[int]], Awaitable[None]] | None = None,
+    clock: UploadClock | None = None,
 ) -> None:
     """Take chunks off ``queue`` until a ``None`` arrives; each chunk's RAM (or spool disk)
     is released in finally, after ``on_landed`` (the spool journal) has run.
 
-    Starts only once ``may_start`` is set (capture has priority while RAM lasts)."""
+    Starts only once ``may_start`` is set (capture has priority while RAM lasts). ``clock``
+    hears when the first chunk is taken and when each one has landed."""
     await may_start.wait()
     while True:
         staged = await queue.get()
         if staged is None:
             return
+        if clock is not None:
+            clock.began()
         try:
             if staged.spool_path is not None:
                 checksums = await _upload_spooled(storage, staged)
@@ -69,5 +79,7 @@ async def upload_worker(
                 crcs[(staged.object_name, offset)] = crc
             if on_landed is not None:
                 await on_landed(staged, checksums)
+            if clock is not None:
+                clock.landed()
         finally:
             staged.release()

@@ -1,0 +1,240 @@
+"""Structured events: every save and load is a scope of events sent to pluggable handlers.
+
+A save emits ``start``, then one ``end`` per stage that ran (``capture``, ``spool``,
+``upload``, ``commit``) with its bytes and seconds, then exactly one ``end`` or
+``exception`` for the whole checkpoint -- also when the save is cancelled. A load emits
+``start``, a ``fetch`` stage ``end`` and ``end``/``exception``.
+
+Handlers are plain callables taking an :class:`Event`. Save events are emitted on
+aiosnap's background loop thread, load events on the caller's thread, so a handler must
+be quick and thread-safe; the built-in ones are. A handler that raises is logged (once per
+handler) and otherwise ignored: events never break a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "Event",
+    "ScopeEmitter",
+    "EventBus",
+    "EventHandler",
+    "JsonlHandler",
+    "LoggingHandler",
+    "ProcessGroupInfo",
+]
+
+log = logging.getLogger("aiosnap")
+
+EventKind = Literal["start", "end", "exception"]
+EventOp = Literal["save", "load"]
+EventHandler = Callable[["Event"], None]
+
+
+@dataclass(frozen=True)
+class ProcessGroupInfo:
+    """Who emits: this process's rank and world size in aiosnap's group, and that group's
+    backend and size when torch.distributed is initialised (None otherwise)."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    group_size: int | None = None
+
+    @classmethod
+    def of(cls, process_group: Any | None, rank: int | None, world_size: int | None) -> ProcessGroupInfo:
+        """Describe ``process_group`` (the default group when None and torch.distributed is
+        initialised). Explicit ``rank``/``world_size`` win over the group's."""
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not initialised:
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        backend: str | None = None
+        group_size: int | None = None
+        if initialised:
+            group = process_group if process_group is not None else dist.group.WORLD
+            backend = str(dist.get_backend(group))
+            group_size = dist.get_world_size(group)
+            if process_group is not None:
+                rank = dist.get_rank(group) if rank is None else rank
+                world_size = group_size if world_size is None else world_size
+        rank = 0 if rank is None else rank
+        world_size = 1 if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        return cls(rank=rank, world_size=world_size, backend=backend, group_size=group_size)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a save or load scope. ``stage`` is None for the checkpoint as a whole."""
+
+    kind: EventKind
+    op: EventOp
+    stage: str | None
+    step: int | None
+    url: str
+    rank: int
+    world_size: int
+    backend: str | None
+    group_size: int | None
+    save_id: str | None = None
+    nbytes: int | None = None
+    seconds: float | None = None
+    error_type: str | None = None
+    error: str | None = None
+    time: float = field(default_factory=time.time)
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+    """The exception itself (``exception`` events only); left out of :meth:`to_dict`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields (no exception object)."""
+        doc = asdict(self)
+        doc.pop("exception")
+        return doc
+
+    def describe(self) -> str:
+        """One human line, as the logging handler writes it."""
+        what = f"{self.op} step {self.step}" + (f" {self.stage}" if self.stage else "")
+        if self.kind == "exception":
+            return f"aiosnap: {what} failed: {self.error_type}: {self.error}"
+        if self.kind == "start":
+            return f"aiosnap: {what} started ({self.url}, rank {self.rank}/{self.world_size})"
+        figures = []
+        if self.nbytes is not None:
+            figures.append(f"{self.nbytes / 1e6:.1f} MB")
+        if self.seconds is not None:
+            figures.append(f"{self.seconds:.3f} s")
+        if self.nbytes and self.seconds:
+            figures.append(f"{self.nbytes / self.seconds / 1e6:.0f} MB/s")
+        return f"aiosnap: {what} done" + (f" ({', '.join(figures)})" if figures else "")
+
+
+class LoggingHandler:
+    """Writes each event to a standard logger (``aiosnap.events``): exceptions at WARNING,
+    the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``."""
+
+    def __init__(self, logger: str = "aiosnap.events", level: int = logging.INFO) -> None:
+        self.logger = logging.getLogger(logger)
+        self.level = level
+
+    def __call__(self, event: Event) -> None:
+        level = logging.WARNING if event.kind == "exception" else self.level
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, "%s", event.describe(), extra={"aiosnap_event": event.to_dict()})
+
+
+class JsonlHandler:
+    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        line = json.dumps(event.to_dict(), allow_nan=False) + "\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class EventBus:
+    """Sends events to handlers, shielding the caller from their failures. Any thread."""
+
+    def __init__(self, handlers: Sequence[EventHandler], group: ProcessGroupInfo, url: str) -> None:
+        self.handlers = list(handlers)
+        self.group = group
+        self.url = url
+        self._complained: set[int] = set()
+
+    def emit(
+        self,
+        kind: EventKind,
+        op: EventOp,
+        step: int | None,
+        *,
+        stage: str | None = None,
+        url: str | None = None,
+        save_id: str | None = None,
+        nbytes: int | None = None,
+        seconds: float | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        if not self.handlers:
+            return
+        event = Event(
+            kind=kind,
+            op=op,
+            stage=stage,
+            step=step,
+            url=url or self.url,
+            rank=self.group.rank,
+            world_size=self.group.world_size,
+            backend=self.group.backend,
+            group_size=self.group.group_size,
+            save_id=save_id,
+            nbytes=nbytes,
+            seconds=seconds,
+            error_type=None if exception is None else type(exception).__name__,
+            error=None if exception is None else str(exception),
+            exception=exception,
+        )
+        for handler in self.handlers:
+            try:
+                handler(event)
+            except Exception as exc:
+                if id(handler) not in self._complained:
+                    self._complained.add(id(handler))
+                    log.warning("aiosnap: event handler %r failed (further failures not logged): %r", handler, exc)
+
+    def scope(self, op: EventOp, step: int | None, url: str, save_id: str | None = None) -> ScopeEmitter:
+        """An emitter with the fields every event of one save or load shares filled in."""
+        return ScopeEmitter(self, op, step, url, save_id)
+
+    def close(self) -> None:
+        """Close handlers that hold resources (JSON-lines files)."""
+        for handler in self.handlers:
+            close = getattr(handler, "close", None)
+            if isinstance(handler, JsonlHandler) and callable(close):
+                close()
+
+
+@dataclass
+class ScopeEmitter:
+    """Emits the events of one save or load scope (see :meth:`EventBus.scope`)."""
+
+    bus: EventBus
+    op: EventOp
+    step: int | None
+    url: str
+    save_id: str | None = None
+
+    def __call__(
+        self,
+        kind: EventKind,
+        *,
+        stage: str | None = None,
+        nbytes: int | None = None,
+        seconds: float | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self.bus.emit(
+            kind, self.op, self.step, stage=stage, url=self.url, save_id=self.save_id,
+            nbytes=nbytes, seconds=seconds, exception=exception,
+        )  # fmt: skip
