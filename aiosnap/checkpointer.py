@@ -51,6 +51,11 @@ class SaveHandle:
         return self._durable.done()
 
     @property
+    def future(self) -> concurrent.futures.Future[SaveResult]:
+        """The save's outcome as a thread-safe future (``concurrent.futures.wait`` on many)."""
+        return self._durable
+
+    @property
     def result(self) -> SaveResult | None:
         """The figures of the committed save; None while in flight or after a failure."""
         if self._durable.done() and self._durable.exception() is None:
@@ -141,15 +146,15 @@ class _Core:
                 events.close()
                 raise
 
-    def _view(self, url: str, keep_last: int | None) -> Any:
+    def _view(self, url: str, keep_last: int | None, storage: Storage | None) -> Any:
         """A checkpointer of the same class for another storage root, sharing this one's
         loop thread, RAM budget, staging slabs and event handlers."""
         self._check_open()
         if self._owner is not None:
-            return self._owner._view(url, keep_last)
+            return self._owner._view(url, keep_last, storage)
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
-        view._storage = storage_from_url(url, self.config)
+        view._storage = storage if storage is not None else storage_from_url(url, self.config)
         view._keep_last = keep_last
         view._views = []
         view._owner = self
@@ -271,11 +276,12 @@ class Checkpointer(_Core):
     async def _call(self, coro: Any) -> Any:
         return await asyncio.wrap_future(self._loop.submit(coro))
 
-    def at(self, url: str, *, keep_last: int | None = None) -> Checkpointer:
+    def at(self, url: str, *, keep_last: int | None = None, storage: Storage | None = None) -> Checkpointer:
         """A checkpointer for another storage root (``keep_last`` is its retention; None
         keeps every step) that shares this one's background thread, RAM budget, staging
-        slabs and event handlers. Close it to wait for its saves; closing this one closes it."""
-        view: Checkpointer = self._view(url, keep_last)
+        slabs and event handlers. ``storage`` replaces the backend chosen from ``url``.
+        Close it to wait for its saves; closing this one closes it."""
+        view: Checkpointer = self._view(url, keep_last, storage)
         return view
 
     async def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -313,6 +319,13 @@ class Checkpointer(_Core):
         result: Manifest = await self._call(self._engine.manifest(step, self._storage))
         return result
 
+    async def purge(self) -> list[int]:
+        """Wait for this root's saves, then delete every checkpoint and leftover under it
+        (committed steps manifest first). Returns the steps deleted."""
+        self._check_open()
+        result: list[int] = await self._call(self._engine.purge(self._storage))
+        return result
+
     async def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
         """Wait for pending saves (cancelling them after ``timeout`` s), free resources.
         Raises the last save's failure with its original type unless a later save committed."""
@@ -348,9 +361,9 @@ class SyncCheckpointer(_Core):
     :class:`~aiosnap.errors.WrongThreadError` at once instead of deadlocking.
     """
 
-    def at(self, url: str, *, keep_last: int | None = None) -> SyncCheckpointer:
+    def at(self, url: str, *, keep_last: int | None = None, storage: Storage | None = None) -> SyncCheckpointer:
         """See :meth:`Checkpointer.at`."""
-        view: SyncCheckpointer = self._view(url, keep_last)
+        view: SyncCheckpointer = self._view(url, keep_last, storage)
         return view
 
     def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
@@ -379,6 +392,11 @@ class SyncCheckpointer(_Core):
         """The manifest of ``step`` (latest when None)."""
         self._check_open()
         return self._loop.run(self._engine.manifest(step, self._storage))
+
+    def purge(self) -> list[int]:
+        """See :meth:`Checkpointer.purge`."""
+        self._check_open()
+        return self._loop.run(self._engine.purge(self._storage))
 
     def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
         """See :meth:`Checkpointer.close`."""

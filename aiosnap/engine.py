@@ -26,7 +26,14 @@ from .errors import CheckpointNotFoundError, first_error
 from .events import EventBus
 from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
-from .pipeline.commit import apply_retention, commit_manifest, committed_steps, read_manifest, remove_attempt
+from .pipeline.commit import (
+    apply_retention,
+    commit_manifest,
+    committed_steps,
+    read_manifest,
+    remove_attempt,
+    remove_everything,
+)
 from .pipeline.fetch import fetch_entries
 from .pipeline.resume import ResumeReport, resume_spooled
 from .pipeline.spool import Bounce, Spool, SpoolSession
@@ -316,6 +323,11 @@ class Engine:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
             step = steps[-1]
         return await read_manifest(storage, step)
+
+    async def purge(self, storage: Storage) -> list[int]:
+        """Wait for the saves to ``storage``, then delete everything under it."""
+        await self.drain(None, storage)
+        return await remove_everything(storage)
 
     async def drain(self, timeout: float | None, storage: Storage | None = None) -> None:
         """Wait for saves in flight (to ``storage`` only, when given); after ``timeout``

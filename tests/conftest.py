@@ -78,6 +78,9 @@ class FaultyStorage(Storage):
     async def delete_prefix(self, prefix: str) -> None:
         await self.inner.delete_prefix(prefix)
 
+    async def remove_root(self) -> None:
+        await self.inner.remove_root()
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

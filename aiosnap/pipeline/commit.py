@@ -22,6 +22,7 @@ __all__ = [
     "committed_steps",
     "read_manifest",
     "remove_attempt",
+    "remove_everything",
     "remove_step",
 ]
 
@@ -111,3 +112,16 @@ async def apply_retention(
     for step in doomed:
         await remove_step(storage, step)
     return doomed
+
+
+async def remove_everything(storage: Storage) -> list[int]:
+    """Delete every committed step (newest first, each manifest before its data), then
+    every leftover under the root, then the root folder itself where that means anything.
+    The caller makes sure no save to ``storage`` is running. Returns the steps deleted."""
+    steps = await committed_steps(storage)
+    for step in reversed(steps):
+        await remove_step(storage, step)
+    for name in await storage.list_children(""):
+        await storage.delete_prefix(name)
+    await storage.remove_root()
+    return steps

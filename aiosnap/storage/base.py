@@ -90,6 +90,9 @@ class Storage(abc.ABC):
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``; a missing prefix is not an error."""
 
+    async def remove_root(self) -> None:  # noqa: B027 - optional hook
+        """Remove the (empty) root folder itself, for backends that have folders."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
 

@@ -127,5 +127,13 @@ class LocalStorage(Storage):
         path = self._path(prefix)
         if path == self.root:
             raise ValueError("refusing to delete the whole storage root")
+        if await aiofiles.os.path.isfile(path):
+            await self.delete(prefix)
+            return
         with suppress(FileNotFoundError):
             await asyncio.to_thread(shutil.rmtree, path)
+
+    async def remove_root(self) -> None:
+        with suppress(FileNotFoundError):
+            if not await aiofiles.os.listdir(self.root):
+                await aiofiles.os.rmdir(self.root)

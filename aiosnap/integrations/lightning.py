@@ -1,0 +1,232 @@
+"""Lightning ``CheckpointIO`` plugin: ``Trainer(plugins=[AiosnapCheckpointIO(config)])``.
+
+Each checkpoint path Lightning names (``.../epoch=1-step=20.ckpt``, ``last.ckpt``, or an
+``s3://bucket/...`` URL) becomes an aiosnap checkpoint root holding that one checkpoint: a
+folder of data objects plus a manifest. Writing a path again commits a new version there
+and drops the old one only after the new one is committed. All paths share one background
+thread, one RAM budget and one set of staging slabs (from ``config``).
+
+Threads: every method runs on the caller's (the trainer's) thread; saves continue on
+aiosnap's loop thread, removals on a small helper thread of this plugin.
+
+- ``save_checkpoint`` returns once the state is captured into host RAM (no clone of the
+  model on the GPU); durability follows in the background.
+- ``load_checkpoint`` first waits for saves in flight to that path.
+- ``remove_checkpoint`` never blocks training and never races a save: it waits (on the
+  helper thread) for every save in flight when it was called, and removes the path only if
+  all of them committed -- the last committed checkpoint is never deleted while a newer
+  one is still pending or has failed. A new save to the same path supersedes the removal.
+- ``teardown`` waits for everything and re-raises a background failure with its original
+  type (unless it was already raised by a later ``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("aiosnap.integrations.lightning needs Lightning: pip install 'aiosnap[lightning]'") from exc
+
+from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
+from ..config import Config
+from ..errors import CheckpointNotFoundError
+from ..events import EventHandler
+from ..storage.base import Storage, storage_from_url
+
+__all__ = ["AiosnapCheckpointIO"]
+
+log = logging.getLogger("aiosnap")
+
+
+def location_of(path: str | os.PathLike[str]) -> str:
+    """The storage root for a Lightning checkpoint path: URLs as given, local paths absolute."""
+    text = os.fspath(path)
+    if "://" in text:
+        return text.rstrip("/")
+    return str(Path(text).expanduser().absolute())
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        moved = type(value)() if type(value) is not dict else {}
+        for key, item in value.items():
+            moved[key] = _move(item, device)
+        return moved
+    if isinstance(value, list):
+        return [_move(v, device) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_move(v, device) for v in value)
+    return value
+
+
+class AiosnapCheckpointIO(CheckpointIO):
+    """Lightning checkpoints through aiosnap (see the module docstring for the rules).
+
+    ``config``: an aiosnap :class:`~aiosnap.Config` (or dict / YAML-loaded config); its
+    RAM budget, upload, S3 and event settings apply; ``storage.url`` is not used (paths
+    come from Lightning). ``allow_pickle``: load checkpoints holding pickled objects (such
+    as non-JSON hyper-parameters); off by default because unpickling runs code.
+    ``event_handlers``: callables receiving every event. ``storage_for(url, config)``: the
+    backend for one checkpoint path (custom or wrapped backends).
+    """
+
+    def __init__(
+        self,
+        config: ConfigLike = None,
+        *,
+        allow_pickle: bool = False,
+        event_handlers: Sequence[EventHandler] = (),
+        storage_for: Callable[[str, Config], Storage] = storage_from_url,
+    ) -> None:
+        super().__init__()
+        self.storage_for = storage_for
+        self.config = Config.coerce(config)
+        self.allow_pickle = allow_pickle
+        self.event_handlers = list(event_handlers)
+        self._lock = threading.RLock()
+        self._checkpointer: SyncCheckpointer | None = None
+        self._locations: dict[str, SyncCheckpointer] = {}
+        self._next_step: dict[str, int] = {}
+        self._generation: dict[str, int] = {}
+        self._pending: dict[str, list[SyncSaveHandle]] = {}
+        self._removals: list[concurrent.futures.Future[None]] = []
+        self._remover: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reported: set[int] = set()  # ids of failures already raised to Lightning
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _root(self) -> SyncCheckpointer:
+        if self._checkpointer is None:
+            self._checkpointer = SyncCheckpointer(self.config, event_handlers=self.event_handlers)
+        return self._checkpointer
+
+    def _location(self, key: str) -> SyncCheckpointer:
+        view = self._locations.get(key)
+        if view is None:
+            storage = self.storage_for(key, self.config)
+            view = self._locations[key] = self._root().at(key, keep_last=1, storage=storage)
+        return view
+
+    def _handles(self, key: str) -> list[SyncSaveHandle]:
+        handles = [h for h in self._pending.get(key, []) if not h.done()]
+        self._pending[key] = handles
+        return handles
+
+    def _all_pending(self) -> list[SyncSaveHandle]:
+        return [h for key in list(self._pending) for h in self._handles(key)]
+
+    # -- CheckpointIO -----------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Capture ``checkpoint`` for ``path`` and return; it commits in the background."""
+        if storage_options is not None:
+            raise TypeError(
+                "AiosnapCheckpointIO.save_checkpoint does not take storage_options; "
+                "configure storage through the aiosnap config instead"
+            )
+        key = location_of(path)
+        with self._lock:
+            self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
+            location = self._location(key)
+            step = self._next_step.get(key)
+            if step is None:
+                committed = location.steps()
+                step = committed[-1] + 1 if committed else 1
+            metadata = {
+                "lightning": {
+                    "global_step": int(checkpoint.get("global_step", 0)),
+                    "epoch": int(checkpoint.get("epoch", 0)),
+                    "path": os.fspath(path),
+                }
+            }
+            try:
+                handle = location.save(checkpoint, step=step, metadata=metadata)
+            except BaseException as exc:
+                self._reported.add(id(exc))
+                raise
+            self._next_step[key] = step + 1
+            self._pending.setdefault(key, []).append(handle)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` (waiting for saves to it in flight). A plain file
+        (``torch.save`` format) is read with Lightning's own loader, for migrating."""
+        if "://" not in os.fspath(path) and Path(path).is_file():
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        key = location_of(path)
+        with self._lock:
+            handles = self._handles(key)
+            location = self._location(key)
+        concurrent.futures.wait([h.future for h in handles])
+        try:
+            state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
+        except CheckpointNotFoundError as exc:
+            raise FileNotFoundError(f"Checkpoint file not found: {path} ({exc})") from exc
+        if isinstance(map_location, (str, torch.device)):
+            state = _move(state, torch.device(map_location))
+        if not isinstance(state, dict):
+            raise TypeError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Schedule removal of ``path`` once every save now in flight has committed."""
+        key = location_of(path)
+        with self._lock:
+            waiting_for = [h.future for h in self._all_pending()]
+            generation = self._generation.get(key, 0)
+            if self._remover is None:
+                self._remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-remover")
+            self._removals.append(self._remover.submit(self._remove, key, generation, waiting_for))
+
+    def _remove(self, key: str, generation: int, waiting_for: list[concurrent.futures.Future[Any]]) -> None:
+        """Helper thread: wait, then delete ``key`` unless a newer save failed or reused it."""
+        concurrent.futures.wait(waiting_for)
+        failed = [f.exception() for f in waiting_for if f.exception() is not None]
+        if failed:
+            log.warning(
+                "aiosnap: keeping %s: a newer save failed (%r), so it may be the last good checkpoint", key, failed[0]
+            )
+            return
+        with self._lock:
+            if self._generation.get(key, 0) != generation:
+                return  # saved again since: the new version replaced the old one already
+            location = self._location(key)
+            location.purge()
+            location.close()
+            del self._locations[key]
+            self._next_step.pop(key, None)
+            self._pending.pop(key, None)
+
+    def teardown(self) -> None:
+        """Wait for removals and saves; re-raise a failure Lightning has not seen yet."""
+        with self._lock:
+            removals, self._removals = self._removals, []
+            remover, self._remover = self._remover, None
+            checkpointer, self._checkpointer = self._checkpointer, None
+            self._locations.clear()
+            self._next_step.clear()
+            self._pending.clear()
+        for removal in removals:
+            removal.result()
+        if remover is not None:
+            remover.shutdown(wait=True)
+        if checkpointer is not None:
+            try:
+                checkpointer.close()
+            except BaseException as exc:
+                if id(exc) not in self._reported:
+                    raise
+                log.debug("aiosnap: failure already reported: %r", exc)

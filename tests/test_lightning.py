@@ -1,0 +1,256 @@
+"""The Lightning CheckpointIO plugin with a real Trainer on CPU."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from aiosnap import Config  # noqa: E402
+from aiosnap.integrations.lightning import AiosnapCheckpointIO  # noqa: E402
+from aiosnap.storage.local import LocalStorage  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from tests.conftest import FaultyStorage, s3_config  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*The number of training batches.*",
+    "ignore:.*LeafSpec.*:FutureWarning",
+    "ignore:Checkpoint directory .* exists and is not empty",
+)
+
+
+class Regressor(pl.LightningModule):
+    """Small model with Adam + StepLR: resuming must restore optimizer and scheduler too."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+
+
+def loader() -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=generator)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(64, 1, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+
+
+class LossLog(Callback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses[trainer.global_step] = float(outputs["loss"])
+
+
+def trainer(epochs: int, plugin: AiosnapCheckpointIO | None, callbacks: list[Callback], root: Path) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin] if plugin is not None else None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        deterministic=True,
+    )
+
+
+@pytest.fixture
+def config() -> Config:
+    return Config(ram_budget="16MiB", upload={"chunk_size": "64KiB"})
+
+
+def test_topk_last_and_resume_continue_identically(tmp_path: Path, config: Config) -> None:
+    torch.manual_seed(0)
+    straight = LossLog()
+    trainer(6, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
+
+    torch.manual_seed(0)
+    first = LossLog()
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=2, mode="min", save_last=True
+    )
+    trainer(3, AiosnapCheckpointIO(config), [first, checkpoints], tmp_path).fit(Regressor(), loader())
+
+    # top-k and last are aiosnap checkpoint folders; removed ones are gone entirely
+    on_disk = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    expected = sorted([Path(p).name for p in checkpoints.best_k_models] + ["last.ckpt"])
+    assert on_disk == expected
+    assert len(on_disk) == 3
+    for name in on_disk:  # each holds exactly one committed version
+        assert len(list((tmp_path / "ckpt" / name).glob("*/manifest.json"))) == 1
+
+    torch.manual_seed(123)  # resuming must not depend on the process's RNG
+    resumed = LossLog()
+    plugin = AiosnapCheckpointIO(config)
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=2, mode="min", save_last=True)
+    resume_from = checkpoints.last_model_path
+    trainer(6, plugin, [resumed, again], tmp_path).fit(Regressor(), loader(), ckpt_path=resume_from)
+
+    assert sorted(resumed.losses) == [s for s in sorted(straight.losses) if s > max(first.losses)]
+    for step, loss in resumed.losses.items():
+        assert loss == straight.losses[step], f"step {step}: {loss} != {straight.losses[step]}"
+    assert {s: straight.losses[s] for s in first.losses} == first.losses
+
+
+def test_save_checkpoint_returns_before_durable_and_loads_back(tmp_path: Path, config: Config) -> None:
+    slow = {}
+
+    def storage_for(url: str, cfg: Config) -> FaultyStorage:
+        slow[url] = FaultyStorage(LocalStorage(url), delay=0.3)
+        return slow[url]
+
+    plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
+    model = Regressor(width=256)
+    state = {"state_dict": model.state_dict(), "global_step": 7, "epoch": 1, "note": "x"}
+    path = tmp_path / "manual.ckpt"
+    started = time.perf_counter()
+    plugin.save_checkpoint(state, path)
+    returned = time.perf_counter() - started
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # training goes on mutating the captured state
+    assert not (path / f"{1:012d}" / "manifest.json").exists()  # not durable yet
+    loaded = plugin.load_checkpoint(path)  # waits for the save in flight
+    assert returned < 0.3
+    assert loaded["global_step"] == 7 and loaded["note"] == "x"
+    for name, tensor in Regressor(width=256).state_dict().items():
+        assert loaded["state_dict"][name].shape == tensor.shape
+    assert torch.equal(loaded["state_dict"]["net.0.weight"] + 1.0, model.state_dict()["net.0.weight"])
+    plugin.teardown()
+
+
+def test_overwriting_a_path_keeps_one_version(tmp_path: Path, config: Config) -> None:
+    plugin = AiosnapCheckpointIO(config)
+    path = tmp_path / "last.ckpt"
+    for step in (5, 3):  # a lower step later (after resuming from older state) still wins
+        plugin.save_checkpoint({"w": torch.full((4,), float(step)), "global_step": step}, path)
+    plugin.teardown()
+    assert plugin.load_checkpoint(path)["global_step"] == 3
+    assert len([p for p in path.iterdir() if p.name.isdigit()]) == 1
+    plugin.teardown()
+
+
+def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: Path, config: Config) -> None:
+    wrappers: dict[str, FaultyStorage] = {}
+
+    def storage_for(url: str, cfg: Config) -> FaultyStorage:
+        wrappers[url] = FaultyStorage(LocalStorage(url))
+        if url.endswith("c.ckpt"):  # every save there fails
+            wrappers[url].fail_when = lambda name: name.endswith(".bin")
+            wrappers[url].error = OSError(28, "No space left on device")
+        return wrappers[url]
+
+    plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
+    old, new, newer = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "c.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(8), "global_step": 1}, old)
+    plugin.load_checkpoint(old)  # committed
+
+    # a newer save is held in flight; removing the old one must wait for it
+    plugin.save_checkpoint({"w": torch.zeros(8), "global_step": 2}, new)
+    wrappers[str(new)].delay = 0.5
+    plugin.remove_checkpoint(old)
+    time.sleep(0.2)
+    assert (old / f"{1:012d}" / "manifest.json").exists()
+    plugin.load_checkpoint(new)
+    deadline = time.monotonic() + 10
+    while old.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not old.exists()
+
+    # the next save fails: removing the last good one is refused (kept, with a warning)
+    wrappers[str(new)].delay = 0
+    plugin.save_checkpoint({"w": torch.ones(8), "global_step": 3}, newer)
+    plugin.remove_checkpoint(new)
+    with pytest.raises(OSError, match="No space left"):
+        plugin.teardown()
+    assert plugin.load_checkpoint(new)["global_step"] == 2
+    assert not newer.exists() or not any(newer.glob("*/manifest.json"))
+    plugin.teardown()
+
+
+def test_failure_surfaces_at_next_save_with_type(tmp_path: Path, config: Config) -> None:
+    def storage_for(url: str, cfg: Config) -> FaultyStorage:
+        return FaultyStorage(LocalStorage(url), fail_when=lambda n: n.endswith(".bin"), error=PermissionError("ro"))
+
+    plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
+    plugin.save_checkpoint({"w": torch.ones(4)}, tmp_path / "x.ckpt")
+    deadline = time.monotonic() + 10
+    with pytest.raises(PermissionError):
+        while time.monotonic() < deadline:
+            plugin.save_checkpoint({"w": torch.ones(4)}, tmp_path / "y.ckpt")
+            time.sleep(0.05)
+    plugin.teardown()  # already reported: not raised twice
+
+
+def test_pickled_objects_need_opt_in(tmp_path: Path, config: Config) -> None:
+    plugin = AiosnapCheckpointIO(config)
+    path = tmp_path / "p.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(2), "odd": {1, 2}}, path)
+    from aiosnap.errors import PickleNotAllowedError
+
+    with pytest.raises(PickleNotAllowedError):
+        plugin.load_checkpoint(path)
+    assert AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(path)["odd"] == {1, 2}
+    with pytest.raises(PickleNotAllowedError):
+        AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(path, weights_only=True)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        plugin.load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(TypeError, match="storage_options"):
+        plugin.save_checkpoint({"w": torch.ones(2)}, path, storage_options={"a": 1})
+    plugin.teardown()
+
+
+def test_torch_save_files_still_load(tmp_path: Path, config: Config) -> None:
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(3)}, "global_step": 2}, path)
+    loaded = AiosnapCheckpointIO(config).load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(3))
+
+
+def test_trainer_against_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any) -> None:
+    config = s3_config(s3_endpoint, s3_bucket)
+    torch.manual_seed(0)
+    straight = LossLog()
+    trainer(4, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
+
+    torch.manual_seed(0)
+    plugin = AiosnapCheckpointIO(config)
+    first = trainer(2, plugin, [], tmp_path / "a")
+    first.fit(Regressor(), loader())
+    url = f"s3://{s3_bucket}/run/epoch-2.ckpt"
+    first.save_checkpoint(url)
+    plugin.teardown()
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/epoch-2.ckpt/")["Contents"]]
+    assert any(k.endswith("manifest.json") for k in keys)
+
+    resumed = LossLog()
+    trainer(4, AiosnapCheckpointIO(config), [resumed], tmp_path / "a").fit(Regressor(), loader(), ckpt_path=url)
+    assert resumed.losses and all(loss == straight.losses[s] for s, loss in resumed.losses.items())
+
+    plugin = AiosnapCheckpointIO(config)
+    plugin.remove_checkpoint(url)
+    plugin.teardown()
+    assert "Contents" not in s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/epoch-2.ckpt/")
