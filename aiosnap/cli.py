@@ -1,62 +1,306 @@
-"""The ``aiosnap`` command line (also ``python -m aiosnap``).
+"""The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-For now: ``aiosnap resume --config FILE`` finishes the uploads a crashed training process
-left in its spool and commits them, without any training code.
+Commands: ``ls``, ``info``, ``verify``, ``resume``, ``gc``, ``bench``. URLs are storage
+roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
+(S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
+and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
+line on stderr and a non-zero exit status (1; 2 for usage errors).
+
+Runs on the main thread: each command drives its own event loop with ``asyncio.run``
+(``resume`` uses a :class:`~aiosnap.SyncCheckpointer` and its background thread).
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import datetime
 import json
 import logging
 import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
 
 from .checkpointer import SyncCheckpointer
-from .config import load_config
+from .config import Config, StorageConfig, load_config
 from .errors import AiosnapError
+from .maintenance import collect_garbage, list_steps, verify_step
+from .manifest import Manifest
+from .pipeline.commit import committed_steps, read_manifest
+from .storage.base import Storage, storage_from_url
 
-__all__ = ["main"]
+__all__ = ["app", "main"]
+
+T = TypeVar("T")
+app = typer.Typer(
+    name="aiosnap",
+    help="Inspect, verify, resume and clean aiosnap checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, soft_wrap=True)
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config (S3 endpoint, credentials, concurrency)")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON document (for scripts)")]
+StepOption = Annotated[int | None, typer.Option("--step", "-s", help="step to use (default: the latest)")]
+UrlArgument = Annotated[str, typer.Argument(help="checkpoint root: a path, file:// or s3://bucket/prefix")]
 
 
-def _resume(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    if config.spool.effective_mode == "off":
-        print(f"aiosnap: {args.config}: no spool configured (spool.dir), nothing to resume", file=sys.stderr)
-        return 1
-    config = config.model_copy(update={"spool": config.spool.model_copy(update={"resume": True})})
-    with SyncCheckpointer(config) as ckpt:
+def _config(path: Path | None, url: str | None = None) -> Config:
+    config = load_config(path) if path is not None else Config()
+    if url is not None:
+        config = config.model_copy(update={"storage": StorageConfig(url=url)})
+    return config
+
+
+def _on_storage(url: str, config: Config, work: Callable[[Storage], Awaitable[T]]) -> T:
+    async def run() -> T:
+        storage = storage_from_url(url, config)
+        try:
+            return await work(storage)
+        finally:
+            await storage.close()
+
+    return asyncio.run(run())
+
+
+def _when(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _emit_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+def _progress(total: int, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
+    """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        return None, lambda n: None
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    task = bar.add_task(what, total=total)
+    return bar, lambda n: bar.advance(task, n)
+
+
+@app.command("ls")
+def list_command(
+    url: UrlArgument,
+    all_steps: Annotated[bool, typer.Option("--all", "-a", help="also incomplete saves and leftovers")] = False,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Committed steps with time, size and world size."""
+    steps = _on_storage(url, _config(config), lambda s: list_steps(s, include_incomplete=all_steps))
+    if as_json:
+        _emit_json([info.__dict__ for info in steps])
+        return
+    if not steps:
+        out.print(f"no checkpoints in {url}")
+        return
+    table = Table("step", "state", "time", "size", "world size", "save id", box=None, header_style="bold")
+    for info in steps:
+        note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
+        table.add_row(
+            str(info.step),
+            info.state + note,
+            _when(info.time),
+            _size(info.nbytes),
+            "" if info.world_size is None else str(info.world_size),
+            info.save_id or "",
+        )
+    out.print(table)
+
+
+@app.command("info")
+def info_command(
+    url: UrlArgument, step: StepOption = None, config: ConfigOption = None, as_json: JsonOption = False
+) -> None:
+    """A step's manifest in human form: entries, dtypes, shapes, bytes."""
+    manifest = _on_storage(url, _config(config), lambda s: _manifest(s, step))
+    if as_json:
+        doc = manifest.model_dump(mode="json")
+        doc.pop("tree")
+        _emit_json(doc)
+        return
+    out.print(
+        f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
+        f"{_size(manifest.total_bytes)} in {len(manifest.objects)} object(s), world size {manifest.world_size}, "
+        f"save id {manifest.save_id}"
+    )
+    if manifest.metadata:
+        out.print(f"metadata: {json.dumps(manifest.metadata)}")
+    table = Table("entry", "kind", "dtype", "shape", "bytes", "device", box=None, header_style="bold")
+    for entry in manifest.entries:
+        shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
+        table.add_row(entry.path, entry.kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
+    out.print(table)
+
+
+async def _manifest(storage: Storage, step: int | None) -> Manifest:
+    if step is None:
+        steps = await committed_steps(storage)
+        if not steps:
+            raise AiosnapError(f"no committed checkpoint in {storage.url}")
+        step = steps[-1]
+    return await read_manifest(storage, step)
+
+
+@app.command("verify")
+def verify_command(
+    url: UrlArgument, step: StepOption = None, config: ConfigOption = None, as_json: JsonOption = False
+) -> None:
+    """Read every byte of a step and check every checksum (exit status 1 on any problem)."""
+    settings = _config(config)
+
+    async def run(storage: Storage) -> tuple[Manifest, list[str]]:
+        manifest = await _manifest(storage, step)
+        bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
+        if bar is None:
+            return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)
+        with bar:
+            problems = await verify_step(
+                storage, manifest, concurrency=settings.upload.concurrency, progress=advance
+            )  # fmt: skip
+        return manifest, problems
+
+    manifest, problems = _on_storage(url, settings, run)
+    if as_json:
+        _emit_json({"step": manifest.step, "ok": not problems, "bytes": manifest.total_bytes, "problems": problems})
+    elif problems:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
+    else:
+        checked = f"{_size(manifest.total_bytes)} in {len(manifest.entries)} entries"
+        out.print(f"step {manifest.step}: ok, {checked} verified")
+    if problems:
+        raise typer.Exit(1)
+
+
+@app.command("resume")
+def resume_command(
+    config: Annotated[Path, typer.Option("--config", "-c", help="the training job's YAML config")],
+    as_json: JsonOption = False,
+) -> None:
+    """Finish and commit the spooled saves a crashed training process left behind."""
+    settings = load_config(config)
+    if settings.spool.effective_mode == "off":
+        raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
+    settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": True})})
+    with SyncCheckpointer(settings) as ckpt:
         report = ckpt.resume_report
         steps = ckpt.steps()
-    if args.json:
-        print(json.dumps({"resumed": report.resumed, "discarded": report.discarded, "failed": report.failed,
-                          "skipped": report.skipped, "committed_steps": steps}))  # fmt: skip
+    if as_json:
+        _emit_json({"resumed": report.resumed, "discarded": report.discarded, "failed": report.failed,
+                    "skipped": report.skipped, "committed_steps": steps})  # fmt: skip
     else:
-        print(f"resumed and committed: {report.resumed or 'none'}")
+        out.print(f"resumed and committed: {report.resumed or 'none'}")
         for save_id, why in report.discarded:
-            print(f"discarded {save_id}: {why}")
+            out.print(f"discarded {save_id}: {why}")
         for save_id, why in report.failed:
-            print(f"FAILED {save_id} (kept in the spool): {why}")
+            out.print(f"FAILED {save_id} (kept in the spool): {why}")
         for save_id, why in report.skipped:
-            print(f"skipped {save_id}: {why}")
-        print(f"committed steps in {ckpt.url}: {steps}")
-    return 1 if report.failed else 0
+            out.print(f"skipped {save_id}: {why}")
+        out.print(f"committed steps in {ckpt.url}: {steps}")
+    if report.failed:
+        raise typer.Exit(1)
+
+
+def _seconds(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a duration (e.g. 90s, 30m, 2h, 1d)") from None
+
+
+@app.command("gc")
+def gc_command(
+    url: UrlArgument,
+    keep_last: Annotated[int, typer.Option("--keep-last", "-k", min=1, help="committed steps to keep")],
+    grace: Annotated[
+        str, typer.Option(help="leave incomplete saves younger than this alone (they may be in progress)")
+    ] = "1h",
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="only say what would be removed")] = False,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Retention, cleanup of incomplete saves older than the grace period, abort of stale
+    multipart uploads (S3)."""
+    grace_s = _seconds(grace)
+    report = _on_storage(
+        url, _config(config), lambda s: collect_garbage(s, keep_last=keep_last, grace_s=grace_s, dry_run=dry_run)
+    )
+    if as_json:
+        _emit_json({**report.__dict__, "dry_run": dry_run})
+        return
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{verb} steps: {report.deleted_steps or 'none'}")
+    for prefix in report.removed_incomplete:
+        out.print(f"{verb} incomplete: {prefix}")
+    for prefix in report.kept_recent:
+        out.print(f"kept (younger than {grace}): {prefix}")
+    if not dry_run:
+        out.print(f"aborted multipart uploads: {report.aborted_uploads}")
+    out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
+
+
+BENCHES = {"local": "aiosnap.bench", "s3": "aiosnap.bench_s3", "spool": "aiosnap.bench_spool"}
+
+
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_command(
+    ctx: typer.Context,
+    which: Annotated[str, typer.Argument(help="local | s3 | spool; further options go to that benchmark")] = "local",
+) -> None:
+    """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""
+    import importlib
+
+    if which not in BENCHES:
+        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHES)}", param_hint="WHICH")
+    importlib.import_module(BENCHES[which]).main(list(ctx.args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aiosnap", description="aiosnap checkpoint tool")
-    commands = parser.add_subparsers(dest="command", required=True)
-    resume = commands.add_parser("resume", help="finish and commit spooled saves left by a crashed process")
-    resume.add_argument("--config", required=True, help="the training job's YAML config")
-    resume.add_argument("--json", action="store_true", help="machine-readable output")
-    resume.set_defaults(run=_resume)
-    args = parser.parse_args(argv)
+    """Entry point of the console script; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("aiosnap.events").setLevel(logging.WARNING)
     try:
-        code: int = args.run(args)
-    except (AiosnapError, OSError) as exc:
+        app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except (AiosnapError, OSError, NotImplementedError) as exc:
         print(f"aiosnap: error: {exc}", file=sys.stderr)
         return 1
-    return code
+    return 0
 
 
 if __name__ == "__main__":

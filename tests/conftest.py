@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config
-from aiosnap.storage.base import BytesLike, Storage
+from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 
 
@@ -80,6 +80,9 @@ class FaultyStorage(Storage):
 
     async def remove_root(self) -> None:
         await self.inner.remove_root()
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self.inner.walk(prefix)
 
 
 @pytest.fixture

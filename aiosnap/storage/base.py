@@ -17,13 +17,14 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from ..config import Config
 from ..errors import ConfigError
 
-__all__ = ["BytesLike", "Storage", "complete_before_cancel", "storage_from_url"]
+__all__ = ["BytesLike", "ObjectInfo", "Storage", "complete_before_cancel", "storage_from_url"]
 
 BytesLike = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -45,6 +46,15 @@ async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
         if not task.cancelled():
             task.exception()  # mark retrieved: the cancellation is what the caller reports
         raise
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: root-relative name, size in bytes, last modification (epoch s)."""
+
+    name: str
+    size: int
+    mtime: float
 
 
 class Storage(abc.ABC):
@@ -89,6 +99,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``; a missing prefix is not an error."""
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursively), names relative to the root. Used by
+        maintenance (``aiosnap ls --all``, ``aiosnap gc``), not by saves or loads."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
+
+    async def abort_stale_uploads(self, older_than: float) -> int:
+        """Abort unfinished multipart uploads under the root started before ``older_than``
+        (epoch seconds); returns how many. Backends without multipart uploads have none."""
+        return 0
 
     async def remove_root(self) -> None:  # noqa: B027 - optional hook
         """Remove the (empty) root folder itself, for backends that have folders."""

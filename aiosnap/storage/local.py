@@ -18,7 +18,7 @@ import aiofiles
 import aiofiles.os
 
 from ..manifest import check_object_name
-from .base import BytesLike, Storage, complete_before_cancel
+from .base import BytesLike, ObjectInfo, Storage, complete_before_cancel
 
 __all__ = ["LocalStorage"]
 
@@ -132,6 +132,19 @@ class LocalStorage(Storage):
             return
         with suppress(FileNotFoundError):
             await asyncio.to_thread(shutil.rmtree, path)
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        return await asyncio.to_thread(self._walk_sync, self._path(prefix))
+
+    def _walk_sync(self, top: Path) -> list[ObjectInfo]:
+        found = []
+        for folder, _, files in os.walk(top):
+            for name in files:
+                path = Path(folder, name)
+                with suppress(FileNotFoundError):
+                    stat = path.stat()
+                    found.append(ObjectInfo(path.relative_to(self.root).as_posix(), stat.st_size, stat.st_mtime))
+        return sorted(found, key=lambda o: o.name)
 
     async def remove_root(self) -> None:
         with suppress(FileNotFoundError):

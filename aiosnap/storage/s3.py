@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..config import S3Config
 from ..errors import StorageError, StorageUnavailableError, first_error
 from ..manifest import check_object_name
-from .base import BytesLike, Storage
+from .base import BytesLike, ObjectInfo, Storage
 
 __all__ = ["S3Storage"]
 
@@ -433,6 +433,41 @@ class S3Storage(Storage):
     async def list_children(self, prefix: str = "") -> list[str]:
         keys, folders = await self._list(self._folder(prefix), "/")
         return sorted(set(keys) | set(folders))
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        root = self._folder("")
+        folder = self._folder(prefix)
+        found: list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._call(f"LIST {folder or '/'}", lambda c: c.list_objects_v2(**kwargs))  # noqa: B023 - awaited in this iteration
+            for item in page.get("Contents", []):
+                found.append(ObjectInfo(item["Key"][len(root) :], int(item["Size"]), item["LastModified"].timestamp()))
+            if not page.get("IsTruncated"):
+                return found
+            token = page["NextContinuationToken"]
+
+    async def abort_stale_uploads(self, older_than: float) -> int:
+        folder = self._folder("")
+        aborted = 0
+        marker: dict[str, str] = {}
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder, **marker}
+            page = await self._call("LIST multipart uploads", lambda c: c.list_multipart_uploads(**kwargs))  # noqa: B023
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < older_than:
+                    key, upload_id = upload["Key"], upload["UploadId"]
+                    await self._call(
+                        f"ABORT {key}",
+                        lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),  # noqa: B023
+                    )
+                    aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     async def delete(self, name: str) -> None:
         key = self._key(name)
