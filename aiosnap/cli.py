@@ -292,7 +292,6 @@ def bench_command(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("aiosnap.events").setLevel(logging.WARNING)
     try:
         app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
     except SystemExit as done:

@@ -216,7 +216,7 @@ def test_cli_resume_commits_what_a_crash_left(s3_endpoint: str, s3_bucket: str, 
     out = subprocess.run([sys.executable, "-m", "aiosnap", "resume", "--config", str(config_file), "--json"],
                          capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = json.loads(out.stdout)
     assert report["resumed"] == [3]
     assert report["committed_steps"] == [3]
 

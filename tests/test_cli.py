@@ -1,0 +1,214 @@
+"""The aiosnap command line, run as a real process (console script entry via python -m)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.cli import main
+from tests.conftest import s3_config
+
+
+def aiosnap_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as users run it: a separate process (slow to start: it imports torch)."""
+    return subprocess.run(
+        [sys.executable, "-m", "aiosnap", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+Runner = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def aiosnap(capsys: pytest.CaptureFixture[str]) -> Runner:
+    """The CLI's entry point in this process (what the console script calls), captured."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+
+    return run
+
+
+def _fill(root: Path, steps: tuple[int, ...]) -> dict[int, int]:
+    sizes = {}
+    config = Config(storage={"url": str(root)}, retention={"keep_last": None}, upload={"chunk_size": "256KiB"})
+    with SyncCheckpointer(config) as ckpt:
+        for step in steps:
+            state = {"model": {"w": torch.randn(100_000 + step), "b": torch.zeros(3, dtype=torch.int64)}}
+            sizes[step] = ckpt.save(state, step=step, metadata={"epoch": step}).wait().nbytes
+    return sizes
+
+
+def _crash_leftover(root: Path, from_step: int, to_step: int, age_s: float) -> Path:
+    """What a process killed between data and manifest leaves: data objects, no manifest."""
+    source = next(p for p in (root / f"{from_step:012d}").iterdir() if p.is_dir())
+    target = root / f"{to_step:012d}" / "deadbeef00000000"
+    shutil.copytree(source, target)
+    old = time.time() - age_s
+    for path in target.rglob("*"):
+        os.utime(path, (old, old))
+    return target
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> tuple[Path, dict[int, int]]:
+    root = tmp_path / "ckpt"
+    return root, _fill(root, (10, 20, 30, 40))
+
+
+def test_ls_lists_committed_steps_and_with_all_incomplete_ones(
+    aiosnap: Runner, filled: tuple[Path, dict[int, int]]
+) -> None:
+    root, sizes = filled
+    _crash_leftover(root, 40, 50, age_s=7200)
+    listed = json.loads(aiosnap("ls", str(root), "--json").stdout)
+    on_disk = {s: sum(p.stat().st_size for p in (root / f"{s:012d}").rglob("*.bin")) for s in sizes}
+    assert [(d["step"], d["state"], d["nbytes"], d["world_size"]) for d in listed] == [
+        (s, "committed", on_disk[s], 1) for s in sizes
+    ]
+    assert all(on_disk[s] >= n for s, n in sizes.items())
+    assert all(abs(d["time"] - time.time()) < 300 for d in listed)
+    everything = json.loads(aiosnap("ls", str(root), "--all", "--json").stdout)
+    assert [(d["step"], d["state"]) for d in everything][-1] == (50, "incomplete")
+    human = aiosnap("ls", str(root), "--all")
+    assert human.returncode == 0
+    assert "incomplete" in human.stdout and "40" in human.stdout and "committed" in human.stdout
+
+
+def test_info_shows_entries_dtypes_shapes_bytes(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+    root, _ = filled
+    shown = aiosnap("info", str(root), "--step", "20")
+    assert shown.returncode == 0, shown.stderr
+    assert "step 20" in shown.stdout and '"epoch": 20' in shown.stdout
+    assert "model/w" in shown.stdout and "float32" in shown.stdout and "100020" in shown.stdout
+    assert "model/b" in shown.stdout and "int64" in shown.stdout
+    doc = json.loads(aiosnap("info", str(root), "--json").stdout)  # latest
+    assert doc["step"] == 40 and [e["shape"] for e in doc["entries"]] == [[100040], [3]]
+
+
+def test_verify_passes_then_finds_a_flipped_byte(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+    root, _ = filled
+    ok = aiosnap("verify", str(root), "--step", "30")
+    assert ok.returncode == 0 and "ok" in ok.stdout
+    data = next((root / f"{30:012d}").rglob("*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    bad = aiosnap("verify", str(root), "--step", "30")
+    assert bad.returncode == 1
+    assert "checksum mismatch" in bad.stderr and data.name in bad.stderr
+    report = json.loads(aiosnap("verify", str(root), "--step", "30", "--json").stdout)
+    assert report["ok"] is False and len(report["problems"]) == 1
+    assert aiosnap("verify", str(root), "--step", "40").returncode == 0  # other steps untouched
+
+
+def test_gc_applies_retention_and_cleans_only_old_incomplete_saves(
+    aiosnap: Runner, filled: tuple[Path, dict[int, int]]
+) -> None:
+    root, sizes = filled
+    old = _crash_leftover(root, 40, 50, age_s=7200)
+    young = _crash_leftover(root, 40, 60, age_s=10)  # may be a save in progress
+    dry = json.loads(aiosnap("gc", str(root), "--keep-last", "2", "--dry-run", "--json").stdout)
+    assert dry["deleted_steps"] == [10, 20] and dry["dry_run"] is True
+    assert sorted(p.name for p in root.iterdir()) == [f"{s:012d}" for s in (10, 20, 30, 40, 50, 60)]
+
+    done = aiosnap("gc", str(root), "--keep-last", "2", "--grace", "1h", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["deleted_steps"] == [10, 20]
+    assert report["removed_incomplete"] == [f"{50:012d}"] and report["kept_recent"] == [f"{60:012d}"]
+    assert report["freed_bytes"] >= sizes[10] + sizes[20]
+    assert not old.exists() and young.exists()
+    assert json.loads(aiosnap("ls", str(root), "--json").stdout)[0]["step"] == 30
+    assert aiosnap("verify", str(root)).returncode == 0
+
+
+def test_gc_on_s3_aborts_stale_multipart_uploads(
+    aiosnap: Runner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    config = s3_config(s3_endpoint, s3_bucket)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"w": torch.randn(1000)}, step=1).wait()
+    s3_client.create_multipart_upload(Bucket=s3_bucket, Key="run/000000000002/abandoned/rank-0/0.bin")
+    s3_client.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/x.bin")  # outside the root
+    config_file = tmp_path / "s3.yaml"
+    config_file.write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint, "addressing_style": "path"}}))
+    url = f"s3://{s3_bucket}/run"
+    # moto reports every multipart upload as initiated in 2010, so the grace period cannot
+    # be exercised here: the dry run must leave them alone, the real run abort ours only
+    dry = aiosnap("gc", url, "-k", "1", "--dry-run", "--config", str(config_file), "--json")
+    assert json.loads(dry.stdout)["aborted_uploads"] == 0
+    assert len(s3_client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])) == 2
+    done = aiosnap("gc", url, "-k", "1", "--grace", "1h", "--config", str(config_file), "--json")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads(done.stdout)["aborted_uploads"] == 1
+    left = s3_client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert [u["Key"] for u in left] == ["elsewhere/x.bin"]
+    listed = json.loads(aiosnap("ls", url, "--config", str(config_file), "--json").stdout)
+    assert [d["step"] for d in listed] == [1]
+
+
+def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    with SyncCheckpointer(Config(storage={"url": str(root)}, upload={"chunk_size": "1MiB"})) as ckpt:
+        ckpt.save({"w": torch.randn(4_000_000)}, step=1).wait()
+    primary, secondary = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "aiosnap", "verify", str(root)],
+            stdout=subprocess.PIPE, stderr=secondary, timeout=120, check=False,
+            env={**os.environ, "COLUMNS": "120"},
+        )  # fmt: skip
+        os.close(secondary)
+        on_terminal = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            on_terminal += chunk
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0
+    assert b"verifying step 1" in on_terminal and b"MB" in on_terminal  # bytes and rate
+    piped = aiosnap_process("verify", str(root))
+    assert piped.returncode == 0 and piped.stderr == "" and "\x1b" not in piped.stdout
+
+
+def test_errors_are_one_line_and_non_zero(aiosnap: Runner, tmp_path: Path) -> None:
+    missing = aiosnap_process("info", str(tmp_path / "nothing"))
+    assert missing.returncode == 1
+    assert missing.stderr.strip().count("\n") == 0 and "no committed checkpoint" in missing.stderr
+    bad_config = tmp_path / "bad.yaml"
+    bad_config.write_text("ram_budget: lots\n")
+    broken = aiosnap("ls", str(tmp_path), "--config", str(bad_config))
+    assert broken.returncode == 1 and "bad.yaml" in broken.stderr and "ram_budget" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    assert aiosnap("gc", str(tmp_path), "--keep-last", "0").returncode == 2  # usage error
+    assert aiosnap("gc", str(tmp_path), "--keep-last", "1", "--grace", "soon").returncode == 2
+    no_spool = tmp_path / "plain.yaml"
+    no_spool.write_text(f"storage: {{url: {tmp_path}}}\n")
+    assert "no spool configured" in aiosnap("resume", "--config", str(no_spool)).stderr
+
+
+def test_bench_runs_a_benchmark_and_prints_figures(tmp_path: Path) -> None:
+    run = aiosnap_process("bench", "local", "--size-mb", "8", "--small-budget-mib", "4", "--dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert "blocked" in run.stdout
+    assert aiosnap_process("bench", "nope").returncode == 2
