@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedStateError,
     WrongThreadError,
 )
+from .events import Event, JsonlHandler, LoggingHandler
 from .manifest import Manifest
 from .rng import RNGState
 
@@ -36,6 +37,9 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptCheckpointError",
+    "Event",
+    "JsonlHandler",
+    "LoggingHandler",
     "Manifest",
     "ManifestError",
     "PickleNotAllowedError",

@@ -105,8 +105,8 @@ def test_topk_last_and_resume_continue_identically(tmp_path: Path, config: Confi
     resumed = LossLog()
     plugin = AiosnapCheckpointIO(config)
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=2, mode="min", save_last=True)
-    resume_from = checkpoints.last_model_path
-    trainer(6, plugin, [resumed, again], tmp_path).fit(Regressor(), loader(), ckpt_path=resume_from)
+    assert checkpoints.last_model_path == str(tmp_path / "ckpt" / "last.ckpt")
+    trainer(6, plugin, [resumed, again], tmp_path).fit(Regressor(), loader(), ckpt_path="last")  # found by name
 
     assert sorted(resumed.losses) == [s for s in sorted(straight.losses) if s > max(first.losses)]
     for step, loss in resumed.losses.items():
