@@ -36,6 +36,7 @@ bench: install
 	$(PY) -m aiosnap.bench_s3
 	$(PY) -m aiosnap.bench_s3 --cap-mb-s 50
 	$(PY) -m aiosnap.bench_spool
+	$(PY) -m aiosnap.bench_lightning
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -273,13 +273,20 @@ def gc_command(
     out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
 
 
-BENCHES = {"local": "aiosnap.bench", "s3": "aiosnap.bench_s3", "spool": "aiosnap.bench_spool"}
+BENCHES = {
+    "local": "aiosnap.bench",
+    "s3": "aiosnap.bench_s3",
+    "spool": "aiosnap.bench_spool",
+    "lightning": "aiosnap.bench_lightning",
+}
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_command(
     ctx: typer.Context,
-    which: Annotated[str, typer.Argument(help="local | s3 | spool; further options go to that benchmark")] = "local",
+    which: Annotated[
+        str, typer.Argument(help="local | s3 | spool | lightning; further options go to that benchmark")
+    ] = "local",
 ) -> None:
     """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""
     import importlib
