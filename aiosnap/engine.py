@@ -40,7 +40,7 @@ from .pipeline.spool import Bounce, Spool, SpoolSession
 from .pipeline.upload import upload_worker
 from .plan import ALIGN, SavePlan
 from .restore import check_pickles
-from .storage.base import Storage
+from .storage.base import Storage, storage_from_url
 
 __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
@@ -187,7 +187,7 @@ class Engine:
         committed = False
         emit = self.events.scope("save", plan.step, storage.url, plan.save_id)
         try:
-            session = self._spool_session(plan, storage)
+            session = self._spool_session(plan, storage, keep_last)
             stages: dict[str, float] = {}
             try:
                 blocked, crcs = await self._stage(plan, order, started, captured, session, storage, stages)
@@ -233,10 +233,10 @@ class Engine:
             self._in_flight.pop(plan.save_id, None)
             self._pending.release()
 
-    def _spool_session(self, plan: SavePlan, storage: Storage) -> SpoolSession | None:
+    def _spool_session(self, plan: SavePlan, storage: Storage, keep_last: int | None) -> SpoolSession | None:
         if self.spool is None:
             return None
-        return SpoolSession(self.spool, plan, storage.url, self._pool_for(plan), self._bounce)
+        return SpoolSession(self.spool, plan, storage.url, self._pool_for(plan), self._bounce, keep_last)
 
     async def _stage(
         self,
@@ -351,6 +351,7 @@ class Engine:
             self.storage,
             concurrency=self.config.upload.concurrency,
             keep_last=self.config.retention.keep_last,
+            storage_for=lambda url: storage_from_url(url, self.config),
         )
 
     async def shutdown(self) -> None:

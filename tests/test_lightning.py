@@ -224,8 +224,12 @@ def test_pickled_objects_need_opt_in(tmp_path: Path, config: Config) -> None:
 def test_torch_save_files_still_load(tmp_path: Path, config: Config) -> None:
     path = tmp_path / "old.ckpt"
     torch.save({"state_dict": {"w": torch.arange(3)}, "global_step": 2}, path)
-    loaded = AiosnapCheckpointIO(config).load_checkpoint(path)
+    plugin = AiosnapCheckpointIO(config)
+    loaded = plugin.load_checkpoint(path)
     assert torch.equal(loaded["state_dict"]["w"], torch.arange(3))
+    plugin.remove_checkpoint(path)  # top-k rotating out a checkpoint from before aiosnap
+    plugin.teardown()
+    assert not path.exists() and tmp_path.exists()
 
 
 def test_trainer_against_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any) -> None:

@@ -168,10 +168,28 @@ def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.
     assert _spool_files(tmp_path / "spool") == []
 
 
-def _crash_child(config: Config, step: int, env: dict[str, str]) -> None:
+def test_crash_of_a_save_to_another_root_resumes_there(
+    s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
+) -> None:
+    proxy.set_rate(2e6)
+    base = s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB})
+    config = _spool_config(base, tmp_path / "spool", mode="always")
+    other = f"s3://{s3_bucket}/lightning/last.ckpt"  # what the Lightning plugin saves through at()
+    _crash_child(config, 4, dict(os.environ), root=other)
+    proxy.clear()
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [4] and ckpt.resume_report.skipped == []
+        assert ckpt.steps() == []  # not the main root
+        view = ckpt.at(other)
+        assert view.steps() == [4]
+        assert torch.equal(view.load()["w"], child_state()["w"])
+    assert _spool_files(tmp_path / "spool") == []
+
+
+def _crash_child(config: Config, step: int, env: dict[str, str], root: str | None = None) -> None:
     """Start a child that saves, wait until save() returned, SIGKILL it mid-upload."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.spool_child", config.model_dump_json(), str(step)],
+        [sys.executable, "-m", "tests.spool_child", config.model_dump_json(), str(step), *([root] if root else [])],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )  # fmt: skip
     try:

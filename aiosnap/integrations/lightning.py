@@ -203,6 +203,9 @@ class AiosnapCheckpointIO(CheckpointIO):
         with self._lock:
             if self._generation.get(key, 0) != generation:
                 return  # saved again since: the new version replaced the old one already
+            if "://" not in key and Path(key).is_file():  # a torch.save file from before aiosnap
+                Path(key).unlink()
+                return
             location = self._location(key)
             location.purge()
             location.close()
@@ -211,22 +214,26 @@ class AiosnapCheckpointIO(CheckpointIO):
             self._pending.pop(key, None)
 
     def teardown(self) -> None:
-        """Wait for removals and saves; re-raise a failure Lightning has not seen yet."""
+        """Wait for removals and saves; re-raise a failure Lightning has not seen yet. The
+        plugin can be used again afterwards (a new fit starts fresh)."""
         with self._lock:
             removals, self._removals = self._removals, []
             remover, self._remover = self._remover, None
-            checkpointer, self._checkpointer = self._checkpointer, None
-            self._locations.clear()
-            self._next_step.clear()
-            self._pending.clear()
-        for removal in removals:
-            removal.result()
-        if remover is not None:
-            remover.shutdown(wait=True)
-        if checkpointer is not None:
-            try:
-                checkpointer.close()
-            except BaseException as exc:
-                if id(exc) not in self._reported:
-                    raise
-                log.debug("aiosnap: failure already reported: %r", exc)
+        try:
+            for removal in removals:
+                removal.result()  # a removal that failed raises here, with its type
+        finally:
+            if remover is not None:
+                remover.shutdown(wait=True)
+            with self._lock:
+                checkpointer, self._checkpointer = self._checkpointer, None
+                self._locations.clear()
+                self._next_step.clear()
+                self._pending.clear()
+            if checkpointer is not None:
+                try:
+                    checkpointer.close()
+                except BaseException as exc:
+                    if id(exc) not in self._reported:
+                        raise
+                    log.debug("aiosnap: failure already reported: %r", exc)

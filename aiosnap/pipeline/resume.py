@@ -4,13 +4,16 @@ A save is resumed when its journal says capture was complete and every chunk has
 landed in storage or is on the spool disk with the crc32c it was written with; its spooled
 chunks are uploaded, its manifest committed, retention applied. Anything else (no journal:
 capture never finished; a chunk that was only in RAM; a corrupt spool file) is discarded
-and reported. Saves of another storage URL are left alone.
+and reported. A save to another storage root (``Checkpointer.at``, Lightning paths) is
+resumed there, with the retention it was saved with, when a ``storage_for`` factory is
+given; otherwise it is left in the spool and reported as skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,27 +71,55 @@ async def _finish(spool: Spool, storage: Storage, save_id: str, doc: dict[str, A
     return manifest.step
 
 
-async def resume_spooled(spool: Spool, storage: Storage, *, concurrency: int, keep_last: int | None) -> ResumeReport:
-    """Commit every resumable save in ``spool`` to ``storage``; discard the others."""
+async def resume_spooled(
+    spool: Spool,
+    storage: Storage,
+    *,
+    concurrency: int,
+    keep_last: int | None,
+    storage_for: Callable[[str], Storage] | None = None,
+) -> ResumeReport:
+    """Commit every resumable save in ``spool`` to ``storage`` (or, through
+    ``storage_for``, to the other root it was meant for); discard the others."""
     report = ResumeReport()
     for save_id, doc in await asyncio.to_thread(spool.leftovers):
+        target, retention, opened = storage, keep_last, False
         if doc is not None and doc.get("storage_url") != storage.url:
-            report.skipped.append((save_id, f"belongs to {doc.get('storage_url')}"))
-            continue
-        reason = await asyncio.to_thread(_why_not, spool, save_id, doc)
-        if reason is not None:
-            log.warning("aiosnap: discarding spooled save %s: %s", save_id, reason)
-            report.discarded.append((save_id, reason))
-            await spool.discard(save_id)
-            continue
-        assert doc is not None
+            if storage_for is None:
+                report.skipped.append((save_id, f"belongs to {doc.get('storage_url')}"))
+                continue
+            target, retention, opened = storage_for(str(doc.get("storage_url"))), doc.get("keep_last"), True
         try:
-            step = await _finish(spool, storage, save_id, doc, concurrency, keep_last)
-        except Exception as exc:  # kept for the next attempt; the caller reports it
-            log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
-            report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
-            continue
-        log.info("aiosnap: resumed and committed step %d from spool %s", step, Path(spool.root))
-        report.resumed.append(step)
-        await spool.discard(save_id)
+            await _resume_one(spool, target, save_id, doc, concurrency, retention, report)
+        finally:
+            if opened:
+                await target.close()
     return report
+
+
+async def _resume_one(
+    spool: Spool,
+    storage: Storage,
+    save_id: str,
+    doc: dict[str, Any] | None,
+    concurrency: int,
+    keep_last: int | None,
+    report: ResumeReport,
+) -> None:
+    """Resume or discard one leftover save (see the module docstring)."""
+    reason = await asyncio.to_thread(_why_not, spool, save_id, doc)
+    if reason is not None:
+        log.warning("aiosnap: discarding spooled save %s: %s", save_id, reason)
+        report.discarded.append((save_id, reason))
+        await spool.discard(save_id)
+        return
+    assert doc is not None
+    try:
+        step = await _finish(spool, storage, save_id, doc, concurrency, keep_last)
+    except Exception as exc:  # kept for the next attempt; the caller reports it
+        log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
+        report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
+        return
+    log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
+    report.resumed.append(step)
+    await spool.discard(save_id)

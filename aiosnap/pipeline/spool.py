@@ -204,10 +204,19 @@ class SpoolSession:
     """One save's use of the spool: spilling chunks during capture, the journal, cleanup.
     Loop thread."""
 
-    def __init__(self, spool: Spool, plan: SavePlan, storage_url: str, pool: BufferPool, bounce: Bounce | None) -> None:
+    def __init__(
+        self,
+        spool: Spool,
+        plan: SavePlan,
+        storage_url: str,
+        pool: BufferPool,
+        bounce: Bounce | None,
+        keep_last: int | None,
+    ) -> None:
         self.spool = spool
         self.plan = plan
         self.storage_url = storage_url
+        self.keep_last = keep_last
         self.pool = pool
         self.bounce = bounce
         self.fallback: str | None = None
@@ -294,6 +303,7 @@ class SpoolSession:
             "save_id": self.plan.save_id,
             "step": self.plan.step,
             "storage_url": self.storage_url,
+            "keep_last": self.keep_last,
             "captured": True,
             "manifest": self._skeleton,
             "chunks": [
