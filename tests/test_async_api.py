@@ -130,3 +130,19 @@ def test_loop_kind_is_honoured(root: Path, kind: str) -> None:
     assert result.blocked_s <= result.durable_s
     assert result.nbytes == 12
     assert result.objects == 1
+
+
+def test_views_share_the_pipeline_and_keep_their_own_retention(small_config: Config, tmp_path: Path) -> None:
+    ckpt = SyncCheckpointer(small_config)
+    other = ckpt.at(str(tmp_path / "other"), keep_last=1)
+    assert other.url == str(tmp_path / "other") and other.ram_high_water == ckpt.ram_high_water == 0
+    for step in (1, 2, 3):
+        other.save({"w": torch.full((50_000,), float(step))}, step=step).wait()
+    ckpt.save({"w": torch.zeros(10)}, step=9).wait()
+    assert other.steps() == [3] and ckpt.steps() == [9]
+    assert torch.equal(other.load()["w"], torch.full((50_000,), 3.0))
+    assert 0 < ckpt.ram_high_water <= 1024**2  # one budget for both roots
+    assert other.purge() == [3] and not (tmp_path / "other").exists()
+    ckpt.close()
+    with pytest.raises(CheckpointerClosedError):
+        other.save({"w": torch.ones(1)}, step=4)
