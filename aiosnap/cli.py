@@ -31,7 +31,7 @@ from .config import Config, StorageConfig, load_config
 from .errors import AiosnapError
 from .maintenance import collect_garbage, list_steps, verify_step
 from .manifest import Manifest
-from .pipeline.commit import committed_steps, read_manifest
+from .pipeline.commit import manifest_of
 from .storage.base import Storage, storage_from_url
 
 __all__ = ["app", "main"]
@@ -141,7 +141,7 @@ def info_command(
     url: UrlArgument, step: StepOption = None, config: ConfigOption = None, as_json: JsonOption = False
 ) -> None:
     """A step's manifest in human form: entries, dtypes, shapes, bytes."""
-    manifest = _on_storage(url, _config(config), lambda s: _manifest(s, step))
+    manifest = _on_storage(url, _config(config), lambda s: manifest_of(s, step))
     if as_json:
         doc = manifest.model_dump(mode="json")
         doc.pop("tree")
@@ -161,15 +161,6 @@ def info_command(
     out.print(table)
 
 
-async def _manifest(storage: Storage, step: int | None) -> Manifest:
-    if step is None:
-        steps = await committed_steps(storage)
-        if not steps:
-            raise AiosnapError(f"no committed checkpoint in {storage.url}")
-        step = steps[-1]
-    return await read_manifest(storage, step)
-
-
 @app.command("verify")
 def verify_command(
     url: UrlArgument, step: StepOption = None, config: ConfigOption = None, as_json: JsonOption = False
@@ -178,7 +169,7 @@ def verify_command(
     settings = _config(config)
 
     async def run(storage: Storage) -> tuple[Manifest, list[str]]:
-        manifest = await _manifest(storage, step)
+        manifest = await manifest_of(storage, step)
         bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
         if bar is None:
             return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)

@@ -22,7 +22,7 @@ import torch
 
 from .budget import ByteBudget
 from .config import Config
-from .errors import CheckpointNotFoundError, first_error
+from .errors import first_error
 from .events import EventBus
 from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
@@ -30,7 +30,7 @@ from .pipeline.commit import (
     apply_retention,
     commit_manifest,
     committed_steps,
-    read_manifest,
+    manifest_of,
     remove_attempt,
     remove_everything,
 )
@@ -317,12 +317,7 @@ class Engine:
 
     async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""
-        if step is None:
-            steps = await committed_steps(storage)
-            if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
-            step = steps[-1]
-        return await read_manifest(storage, step)
+        return await manifest_of(storage, step)
 
     async def purge(self, storage: Storage) -> list[int]:
         """Wait for the saves to ``storage``, then delete everything under it."""

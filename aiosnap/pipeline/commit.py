@@ -20,6 +20,7 @@ __all__ = [
     "apply_retention",
     "commit_manifest",
     "committed_steps",
+    "manifest_of",
     "read_manifest",
     "remove_attempt",
     "remove_everything",
@@ -48,6 +49,16 @@ async def read_manifest(storage: Storage, step: int) -> Manifest:
     if manifest.step != step:
         raise CorruptCheckpointError(f"{storage.url}/{name}: manifest says step {manifest.step}, not {step}")
     return manifest
+
+
+async def manifest_of(storage: Storage, step: int | None) -> Manifest:
+    """The manifest of ``step``, or of the latest committed step when None."""
+    if step is None:
+        steps = await committed_steps(storage)
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
+        step = steps[-1]
+    return await read_manifest(storage, step)
 
 
 async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> None:
