@@ -160,7 +160,7 @@ class _Core:
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
-        self._views.append(view)
+        self._views = [v for v in self._views if not v._closed] + [view]
         return view
 
     @property
@@ -219,8 +219,8 @@ class _Core:
 
     @contextmanager
     def _load_events(self, step: int | None) -> Iterator[dict[str, Any]]:
-        """The event scope of one load; the body fills in ``manifest`` and ``fetch_s``.
-        Caller's thread."""
+        """The event scope of one load; the body puts the loaded ``manifest`` in the box
+        (through :meth:`_fetched`). Caller's thread."""
         emit = self._engine.events.emit
         started = time.perf_counter()
         emit("start", "load", step, url=self.url)

@@ -171,7 +171,9 @@ class Engine:
         return durable
 
     def _saves_to(self, storage: Storage) -> set[str]:
-        return {save_id for save_id, (where, _) in self._in_flight.items() if where is storage}
+        """Save ids in flight to the root of ``storage`` (compared by URL: two backends
+        opened on one root are one root)."""
+        return {save_id for save_id, (where, _) in self._in_flight.items() if where.url == storage.url}
 
     async def _run(
         self,
@@ -296,7 +298,7 @@ class Engine:
         return manifest
 
     async def _retention(self, step: int, storage: Storage, keep_last: int | None) -> list[int]:
-        busy = {s for where, s in self._in_flight.values() if where is storage}
+        busy = {s for where, s in self._in_flight.values() if where.url == storage.url}
         try:
             return await apply_retention(storage, keep_last, step, busy)
         except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
@@ -327,7 +329,7 @@ class Engine:
     async def drain(self, timeout: float | None, storage: Storage | None = None) -> None:
         """Wait for saves in flight (to ``storage`` only, when given); after ``timeout``
         seconds cancel the rest."""
-        tasks = {task for task, where in self._tasks.items() if storage is None or where is storage}
+        tasks = {task for task, where in self._tasks.items() if storage is None or where.url == storage.url}
         if not tasks:
             return
         _, pending = await asyncio.wait(tasks, timeout=timeout)

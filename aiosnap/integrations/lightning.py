@@ -103,7 +103,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         self._pending: dict[str, list[SyncSaveHandle]] = {}
         self._removals: list[concurrent.futures.Future[None]] = []
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reported: set[int] = set()  # ids of failures already raised to Lightning
+        self._reported: list[BaseException] = []  # failures already raised to Lightning
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ class AiosnapCheckpointIO(CheckpointIO):
             try:
                 handle = location.save(checkpoint, step=step, metadata=metadata)
             except BaseException as exc:
-                self._reported.add(id(exc))
+                self._reported.append(exc)
                 raise
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
@@ -234,6 +234,8 @@ class AiosnapCheckpointIO(CheckpointIO):
                 try:
                     checkpointer.close()
                 except BaseException as exc:
-                    if id(exc) not in self._reported:
+                    if not any(exc is seen for seen in self._reported):
                         raise
                     log.debug("aiosnap: failure already reported: %r", exc)
+                finally:
+                    self._reported.clear()
