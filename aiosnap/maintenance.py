@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import CorruptCheckpointError, first_error
-from .manifest import MANIFEST_FILE, ByteRange, Manifest
+from .manifest import MANIFEST_FILE, ByteRange, Manifest, manifest_name
 from .pipeline.commit import committed_steps, read_manifest, remove_step
 from .pipeline.upload import crc32c_of
 from .plan import step_dir
@@ -179,6 +179,8 @@ async def collect_garbage(
             if now - max(o.mtime for o in members) < grace_s:
                 report.kept_recent.append(prefix)
                 continue
+            if owner is None and await storage.exists(manifest_name(step)):
+                continue  # committed since we listed (e.g. by a concurrent resume): not garbage
             report.removed_incomplete.append(prefix)
             report.freed_bytes += sum(o.size for o in members)
             if not dry_run:
