@@ -13,7 +13,7 @@ import concurrent.futures
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -319,6 +319,14 @@ class Checkpointer(_Core):
         result: Manifest = await self._call(self._engine.manifest(step, self._storage))
         return result
 
+    async def resume_spool(self, progress: Callable[[int, int], None] | None = None) -> ResumeReport:
+        """Finish and commit the saves a crashed process left in the spool now (what
+        ``spool.resume`` does at start). ``progress(nbytes, total)`` hears each spooled
+        chunk land, from aiosnap's loop thread."""
+        self._check_open()
+        result: ResumeReport = await self._call(self._engine.resume(progress))
+        return result
+
     async def purge(self) -> list[int]:
         """Wait for this root's saves, then delete every checkpoint and leftover under it
         (committed steps manifest first). Returns the steps deleted."""
@@ -392,6 +400,11 @@ class SyncCheckpointer(_Core):
         """The manifest of ``step`` (latest when None)."""
         self._check_open()
         return self._loop.run(self._engine.manifest(step, self._storage))
+
+    def resume_spool(self, progress: Callable[[int, int], None] | None = None) -> ResumeReport:
+        """See :meth:`Checkpointer.resume_spool`."""
+        self._check_open()
+        return self._loop.run(self._engine.resume(progress))
 
     def purge(self) -> list[int]:
         """See :meth:`Checkpointer.purge`."""

@@ -89,7 +89,7 @@ def _emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, default=str))
 
 
-def _progress(total: int, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
+def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
     """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
     console = Console(stderr=True)
     if not enabled or not console.is_terminal:
@@ -202,9 +202,20 @@ def resume_command(
     settings = load_config(config)
     if settings.spool.effective_mode == "off":
         raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
-    settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": True})})
+    settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": False})})
     with SyncCheckpointer(settings) as ckpt:
-        report = ckpt.resume_report
+        bar, advance = _progress(None, "uploading spooled chunks", not as_json)
+
+        def landed(nbytes: int, total: int) -> None:
+            if bar is not None:
+                bar.update(bar.task_ids[0], total=total)
+            advance(nbytes)
+
+        if bar is None:
+            report = ckpt.resume_spool()
+        else:
+            with bar:
+                report = ckpt.resume_spool(landed)
         steps = ckpt.steps()
     if as_json:
         _emit_json({"resumed": report.resumed, "discarded": report.discarded, "failed": report.failed,

@@ -35,6 +35,7 @@ from .pipeline.commit import (
     remove_everything,
 )
 from .pipeline.fetch import fetch_entries
+from .pipeline.resume import Progress as ResumeProgress
 from .pipeline.resume import ResumeReport, resume_spooled
 from .pipeline.spool import Bounce, Spool, SpoolSession
 from .pipeline.upload import upload_worker
@@ -339,7 +340,7 @@ class Engine:
             await asyncio.wait(pending)
             raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
 
-    async def resume(self) -> ResumeReport:
+    async def resume(self, progress: ResumeProgress | None = None) -> ResumeReport:
         """Finish the spooled saves an earlier process left behind (see pipeline.resume)."""
         if self.spool is None:
             return ResumeReport()
@@ -349,6 +350,7 @@ class Engine:
             concurrency=self.config.upload.concurrency,
             keep_last=self.config.retention.keep_last,
             storage_for=lambda url: storage_from_url(url, self.config),
+            progress=progress,
         )
 
     async def shutdown(self) -> None:

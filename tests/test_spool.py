@@ -177,8 +177,13 @@ def test_crash_of_a_save_to_another_root_resumes_there(
     other = f"s3://{s3_bucket}/lightning/last.ckpt"  # what the Lightning plugin saves through at()
     _crash_child(config, 4, dict(os.environ), root=other)
     proxy.clear()
-    with SyncCheckpointer(config) as ckpt:
-        assert ckpt.resume_report.resumed == [4] and ckpt.resume_report.skipped == []
+    manual = _spool_config(config, tmp_path / "spool", resume=False)
+    heard: list[tuple[int, int]] = []
+    with SyncCheckpointer(manual) as ckpt:
+        assert ckpt.resume_report.resumed == []  # resume: false leaves it to resume_spool()
+        report = ckpt.resume_spool(progress=lambda nbytes, total: heard.append((nbytes, total)))
+        assert report.resumed == [4] and report.skipped == []
+        assert heard and sum(n for n, _ in heard) == heard[0][1] > 0  # every spooled byte, once
         assert ckpt.steps() == []  # not the main root
         view = ckpt.at(other)
         assert view.steps() == [4]

@@ -23,7 +23,7 @@ from ..storage.base import Storage
 from .commit import apply_retention, commit_manifest
 from .spool import Spool, file_crc32c
 
-__all__ = ["ResumeReport", "resume_spooled"]
+__all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
 log = logging.getLogger("aiosnap")
 
@@ -55,13 +55,28 @@ def _why_not(spool: Spool, save_id: str, doc: dict[str, Any] | None) -> str | No
     return None
 
 
+Progress = Callable[[int, int], None]
+"""Called with (bytes just uploaded, bytes to upload in all) as spooled chunks land."""
+
+
+def _to_upload(leftovers: list[tuple[str, dict[str, Any] | None]]) -> int:
+    return sum(
+        chunk["nbytes"]
+        for _, doc in leftovers
+        if doc is not None
+        for chunk in doc.get("chunks", [])
+        if chunk.get("state") == "spooled"
+    )
+
+
 async def _finish(spool: Spool, storage: Storage, save_id: str, doc: dict[str, Any], concurrency: int,
-                  keep_last: int | None) -> int:  # fmt: skip
+                  keep_last: int | None, progress: Callable[[int], None]) -> int:  # fmt: skip
     limit = asyncio.Semaphore(concurrency)
 
     async def upload(index: int, chunk: dict[str, Any]) -> None:
         async with limit:
             await storage.write_file(chunk["object"], str(spool.save_dir(save_id) / f"{index}.bin"))
+        progress(chunk["nbytes"])
 
     await asyncio.gather(*(upload(i, c) for i, c in enumerate(doc["chunks"]) if c["state"] == "spooled"))
     crcs = {(obj, offset): crc for obj, offset, crc in doc["crcs"]}
@@ -78,11 +93,19 @@ async def resume_spooled(
     concurrency: int,
     keep_last: int | None,
     storage_for: Callable[[str], Storage] | None = None,
+    progress: Progress | None = None,
 ) -> ResumeReport:
     """Commit every resumable save in ``spool`` to ``storage`` (or, through
     ``storage_for``, to the other root it was meant for); discard the others."""
     report = ResumeReport()
-    for save_id, doc in await asyncio.to_thread(spool.leftovers):
+    leftovers = await asyncio.to_thread(spool.leftovers)
+    total = _to_upload(leftovers)
+
+    def landed(nbytes: int) -> None:
+        if progress is not None:
+            progress(nbytes, total)
+
+    for save_id, doc in leftovers:
         target, retention, opened = storage, keep_last, False
         if doc is not None and doc.get("storage_url") != storage.url:
             if storage_for is None:
@@ -90,7 +113,7 @@ async def resume_spooled(
                 continue
             target, retention, opened = storage_for(str(doc.get("storage_url"))), doc.get("keep_last"), True
         try:
-            await _resume_one(spool, target, save_id, doc, concurrency, retention, report)
+            await _resume_one(spool, target, save_id, doc, concurrency, retention, report, landed)
         finally:
             if opened:
                 await target.close()
@@ -105,6 +128,7 @@ async def _resume_one(
     concurrency: int,
     keep_last: int | None,
     report: ResumeReport,
+    landed: Callable[[int], None],
 ) -> None:
     """Resume or discard one leftover save (see the module docstring)."""
     reason = await asyncio.to_thread(_why_not, spool, save_id, doc)
@@ -115,7 +139,7 @@ async def _resume_one(
         return
     assert doc is not None
     try:
-        step = await _finish(spool, storage, save_id, doc, concurrency, keep_last)
+        step = await _finish(spool, storage, save_id, doc, concurrency, keep_last, landed)
     except Exception as exc:  # kept for the next attempt; the caller reports it
         log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
         report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
