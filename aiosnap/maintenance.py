@@ -23,6 +23,8 @@ from .storage.base import ObjectInfo, Storage
 __all__ = ["GcReport", "StepInfo", "collect_garbage", "list_steps", "verify_step"]
 
 Progress = Callable[[int], None]
+VERIFY_WINDOW = 8 * 1024 * 1024
+"""Bytes read and checksummed at a time per concurrent range in :func:`verify_step`."""
 
 
 @dataclass(frozen=True)
@@ -96,24 +98,30 @@ async def verify_step(
     problems: list[str] = []
 
     async def check(path: str, r: ByteRange) -> None:
-        async with limit:
-            buffer = bytearray(r.nbytes)
-            try:
-                got = await storage.read_into(r.object, r.offset, memoryview(buffer))
-            except FileNotFoundError:
-                problems.append(f"{path}: data object {r.object!r} is missing")
-                return
-            if got < r.nbytes:
-                problems.append(f"{path}: {r.object!r} is truncated ({got} of {r.nbytes} bytes at offset {r.offset})")
-                return
-            crc = await asyncio.to_thread(crc32c_of, memoryview(buffer))
+        async with limit:  # at most ``concurrency`` windows of VERIFY_WINDOW bytes in memory
+            buffer = memoryview(bytearray(min(r.nbytes, VERIFY_WINDOW)))
+            crc, done = 0, 0
+            while done < r.nbytes:
+                window = buffer[: min(len(buffer), r.nbytes - done)]
+                try:
+                    got = await storage.read_into(r.object, r.offset + done, window)
+                except FileNotFoundError:
+                    problems.append(f"{path}: data object {r.object!r} is missing")
+                    return
+                crc = await asyncio.to_thread(crc32c_of, window[:got], crc)
+                done += got
+                if progress is not None:
+                    progress(got)
+                if got < len(window):
+                    problems.append(
+                        f"{path}: {r.object!r} is truncated ({done} of {r.nbytes} bytes at offset {r.offset})"
+                    )
+                    return
         if crc != r.crc32c:
             problems.append(
                 f"{path}: checksum mismatch in {r.object!r} at offset {r.offset} "
                 f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x})"
             )
-        if progress is not None:
-            progress(r.nbytes)
 
     try:
         async with asyncio.TaskGroup() as group:

@@ -114,6 +114,10 @@ def test_verify_passes_then_finds_a_flipped_byte(aiosnap: Runner, filled: tuple[
     report = json.loads(aiosnap("verify", str(root), "--step", "30", "--json").stdout)
     assert report["ok"] is False and len(report["problems"]) == 1
     assert aiosnap("verify", str(root), "--step", "40").returncode == 0  # other steps untouched
+    data = next((root / f"{20:012d}").rglob("*.bin"))
+    data.write_bytes(data.read_bytes()[:1000])
+    truncated = aiosnap("verify", str(root), "--step", "20")
+    assert truncated.returncode == 1 and "truncated" in truncated.stderr
 
 
 def test_gc_applies_retention_and_cleans_only_old_incomplete_saves(

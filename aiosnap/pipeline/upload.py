@@ -26,9 +26,10 @@ class UploadClock(Protocol):
     def landed(self) -> None: ...
 
 
-def crc32c_of(data: memoryview) -> int:
-    """CRC32C (Castagnoli) of ``data``; runs on whichever thread calls it."""
-    return int(crc32c.crc32c(data))
+def crc32c_of(data: memoryview, previous: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data``, continuing ``previous`` (the crc of the bytes before
+    it); runs on whichever thread calls it."""
+    return int(crc32c.crc32c(data, previous))
 
 
 def _range_checksums(staged: StagedChunk) -> list[int]:
