@@ -195,10 +195,10 @@ class Engine:
             try:
                 blocked, crcs = await self._stage(plan, order, started, captured, session, storage, stages)
                 commit_started = time.perf_counter()
-                manifest = await self._commit(plan, crcs, storage)
+                manifest, manifest_bytes = await self._commit(plan, crcs, storage)
                 committed = True
                 stages["commit"] = time.perf_counter() - commit_started
-                emit("end", stage="commit", seconds=stages["commit"])
+                emit("end", stage="commit", nbytes=manifest_bytes, seconds=stages["commit"])
             finally:  # committed or failed, the save's spool folder has served
                 if session is not None:
                     await asyncio.shield(session.finish())
@@ -292,11 +292,11 @@ class Engine:
         emit("end", stage="upload", nbytes=plan.total_bytes, seconds=clock.seconds)
         return blocked, crcs
 
-    async def _commit(self, plan: SavePlan, crcs: Checksums, storage: Storage) -> Manifest:
+    async def _commit(self, plan: SavePlan, crcs: Checksums, storage: Storage) -> tuple[Manifest, int]:
+        """Write the manifest; returns it and its size in bytes."""
         manifest = build_manifest(plan).with_checksums(crcs)
         others = self._saves_to(storage) - {plan.save_id}
-        await commit_manifest(storage, manifest, others)
-        return manifest
+        return manifest, await commit_manifest(storage, manifest, others)
 
     async def _retention(self, step: int, storage: Storage, keep_last: int | None) -> list[int]:
         busy = {s for where, s in self._in_flight.values() if where.url == storage.url}

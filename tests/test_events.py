@@ -46,6 +46,7 @@ def test_good_save_and_load_emit_paired_scopes_with_figures(small_config: Config
     by_stage = {e.stage: e for e in saves if e.kind == "end"}
     assert by_stage["capture"].nbytes == by_stage["upload"].nbytes == result.nbytes == 400_080
     assert by_stage[None].seconds == pytest.approx(result.durable_s)
+    assert by_stage["commit"].nbytes == len(Path(ckpt.url, "000000000004", "manifest.json").read_bytes())
     assert all(e.seconds is not None and e.seconds >= 0 for e in by_stage.values())
 
     # the figures on the handle

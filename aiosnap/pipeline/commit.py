@@ -61,7 +61,7 @@ async def manifest_of(storage: Storage, step: int | None) -> Manifest:
     return await read_manifest(storage, step)
 
 
-async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> None:
+async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> int:
     """Write the manifest (the commit point), then drop other attempts at the same step.
 
     A new step's manifest is written only if still absent (a conditional write), so two
@@ -69,11 +69,13 @@ async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[s
 
     Attempts whose save id is in ``in_flight`` (saves still running) are left alone. Once
     the manifest is written the save has committed: a failing cleanup is only logged.
+    Returns the manifest's size in bytes.
     """
     name = manifest_name(manifest.step)
     new_step = not await storage.exists(name)
+    document = manifest.to_json()
     try:
-        await storage.write(name, manifest.to_json(), if_absent=new_step)
+        await storage.write(name, document, if_absent=new_step)
     except FileExistsError as exc:
         # A retried conditional write may be refused because its first attempt landed.
         if not await _committed_by(storage, manifest.step, manifest.save_id):
@@ -87,6 +89,7 @@ async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[s
                 await storage.delete_prefix(f"{step_dir(manifest.step)}/{name}")
     except Exception as exc:
         log.warning("aiosnap: step %d committed, but removing older attempts failed: %r", manifest.step, exc)
+    return len(document)
 
 
 async def _committed_by(storage: Storage, step: int, save_id: str) -> bool:
