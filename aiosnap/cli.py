@@ -1,6 +1,6 @@
 """The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-Commands: ``ls``, ``info``, ``verify``, ``resume``, ``gc``, ``bench``. URLs are storage
+Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``gc``, ``bench``. URLs are storage
 roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
 (S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
 and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
@@ -29,7 +29,7 @@ from rich.table import Table
 from .checkpointer import SyncCheckpointer
 from .config import Config, StorageConfig, load_config
 from .errors import AiosnapError
-from .maintenance import collect_garbage, list_steps, verify_step
+from .maintenance import collect_garbage, copy_step, list_steps, verify_step
 from .manifest import Manifest
 from .pipeline.commit import manifest_of
 from .storage.base import Storage, storage_from_url
@@ -191,6 +191,40 @@ def verify_command(
         out.print(f"step {manifest.step}: ok, {checked} verified")
     if problems:
         raise typer.Exit(1)
+
+
+@app.command("download")
+def download_command(
+    url: UrlArgument,
+    dest: Annotated[str, typer.Argument(help="root to copy into: a path, file:// or s3://bucket/prefix")],
+    step: StepOption = None,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Copy a step to another root (e.g. S3 to local disk), checking every checksum; the
+    copy is committed (manifest written) only once complete."""
+    settings = _config(config)
+
+    async def run(storage: Storage) -> Manifest:
+        manifest = await manifest_of(storage, step)
+        target = storage_from_url(dest, settings)
+        try:
+            bar, advance = _progress(manifest.total_bytes, f"downloading step {manifest.step}", not as_json)
+            copy = copy_step(storage, target, manifest, concurrency=settings.upload.concurrency, progress=advance)
+            if bar is None:
+                await copy
+            else:
+                with bar:
+                    await copy
+        finally:
+            await target.close()
+        return manifest
+
+    manifest = _on_storage(url, settings, run)
+    if as_json:
+        _emit_json({"step": manifest.step, "bytes": manifest.total_bytes, "dest": dest})
+    else:
+        out.print(f"step {manifest.step}: {_size(manifest.total_bytes)} copied to {dest}, every checksum verified")
 
 
 @app.command("resume")

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import CorruptCheckpointError, first_error
+from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
 from .manifest import MANIFEST_FILE, ByteRange, Manifest, manifest_name
-from .pipeline.commit import committed_steps, read_manifest, remove_step
+from .pipeline.commit import commit_manifest, committed_steps, read_manifest, remove_attempt, remove_step
 from .pipeline.upload import crc32c_of
 from .plan import step_dir
 from .storage.base import ObjectInfo, Storage
 
-__all__ = ["GcReport", "StepInfo", "collect_garbage", "list_steps", "verify_step"]
+__all__ = ["GcReport", "StepInfo", "collect_garbage", "copy_step", "list_steps", "verify_step"]
 
 Progress = Callable[[int], None]
 VERIFY_WINDOW = 8 * 1024 * 1024
@@ -131,6 +131,48 @@ async def verify_step(
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
     return sorted(f"{where}: {p}" for p in problems)
+
+
+async def copy_step(
+    source: Storage, dest: Storage, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None
+) -> None:
+    """Copy one committed step to another root (``aiosnap download``): each data object is
+    read whole, every range's crc32c checked, then written; the manifest goes last, so the
+    copy is committed only once complete. A failure removes what was copied and raises
+    (:class:`~aiosnap.errors.CorruptCheckpointError` for bad data). Holds at most
+    ``concurrency`` objects in memory."""
+    where = f"{source.url} step {manifest.step}"
+    ranges: dict[str, list[ByteRange]] = {}
+    for entry in manifest.entries:
+        for r in entry.ranges:
+            ranges.setdefault(r.object, []).append(r)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def copy(name: str, nbytes: int) -> None:
+        async with limit:
+            buffer = memoryview(bytearray(nbytes))
+            got = await source.read_into(name, 0, buffer)
+            if got < nbytes:
+                raise TruncatedObjectError(f"{where}: {name!r} is truncated ({got} of {nbytes} bytes)")
+            for r in ranges.get(name, []):
+                crc = await asyncio.to_thread(crc32c_of, buffer[r.offset : r.offset + r.nbytes])
+                if crc != r.crc32c:
+                    raise ChecksumMismatchError(
+                        f"{where}: checksum mismatch in {name!r} at offset {r.offset} "
+                        f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x}); not copied"
+                    )
+            await dest.write(name, buffer)
+        if progress is not None:
+            progress(nbytes)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for obj in manifest.objects:
+                group.create_task(copy(obj.name, obj.nbytes))
+    except BaseExceptionGroup as group_error:
+        await remove_attempt(dest, manifest.step, manifest.save_id)
+        raise (leaf := first_error(group_error)) from leaf.__cause__
+    await commit_manifest(dest, manifest, set())
 
 
 @dataclass

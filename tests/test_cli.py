@@ -216,3 +216,31 @@ def test_bench_runs_a_benchmark_and_prints_figures(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "blocked" in run.stdout
     assert aiosnap_process("bench", "nope").returncode == 2
+
+
+def test_download_copies_a_verified_step_and_refuses_corrupt_data(
+    aiosnap: Runner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    config = s3_config(s3_endpoint, s3_bucket)
+    state = {"w": torch.randn(4_000_000), "step": 7}  # 16 MB: several objects, multipart
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=7).wait()
+    config_file = tmp_path / "s3.yaml"
+    config_file.write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint, "addressing_style": "path"}}))
+    url, local = f"s3://{s3_bucket}/run", tmp_path / "local"
+    done = aiosnap("download", url, str(local), "--config", str(config_file))
+    assert done.returncode == 0, done.stderr
+    assert "copied" in done.stdout
+    with SyncCheckpointer(str(local)) as copy:
+        assert copy.steps() == [7]
+        restored = copy.load()
+    assert torch.equal(restored["w"], state["w"]) and restored["step"] == 7
+
+    key = next(o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"] if o["Key"].endswith(".bin"))
+    body = bytearray(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[100] ^= 0xFF
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    other = tmp_path / "other"
+    refused = aiosnap("download", url, str(other), "--config", str(config_file))
+    assert refused.returncode == 1 and "checksum mismatch" in refused.stderr
+    assert not list(other.rglob("manifest.json")) and not list(other.rglob("*.bin"))
