@@ -27,7 +27,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from .checkpointer import SyncCheckpointer
-from .config import Config, StorageConfig, load_config
+from .config import Config, load_config
 from .errors import AiosnapError
 from .maintenance import collect_garbage, copy_step, list_steps, verify_step
 from .manifest import Manifest
@@ -39,7 +39,7 @@ __all__ = ["app", "main"]
 T = TypeVar("T")
 app = typer.Typer(
     name="aiosnap",
-    help="Inspect, verify, resume and clean aiosnap checkpoints.",
+    help="List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -54,11 +54,9 @@ StepOption = Annotated[int | None, typer.Option("--step", "-s", help="step to us
 UrlArgument = Annotated[str, typer.Argument(help="checkpoint root: a path, file:// or s3://bucket/prefix")]
 
 
-def _config(path: Path | None, url: str | None = None) -> Config:
-    config = load_config(path) if path is not None else Config()
-    if url is not None:
-        config = config.model_copy(update={"storage": StorageConfig(url=url)})
-    return config
+def _config(path: Path | None) -> Config:
+    """Settings for the command (S3 endpoint, concurrency); the URL argument names the root."""
+    return load_config(path) if path is not None else Config()
 
 
 def _on_storage(url: str, config: Config, work: Callable[[Storage], Awaitable[T]]) -> T:
