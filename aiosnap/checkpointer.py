@@ -173,6 +173,11 @@ class _Core:
         """The handlers events go to (config's first, then the ones passed in); appendable."""
         return self._engine.events.handlers
 
+    def flush_events(self) -> None:
+        """Block until every event emitted so far has reached the handlers (they run on
+        their own thread; ``close()`` flushes too)."""
+        self._engine.events.flush()
+
     @property
     def loop_kind(self) -> str:
         """``uvloop`` or ``asyncio``: the background loop actually running."""

@@ -274,11 +274,11 @@ class Engine:
                 now = time.perf_counter()
                 blocked = now - started
                 stages["capture"] = now - capture_started
+                captured.set_result(blocked)
                 emit("end", stage="capture", nbytes=plan.total_bytes, seconds=stages["capture"])
                 if session is not None and session.spooled:
                     stages["spool"] = session.spool_seconds
                     emit("end", stage="spool", nbytes=session.spooled_bytes, seconds=session.spool_seconds)
-                captured.set_result(blocked)
                 for _ in range(workers):
                     await queue.put(None)
         except BaseExceptionGroup as group_error:

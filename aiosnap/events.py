@@ -5,16 +5,19 @@ A save emits ``start``, then one ``end`` per stage that ran (``capture``, ``spoo
 ``exception`` for the whole checkpoint -- also when the save is cancelled. A load emits
 ``start``, a ``fetch`` stage ``end`` and ``end``/``exception``.
 
-Handlers are plain callables taking an :class:`Event`. Save events are emitted on
-aiosnap's background loop thread, load events on the caller's thread, so a handler must
-be quick and thread-safe; the built-in ones are. A handler that raises is logged (once per
-handler) and otherwise ignored: events never break a checkpoint.
+Handlers are plain callables taking an :class:`Event`. Events are queued wherever they
+happen (aiosnap's loop thread for saves, the caller's thread for loads) and handed to the
+handlers, in order, by one dispatcher thread (``aiosnap-events``): a slow handler delays
+only later events, never a save or the training loop. A handler that raises is logged
+(once per handler) and otherwise ignored: events never break a checkpoint. ``close()`` of
+the checkpointer delivers every queued event; ``flush_events()`` waits for them earlier.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -155,13 +158,18 @@ class JsonlHandler:
 
 
 class EventBus:
-    """Sends events to handlers, shielding the caller from their failures. Any thread."""
+    """Queues events from any thread; one dispatcher thread (``aiosnap-events``, started on
+    the first event) hands them to the handlers in order, so a slow or failing handler
+    never holds back a save, the loop or training."""
 
     def __init__(self, handlers: Sequence[EventHandler], group: ProcessGroupInfo, url: str) -> None:
         self.handlers = list(handlers)
         self.group = group
         self.url = url
         self._complained: set[int] = set()
+        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
     def emit(
         self,
@@ -176,6 +184,7 @@ class EventBus:
         seconds: float | None = None,
         exception: BaseException | None = None,
     ) -> None:
+        """Queue one event (any thread; never blocks, never raises)."""
         if not self.handlers:
             return
         event = Event(
@@ -195,24 +204,54 @@ class EventBus:
             error=None if exception is None else str(exception),
             exception=exception,
         )
-        for handler in self.handlers:
+        self._ensure_dispatcher()
+        self._queue.put(event)
+
+    def _ensure_dispatcher(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._dispatch, name="aiosnap-events", daemon=True)
+                self._thread.start()
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: every handler sees every event, in order."""
+        while True:
+            event = self._queue.get()
             try:
-                handler(event)
-            except Exception as exc:
-                if id(handler) not in self._complained:
-                    self._complained.add(id(handler))
-                    log.warning("aiosnap: event handler %r failed (further failures not logged): %r", handler, exc)
+                if event is None:
+                    return
+                for handler in list(self.handlers):
+                    try:
+                        handler(event)
+                    except Exception as exc:
+                        if id(handler) not in self._complained:
+                            self._complained.add(id(handler))
+                            log.warning(
+                                "aiosnap: event handler %r failed (further failures not logged): %r", handler, exc
+                            )
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Block until every event emitted so far has been handled."""
+        if self._thread is not None:
+            self._queue.join()
 
     def scope(self, op: EventOp, step: int | None, url: str, save_id: str | None = None) -> ScopeEmitter:
         """An emitter with the fields every event of one save or load shares filled in."""
         return ScopeEmitter(self, op, step, url, save_id)
 
     def close(self) -> None:
-        """Close handlers that hold resources (JSON-lines files)."""
+        """Deliver what is queued, stop the dispatcher, close handlers that hold resources
+        (JSON-lines files)."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
         for handler in self.handlers:
-            close = getattr(handler, "close", None)
-            if isinstance(handler, JsonlHandler) and callable(close):
-                close()
+            if isinstance(handler, JsonlHandler):
+                handler.close()
 
 
 @dataclass

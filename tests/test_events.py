@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def test_failed_save_ends_with_an_exception_event(small_config: Config, faulty: 
     handle = ckpt.save({"w": torch.randn(200_000)}, step=2)
     with pytest.raises(OSError):
         handle.wait(timeout=30)
+    ckpt.flush_events()  # handlers run on their own thread
     kinds = seen.sequence()
     assert kinds[0] == ("start", None) and kinds[-1] == ("exception", None)
     assert ("end", None) not in kinds and ("end", "commit") not in kinds
@@ -178,3 +180,23 @@ def test_process_group_without_distributed_is_an_error(small_config: Config) -> 
         SyncCheckpointer(small_config, rank=2, world_size=2)
     with pytest.raises(TypeError, match="not callable"):
         SyncCheckpointer(small_config, event_handlers=["nope"])  # type: ignore[list-item]
+
+
+def test_slow_handlers_do_not_hold_save_back(small_config: Config) -> None:
+    gate = threading.Event()
+    seen: list[Event] = []
+
+    def stuck_on_capture(event: Event) -> None:
+        if event.stage == "capture":
+            gate.wait(20)  # released by the test only once save() has returned
+        if event.stage is not None:
+            seen.append(event)
+
+    with SyncCheckpointer(small_config, event_handlers=[stuck_on_capture]) as ckpt:
+        started = time.perf_counter()
+        handle = ckpt.save({"w": torch.randn(10_000)}, step=1)
+        returned = time.perf_counter() - started
+        gate.set()
+        handle.wait(30)
+    assert returned < 10, f"save() waited {returned:.1f} s for an event handler"
+    assert [e.stage for e in seen] == ["capture", "upload", "commit"]  # all delivered, in order
