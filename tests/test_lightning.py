@@ -255,3 +255,16 @@ def test_trainer_against_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3
     plugin.remove_checkpoint(url)
     plugin.teardown()
     assert "Contents" not in s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/epoch-2.ckpt/")
+
+
+def test_the_example_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).parents[1] / "examples" / "lightning_train.py"
+    run = subprocess.run(
+        [sys.executable, str(example), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "resumed and finished at epoch 5" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "last.ckpt"
