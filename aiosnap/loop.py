@@ -21,6 +21,9 @@ __all__ = ["LoopThread"]
 T = TypeVar("T")
 log = logging.getLogger("aiosnap")
 
+CLOSE_TIMEOUT_S = 15.0
+"""How long :meth:`LoopThread.stop` waits for the loop to close."""
+
 
 def _new_loop(kind: Literal["auto", "uvloop", "asyncio"]) -> asyncio.AbstractEventLoop:
     if kind in ("auto", "uvloop"):
@@ -86,11 +89,23 @@ class LoopThread:
             )
         return self.submit(coro).result(timeout)
 
-    def stop(self) -> None:
-        """Stop the loop and join the thread; idempotent. Not from the loop thread."""
+    def stop(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the loop and join the thread; idempotent. Not from the loop thread.
+
+        Every aiosnap task has finished or been cancelled by then; what may remain is the
+        loop's own closing, which uvloop holds up while a connection still has bytes queued
+        for a peer that stopped reading (a stalled server). After ``timeout`` seconds the
+        daemon thread is left to finish on its own, with a warning, rather than hanging
+        ``close()``."""
         if not self._thread.is_alive():
             return
         if self.in_loop_thread():
             raise WrongThreadError("LoopThread.stop() called from the loop thread itself")
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "aiosnap: the background event loop did not finish closing within %.0f s "
+                "(a connection to a stalled peer?); leaving its daemon thread behind",
+                timeout,
+            )

@@ -210,9 +210,11 @@ def test_pickled_objects_need_opt_in(tmp_path: Path, config: Config) -> None:
 
     with pytest.raises(PickleNotAllowedError):
         plugin.load_checkpoint(path)
-    assert AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(path)["odd"] == {1, 2}
+    trusting = AiosnapCheckpointIO(config, allow_pickle=True)
+    assert trusting.load_checkpoint(path)["odd"] == {1, 2}
     with pytest.raises(PickleNotAllowedError):
-        AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(path, weights_only=True)
+        trusting.load_checkpoint(path, weights_only=True)
+    trusting.teardown()
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         plugin.load_checkpoint(tmp_path / "missing.ckpt")
     with pytest.raises(TypeError, match="storage_options"):

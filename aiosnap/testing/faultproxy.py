@@ -63,6 +63,7 @@ class FaultProxy:
         self._up = _Bucket()
         self._down = _Bucket()
         self._counter = itertools.count(1)
+        self._stall_over: asyncio.Event  # made on the proxy's loop thread
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-proxy")
@@ -77,13 +78,21 @@ class FaultProxy:
         self._up.rate = self._down.rate = bytes_per_s
 
     def clear(self) -> None:
+        """Stop injecting faults; connections stalled so far are dropped (RST), as a
+        server that stopped answering eventually does."""
         self.reset_every = 0
         self.stall_every = 0
         self.slowdown_requests = 0
         self.set_rate(None)
+        self._loop.call_soon_threadsafe(self._unstall)
+
+    def _unstall(self) -> None:
+        self._stall_over.set()
+        self._stall_over = asyncio.Event()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
+        self._stall_over = asyncio.Event()
         self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
@@ -151,7 +160,8 @@ class FaultProxy:
                     return "reset"
                 if stalled and sent + len(data) > self.reset_after_bytes:
                     self.stalls += 1
-                    await asyncio.sleep(3600)  # hold the connection open, forward nothing
+                    await self._stall_over.wait()  # hold the connection open, forward nothing
+                    return "reset"
                 await bucket.take(len(data))
                 writer.write(data)
                 await writer.drain()
