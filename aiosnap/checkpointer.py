@@ -84,6 +84,26 @@ class SyncSaveHandle(SaveHandle):
         raise TypeError("SyncSaveHandle is not awaitable; call handle.wait()")
 
 
+class _LoadScope:
+    """What one load's events share: the bus, where, the step once known, the clock."""
+
+    def __init__(self, events: EventBus, url: str, step: int | None) -> None:
+        self.emit = events.emit
+        self.url = url
+        self.step = step
+        self.nbytes: int | None = None
+        self._started = time.perf_counter()
+        self.emit("start", "load", step, url=url)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def fetched(self, manifest: Manifest) -> None:
+        """Every byte of ``manifest`` is read and verified."""
+        self.step, self.nbytes = manifest.step, manifest.total_bytes
+        self.emit("end", "load", self.step, stage="fetch", url=self.url, nbytes=self.nbytes, seconds=self.elapsed())
+
+
 def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHandler]:
     handlers: list[EventHandler] = []
     if config.events.log:
@@ -223,28 +243,16 @@ class _Core:
         return state
 
     @contextmanager
-    def _load_events(self, step: int | None) -> Iterator[dict[str, Any]]:
-        """The event scope of one load; the body puts the loaded ``manifest`` in the box
-        (through :meth:`_fetched`). Caller's thread."""
-        emit = self._engine.events.emit
-        started = time.perf_counter()
-        emit("start", "load", step, url=self.url)
-        box: dict[str, Any] = {}
+    def _load_events(self, step: int | None) -> Iterator[_LoadScope]:
+        """The event scope of one load: ``start`` now, ``end`` or ``exception`` when the body
+        leaves; the body reports the fetch through :meth:`_LoadScope.fetched`. Caller's thread."""
+        scope = _LoadScope(self._engine.events, self.url, step)
         try:
-            yield box
+            yield scope
         except BaseException as exc:
-            emit("exception", "load", box["manifest"].step if "manifest" in box else step, url=self.url, exception=exc)
+            scope.emit("exception", "load", scope.step, url=self.url, exception=exc)
             raise
-        manifest: Manifest = box["manifest"]
-        seconds = time.perf_counter() - started
-        emit("end", "load", manifest.step, url=self.url, nbytes=manifest.total_bytes, seconds=seconds)
-
-    def _fetched(self, box: dict[str, Any], manifest: Manifest, fetch_started: float) -> None:
-        box["manifest"] = manifest
-        seconds = time.perf_counter() - fetch_started
-        self._engine.events.emit(
-            "end", "load", manifest.step, stage="fetch", url=self.url, nbytes=manifest.total_bytes, seconds=seconds
-        )
+        scope.emit("end", "load", scope.step, url=self.url, nbytes=scope.nbytes, seconds=scope.elapsed())
 
     def _begin_close(self) -> bool:
         if self._closed:
@@ -306,10 +314,9 @@ class Checkpointer(_Core):
         given (and return it), else as a new nested state. Every checksum is verified before
         anything in ``state`` is touched."""
         self._check_open()
-        with self._load_events(step) as box:
-            fetch_started = time.perf_counter()
+        with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage))
-            self._fetched(box, manifest, fetch_started)
+            scope.fetched(manifest)
             return self._finish_load(manifest, tensors, state)
 
     async def steps(self) -> list[int]:
@@ -390,10 +397,9 @@ class SyncCheckpointer(_Core):
     def load(self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False) -> Any:
         """See :meth:`Checkpointer.load`."""
         self._check_open()
-        with self._load_events(step) as box:
-            fetch_started = time.perf_counter()
+        with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage))
-            self._fetched(box, manifest, fetch_started)
+            scope.fetched(manifest)
             return self._finish_load(manifest, tensors, state)
 
     def steps(self) -> list[int]:

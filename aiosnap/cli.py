@@ -13,6 +13,7 @@ Runs on the main thread: each command drives its own event loop with ``asyncio.r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import logging
@@ -115,7 +116,7 @@ def list_command(
     """Committed steps with time, size and world size."""
     steps = _on_storage(url, _config(config), lambda s: list_steps(s, include_incomplete=all_steps))
     if as_json:
-        _emit_json([info.__dict__ for info in steps])
+        _emit_json([dataclasses.asdict(info) for info in steps])
         return
     if not steps:
         out.print(f"no checkpoints in {url}")
@@ -294,7 +295,7 @@ def gc_command(
         url, _config(config), lambda s: collect_garbage(s, keep_last=keep_last, grace_s=grace_s, dry_run=dry_run)
     )
     if as_json:
-        _emit_json({**report.__dict__, "dry_run": dry_run})
+        _emit_json({**dataclasses.asdict(report), "dry_run": dry_run})
         return
     verb = "would delete" if dry_run else "deleted"
     out.print(f"{verb} steps: {report.deleted_steps or 'none'}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
@@ -76,7 +76,7 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
             attempts = sorted({o.name.split("/")[1] for o in objects if o.name.count("/") >= 2})
             if step in infos:
                 leftovers = [a for a in attempts if a != infos[step].save_id]
-                infos[step] = StepInfo(**{**infos[step].__dict__, "leftovers": leftovers})
+                infos[step] = replace(infos[step], leftovers=leftovers)
             else:
                 infos[step] = StepInfo(
                     step=step,

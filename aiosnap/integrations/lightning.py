@@ -34,6 +34,7 @@ import torch
 
 try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("aiosnap.integrations.lightning needs Lightning: pip install 'aiosnap[lightning]'") from exc
 
@@ -54,21 +55,6 @@ def location_of(path: str | os.PathLike[str]) -> str:
     if "://" in text:
         return text.rstrip("/")
     return str(Path(text).expanduser().absolute())
-
-
-def _move(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        moved = type(value)() if type(value) is not dict else {}
-        for key, item in value.items():
-            moved[key] = _move(item, device)
-        return moved
-    if isinstance(value, list):
-        return [_move(v, device) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_move(v, device) for v in value)
-    return value
 
 
 class AiosnapCheckpointIO(CheckpointIO):
@@ -176,7 +162,8 @@ class AiosnapCheckpointIO(CheckpointIO):
         except CheckpointNotFoundError as exc:
             raise FileNotFoundError(f"Checkpoint file not found: {path} ({exc})") from exc
         if isinstance(map_location, (str, torch.device)):
-            state = _move(state, torch.device(map_location))
+            device = torch.device(map_location)
+            state = apply_to_collection(state, torch.Tensor, lambda tensor: tensor.to(device))
         if not isinstance(state, dict):
             raise TypeError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
         return state

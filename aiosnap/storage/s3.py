@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
@@ -408,10 +408,8 @@ class S3Storage(Storage):
             return False
         return True
 
-    async def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
-        """Keys and common prefixes (both relative to ``prefix``) below ``prefix``."""
-        keys: list[str] = []
-        folders: list[str] = []
+    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[dict[str, Any]]:
+        """Every ListObjectsV2 page below ``prefix`` (each request retried by :meth:`_call`)."""
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
@@ -420,11 +418,19 @@ class S3Storage(Storage):
             if token:
                 kwargs["ContinuationToken"] = token
             page = await self._call(f"LIST {prefix or '/'}", lambda c: c.list_objects_v2(**kwargs))  # noqa: B023 - awaited in this iteration
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    async def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        """Keys and common prefixes (both relative to ``prefix``) below ``prefix``."""
+        keys: list[str] = []
+        folders: list[str] = []
+        async for page in self._pages(prefix, delimiter):
             keys.extend(item["Key"][len(prefix) :] for item in page.get("Contents", []))
             folders.extend(item["Prefix"][len(prefix) :].rstrip("/") for item in page.get("CommonPrefixes", []))
-            if not page.get("IsTruncated"):
-                return keys, folders
-            token = page["NextContinuationToken"]
+        return keys, folders
 
     def _folder(self, prefix: str) -> str:
         key = self._key(prefix)
@@ -436,19 +442,11 @@ class S3Storage(Storage):
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         root = self._folder("")
-        folder = self._folder(prefix)
-        found: list[ObjectInfo] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder}
-            if token:
-                kwargs["ContinuationToken"] = token
-            page = await self._call(f"LIST {folder or '/'}", lambda c: c.list_objects_v2(**kwargs))  # noqa: B023 - awaited in this iteration
-            for item in page.get("Contents", []):
-                found.append(ObjectInfo(item["Key"][len(root) :], int(item["Size"]), item["LastModified"].timestamp()))
-            if not page.get("IsTruncated"):
-                return found
-            token = page["NextContinuationToken"]
+        return [
+            ObjectInfo(item["Key"][len(root) :], int(item["Size"]), item["LastModified"].timestamp())
+            async for page in self._pages(self._folder(prefix), None)
+            for item in page.get("Contents", [])
+        ]
 
     async def abort_stale_uploads(self, older_than: float) -> int:
         folder = self._folder("")
