@@ -37,6 +37,7 @@ from ..config import SpoolConfig
 from ..errors import SpoolBusyError
 from ..manifest import Checksums, build_manifest
 from ..plan import Chunk, SavePlan
+from ..storage.base import complete_before_cancel
 from ..tensorio import bytes_view
 from .capture import BufferPool, StagedChunk
 
@@ -138,7 +139,9 @@ class Spool:
             return int(crc32c.crc32c(data)), pieces
 
         try:
-            crc, pieces = await asyncio.to_thread(write)
+            # run to the end even if cancelled: the thread reads a slab that is reused
+            # afterwards, and a file it finished later would outlive the cleanup
+            crc, pieces = await complete_before_cancel(asyncio.to_thread(write))
         except BaseException:
             await asyncio.to_thread(path.unlink, True)
             raise
@@ -146,7 +149,8 @@ class Spool:
 
     async def write_journal(self, save_id: str, doc: dict[str, Any]) -> None:
         data = json.dumps(doc).encode("utf-8")
-        await asyncio.to_thread(_write_atomically, self.save_dir(save_id) / JOURNAL, data)
+        # completed even if cancelled, so that no journal lands after the save's cleanup
+        await complete_before_cancel(asyncio.to_thread(_write_atomically, self.save_dir(save_id) / JOURNAL, data))
 
     async def discard(self, save_id: str) -> None:
         await asyncio.to_thread(shutil.rmtree, self.save_dir(save_id), True)
