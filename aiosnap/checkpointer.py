@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -23,6 +23,7 @@ from .config import Config
 from .engine import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .errors import CheckpointerClosedError, ConfigError
 from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
+from .failures import FailureLedger
 from .loop import LoopThread
 from .manifest import Manifest
 from .pipeline.capture import CudaOrder
@@ -40,11 +41,22 @@ log = logging.getLogger("aiosnap")
 
 class SaveHandle:
     """A save in flight (async API): ``await handle`` returns its :class:`SaveResult` once
-    committed, or raises the failure with its original type."""
+    committed, or raises the failure with its original type (which then counts as
+    reported: neither the next ``save()`` nor ``close()`` raises it again)."""
 
-    def __init__(self, step: int, durable: concurrent.futures.Future[SaveResult]) -> None:
+    def __init__(
+        self, step: int, durable: concurrent.futures.Future[SaveResult], failures: FailureLedger | None = None
+    ) -> None:
         self.step = step
         self._durable = durable
+        self._failures = failures
+
+    def _observed(self) -> None:
+        """The caller is about to receive the save's failure."""
+        if self._failures is not None and self._durable.done() and not self._durable.cancelled():
+            failure = self._durable.exception()
+            if failure is not None:
+                self._failures.observed(failure)
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -64,7 +76,11 @@ class SaveHandle:
 
     async def wait(self, timeout: float | None = None) -> SaveResult:
         """Wait until committed; TimeoutError after ``timeout`` s (the save goes on)."""
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._durable)), timeout)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._durable)), timeout)
+        except BaseException:
+            self._observed()
+            raise
 
     def __await__(self) -> Any:
         return self.wait().__await__()
@@ -78,7 +94,11 @@ class SyncSaveHandle(SaveHandle):
 
     def wait(self, timeout: float | None = None) -> SaveResult:  # type: ignore[override]
         """Block until committed; TimeoutError after ``timeout`` s (the save goes on)."""
-        return self._durable.result(timeout)
+        try:
+            return self._durable.result(timeout)
+        except BaseException:
+            self._observed()
+            raise
 
     def __await__(self) -> Any:
         raise TypeError("SyncSaveHandle is not awaitable; call handle.wait()")
@@ -105,6 +125,9 @@ class _LoadScope:
 
 
 def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHandler]:
+    for handler in extra:
+        if not callable(handler):
+            raise TypeError(f"event_handlers: {handler!r} is not callable")
     handlers: list[EventHandler] = []
     if config.events.log:
         handlers.append(LoggingHandler())
@@ -113,11 +136,7 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
             handlers.append(JsonlHandler(config.events.jsonl))
         except OSError as exc:
             raise ConfigError(f"events.jsonl: cannot open {config.events.jsonl}: {exc.strerror or exc}") from exc
-    for handler in extra:
-        if not callable(handler):
-            raise TypeError(f"event_handlers: {handler!r} is not callable")
-        handlers.append(handler)
-    return handlers
+    return handlers + list(extra)
 
 
 class _Core:
@@ -150,21 +169,22 @@ class _Core:
         self._keep_last = self.config.retention.keep_last
         self._views: list[_Core] = []
         self._owner: _Core | None = None
-        events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
-        spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
-        self._loop = LoopThread(self.config.loop)
-        self._engine = Engine(self.config, storage, ram_budget, events, spool)
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
-        if spool is not None and self.config.spool.resume:
-            try:
+        events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
+        with ExitStack() as undo:  # a failure below releases what was acquired so far
+            undo.callback(events.close)
+            spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
+            if spool is not None:
+                undo.callback(spool.close)  # the lock, so a later checkpointer may take the spool
+            self._loop = LoopThread(self.config.loop)
+            undo.callback(self._loop.stop)
+            self._engine = Engine(self.config, storage, ram_budget, events, spool)
+            undo.callback(lambda: self._loop.run(self._engine.shutdown()))
+            if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
-            except BaseException:
-                self._loop.run(self._engine.shutdown())  # releases the spool lock
-                self._loop.stop()
-                events.close()
-                raise
+            undo.pop_all()
 
     def _view(self, url: str, keep_last: int | None, storage: Storage | None) -> Any:
         """A checkpointer of the same class for another storage root, sharing this one's
@@ -235,11 +255,13 @@ class _Core:
         return plan, CudaOrder.record(plan)
 
     @staticmethod
-    def _finish_load(manifest: Manifest, tensors: dict[int, Any], state: dict[str, Any] | None) -> Any:
+    def _finish_load(
+        manifest: Manifest, tensors: dict[int, Any], state: dict[str, Any] | None, allow_pickle: bool
+    ) -> Any:
         """Runs on the caller's thread (load_state_dict calls)."""
         if state is None:
-            return decode_tree(manifest, tensors)
-        apply_state(manifest, tensors, state)
+            return decode_tree(manifest, tensors, allow_pickle=allow_pickle)
+        apply_state(manifest, tensors, state, allow_pickle=allow_pickle)
         return state
 
     @contextmanager
@@ -272,11 +294,16 @@ class _Core:
             return
         self._loop.stop()
         self._engine.events.close()
-        failure = self._engine.last_failure
-        if failure is not None:
-            if raise_failure:
-                raise failure
-            log.warning("aiosnap: the last save failed: %r", failure)
+        failures = self._engine.failures.take_all()
+        for failure in failures[1:] if raise_failure else failures:
+            log.warning("aiosnap: a save failed and nobody waited for it: %r", failure)
+        if failures and raise_failure:
+            raise failures[0]
+
+    def _abort_on_interrupt(self, save_id: str) -> None:
+        """The caller left save() early (cancelled, KeyboardInterrupt) after the loop may
+        already have handed back the handle: abort that save unless its commit began."""
+        self._loop.loop.call_soon_threadsafe(self._engine.abort, save_id)
 
 
 class Checkpointer(_Core):
@@ -304,8 +331,12 @@ class Checkpointer(_Core):
         save (original type) instead of starting a new one, once."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata)
-        durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
-        return SaveHandle(step, durable)
+        try:
+            durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
+        except asyncio.CancelledError:
+            self._abort_on_interrupt(plan.save_id)
+            raise
+        return SaveHandle(step, durable, self._engine.failures)
 
     async def load(
         self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False
@@ -317,7 +348,7 @@ class Checkpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage))
             scope.fetched(manifest)
-            return self._finish_load(manifest, tensors, state)
+            return self._finish_load(manifest, tensors, state, allow_pickle)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -344,6 +375,14 @@ class Checkpointer(_Core):
         (committed steps manifest first). Returns the steps deleted."""
         self._check_open()
         result: list[int] = await self._call(self._engine.purge(self._storage))
+        return result
+
+    async def rollback(self, step: int) -> list[int]:
+        """Make committed ``step`` the latest again, to continue training from it: wait for
+        this root's saves, then remove every committed step after it (newest first,
+        manifest first). Returns the steps removed."""
+        self._check_open()
+        result: list[int] = await self._call(self._engine.rollback(self._storage, step))
         return result
 
     async def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
@@ -391,8 +430,12 @@ class SyncCheckpointer(_Core):
         Same waiting and failure rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata)
-        durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
-        return SyncSaveHandle(step, durable)
+        try:
+            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
+        except BaseException:
+            self._abort_on_interrupt(plan.save_id)
+            raise
+        return SyncSaveHandle(step, durable, self._engine.failures)
 
     def load(self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False) -> Any:
         """See :meth:`Checkpointer.load`."""
@@ -400,7 +443,7 @@ class SyncCheckpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage))
             scope.fetched(manifest)
-            return self._finish_load(manifest, tensors, state)
+            return self._finish_load(manifest, tensors, state, allow_pickle)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -421,6 +464,11 @@ class SyncCheckpointer(_Core):
         """See :meth:`Checkpointer.purge`."""
         self._check_open()
         return self._loop.run(self._engine.purge(self._storage))
+
+    def rollback(self, step: int) -> list[int]:
+        """See :meth:`Checkpointer.rollback`."""
+        self._check_open()
+        return self._loop.run(self._engine.rollback(self._storage, step))
 
     def close(self, timeout: float | None = None, *, _raise_failure: bool = True) -> None:
         """See :meth:`Checkpointer.close`."""

@@ -27,12 +27,12 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from .catalog import manifest_of
 from .checkpointer import SyncCheckpointer
 from .config import Config, load_config
 from .errors import AiosnapError
 from .maintenance import collect_garbage, copy_step, list_steps, verify_step
 from .manifest import Manifest
-from .pipeline.commit import manifest_of
 from .storage.base import Storage, storage_from_url
 
 __all__ = ["app", "main"]

@@ -2,38 +2,37 @@
 
 The public :class:`~aiosnap.Checkpointer` and :class:`~aiosnap.SyncCheckpointer` only plan
 on the caller's thread and hand coroutines of this class to the loop; all state below is
-touched by the loop thread alone.
+touched by the loop thread alone (the :class:`~aiosnap.failures.FailureLedger` excepted).
 
-A save: wait for a pending-save slot (backpressure) -> capture every chunk into RAM slabs
-(``save()`` returns here) -> upload workers write and checksum chunks, releasing slabs ->
-manifest (commit) -> retention. Any failure cancels the sibling stages, removes the
-attempt's objects, and is kept to be re-raised with its original type.
+A save: wait for a pending-save slot (backpressure) -> look at the root (preflight, in
+parallel with the copy) -> capture every chunk into RAM slabs (``save()`` returns here) ->
+upload workers write and checksum chunks, releasing slabs -> manifest (commit) ->
+retention. The commit protocol (:mod:`aiosnap.pipeline.commit`) decides what a failure
+may remove. Cancelling ``save()`` before it returned aborts that save; afterwards the
+save lives on its own. A failure is reported once (:mod:`aiosnap.failures`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .budget import ByteBudget
+from .catalog import apply_retention, committed_steps, manifest_of, remove_everything, remove_steps_after
 from .config import Config
-from .errors import first_error
-from .events import EventBus
+from .errors import StepOrderError, first_error
+from .events import EventBus, ScopeEmitter
+from .failures import FailureLedger
 from .manifest import Checksums, Manifest, build_manifest
 from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
-from .pipeline.commit import (
-    apply_retention,
-    commit_manifest,
-    committed_steps,
-    manifest_of,
-    remove_attempt,
-    remove_everything,
-)
+from .pipeline.commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
 from .pipeline.fetch import fetch_entries
 from .pipeline.resume import Progress as ResumeProgress
 from .pipeline.resume import ResumeReport, resume_spooled
@@ -41,11 +40,17 @@ from .pipeline.spool import Bounce, Spool, SpoolSession
 from .pipeline.upload import upload_worker
 from .plan import ALIGN, SavePlan
 from .restore import check_pickles
-from .storage.base import Storage, storage_from_url
+from .storage.base import Storage, complete_before_cancel, storage_from_url
 
 __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
 log = logging.getLogger("aiosnap")
+
+PREFLIGHT_GRACE_S = 1.0
+"""How long save() waits, once capture is done, for the look at the root to finish; a
+slower store lets save() return and the step order is checked before the commit."""
+CLEANUP_WAIT_S = 10.0
+"""How long close() lets the removal of failed attempts run before leaving them to gc."""
 
 
 def slab_bytes_for(config: Config, ram_budget: int) -> int:
@@ -101,6 +106,33 @@ class _StageClock:
         return 0.0 if self.first is None or self.last is None else self.last - self.first
 
 
+@dataclass(eq=False)
+class _SaveJob:
+    """One save attempt in flight (loop thread)."""
+
+    plan: SavePlan
+    order: CudaOrder | None
+    started: float
+    storage: Storage
+    keep_last: int | None
+    captured: asyncio.Future[float]
+    durable: concurrent.futures.Future[SaveResult]
+    emit: ScopeEmitter
+    task: asyncio.Task[None] | None = None
+    session: SpoolSession | None = None
+    blocked: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)
+    commit_started: bool = False
+    result: SaveResult | None = None
+    """Set once the manifest is written (retention may still follow)."""
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Done callback: mark a side task's outcome as seen (its failure is reported elsewhere)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Engine:
     """Owns storage, the RAM budget and its slabs, and the saves in flight. Loop thread only."""
 
@@ -113,6 +145,7 @@ class Engine:
         self.budget = ByteBudget(ram_budget, "ram_budget")
         self.slab_bytes = slab_bytes_for(config, ram_budget)
         self.spool = spool
+        self.failures = FailureLedger()
         self._bounce: Bounce | None = None
         if spool is not None and spool.mode == "overflow":
             # one slab of the RAM budget is set aside to spill through when the rest is taken
@@ -123,10 +156,8 @@ class Engine:
         self._pending: asyncio.Semaphore | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
         self._copier = Copier()
-        self._tasks: dict[asyncio.Task[None], Storage] = {}  # saves running, and where to
-        self._in_flight: dict[str, tuple[Storage, int]] = {}  # save id -> where, step
-        self.unreported: BaseException | None = None  # raised by the next save(), then cleared
-        self.last_failure: BaseException | None = None  # raised by close() unless a later save committed
+        self._jobs: dict[str, _SaveJob] = {}  # save id -> the save in flight
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     def _pool_for(self, plan: SavePlan) -> BufferPool:
         if self._pool is None:
@@ -134,11 +165,21 @@ class Engine:
             self._pool = BufferPool(self.budget, self.slab_bytes, pin_memory=cuda and torch.cuda.is_available())
         return self._pool
 
-    def raise_unreported(self) -> None:
-        """Re-raise (once) a background failure no save() has reported yet."""
-        failure, self.unreported = self.unreported, None
+    def raise_unobserved(self) -> None:
+        """Raise the oldest background failure nobody has been told about (once)."""
+        failure = self.failures.take()
         if failure is not None:
             raise failure
+
+    def _check_order(self, step: int, storage: Storage) -> None:
+        """Refuse a step at or below one this engine is saving to the same root."""
+        for job in self._jobs.values():
+            if job.storage.url == storage.url and job.plan.step >= step:
+                what = "already being saved" if job.plan.step == step else f"older than step {job.plan.step}"
+                raise StepOrderError(
+                    f"step {step} is {what}, whose save to {storage.url} is still in flight: "
+                    "steps only move forward; wait for that save's handle first"
+                )
 
     async def save(
         self,
@@ -149,110 +190,165 @@ class Engine:
         keep_last: int | None,
     ) -> concurrent.futures.Future[SaveResult]:
         """Start a save to ``storage``; returns once every byte is captured, with a future
-        for durability. ``keep_last`` is the retention applied there after the commit."""
-        self.raise_unreported()
+        for durability. ``keep_last`` is the retention applied there after the commit.
+        Cancelled before it returns, the save is aborted: nothing of it is committed."""
+        self.raise_unobserved()
+        self._check_order(plan.step, storage)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
         await self._pending.acquire()
         try:
-            self.raise_unreported()  # a save that failed while we waited
+            self.raise_unobserved()  # a save that failed while we waited
+            self._check_order(plan.step, storage)
         except BaseException:
             self._pending.release()
             raise
+        loop = asyncio.get_running_loop()
         durable: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
         durable.set_running_or_notify_cancel()  # nobody may cancel it from outside
-        captured = asyncio.get_running_loop().create_future()
-        self._in_flight[plan.save_id] = (storage, plan.step)
-        self.events.scope("save", plan.step, storage.url, plan.save_id)("start")
-        run = self._run(plan, order, started, captured, durable, storage, keep_last)
-        task = asyncio.get_running_loop().create_task(run)
-        self._tasks[task] = storage
-        task.add_done_callback(self._tasks.pop)
-        await asyncio.shield(captured)
+        job = _SaveJob(
+            plan, order, started, storage, keep_last, loop.create_future(), durable,
+            self.events.scope("save", plan.step, storage.url, plan.save_id),
+        )  # fmt: skip
+        self._jobs[plan.save_id] = job
+        job.emit("start")
+        job.task = loop.create_task(self._run(job))
+        try:
+            await asyncio.shield(job.captured)
+        except asyncio.CancelledError:
+            self.abort(plan.save_id)
+            raise
         return durable
 
-    def _saves_to(self, storage: Storage) -> set[str]:
-        """Save ids in flight to the root of ``storage`` (compared by URL: two backends
-        opened on one root are one root)."""
-        return {save_id for save_id, (where, _) in self._in_flight.items() if where.url == storage.url}
+    def abort(self, save_id: str) -> None:
+        """The caller gave up on ``save()`` before receiving its handle: cancel that save
+        unless its commit has begun (then it stands). Loop thread."""
+        job = self._jobs.get(save_id)
+        if job is not None and job.task is not None and not job.commit_started:
+            job.task.cancel()
 
-    async def _run(
-        self,
-        plan: SavePlan,
-        order: CudaOrder | None,
-        started: float,
-        captured: asyncio.Future[float],
-        durable: concurrent.futures.Future[SaveResult],
-        storage: Storage,
-        keep_last: int | None,
-    ) -> None:
+    def _saves_to(self, storage: Storage) -> list[_SaveJob]:
+        """Saves in flight to the root of ``storage`` (compared by URL: two backends opened
+        on one root are one root)."""
+        return [job for job in self._jobs.values() if job.storage.url == storage.url]
+
+    async def _run(self, job: _SaveJob) -> None:
         assert self._pending is not None
-        committed = False
-        emit = self.events.scope("save", plan.step, storage.url, plan.save_id)
         try:
-            session = self._spool_session(plan, storage, keep_last)
-            stages: dict[str, float] = {}
             try:
-                blocked, crcs = await self._stage(plan, order, started, captured, session, storage, stages)
-                commit_started = time.perf_counter()
-                manifest, manifest_bytes = await self._commit(plan, crcs, storage)
-                committed = True
-                stages["commit"] = time.perf_counter() - commit_started
-                emit("end", stage="commit", nbytes=manifest_bytes, seconds=stages["commit"])
-            finally:  # committed or failed, the save's spool folder has served
-                if session is not None:
-                    await asyncio.shield(session.finish())
-            deleted = await self._retention(manifest.step, storage, keep_last)
-            result = SaveResult(
-                step=plan.step,
-                save_id=plan.save_id,
-                nbytes=plan.total_bytes,
-                objects=len(plan.chunks),
-                blocked_s=blocked,
-                durable_s=time.perf_counter() - started,
-                ram_high_water=self.budget.high_water,
-                deleted_steps=tuple(deleted),
-                spooled_chunks=0 if session is None else session.spooled,
-                spool_fallback=None if session is None else session.fallback,
-                stage_seconds=stages,
-                spool_high_water=None if self.spool is None else self.spool.budget.high_water,
-            )
-            self.last_failure = None
-            emit("end", nbytes=result.nbytes, seconds=result.durable_s)
-            durable.set_result(result)
-        except BaseException as exc:
-            emit("exception", exception=exc)
-            if not committed:  # a committed step's data is never removed here
-                await asyncio.shield(remove_attempt(storage, plan.step, plan.save_id))
-            if not isinstance(exc, asyncio.CancelledError):
-                self.unreported = self.last_failure = exc
-                durable.set_exception(exc)
-            else:
-                durable.set_exception(concurrent.futures.CancelledError(f"save of step {plan.step} was cancelled"))
-                raise
+                result = await self._save(job)
+            except BaseException as exc:
+                committed = await self._after_failure(job, exc)
+                if committed is None:
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    return
+                result = committed
+            job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
+            if not job.captured.done():
+                job.captured.set_result(result.blocked_s)
+            job.durable.set_result(result)
         finally:
-            if not captured.done():
-                captured.set_result(time.perf_counter() - started)
-            self._in_flight.pop(plan.save_id, None)
+            self._jobs.pop(job.plan.save_id, None)
             self._pending.release()
+
+    async def _save(self, job: _SaveJob) -> SaveResult:
+        """Capture, upload, commit, retention: the happy path of one save."""
+        plan, storage = job.plan, job.storage
+        look = asyncio.ensure_future(preflight(storage, plan.step))
+        look.add_done_callback(_retrieve)
+        try:
+            job.session = self._spool_session(plan, storage, job.keep_last)
+            try:
+                crcs = await self._stage(job, look)
+                decided = await look
+                decided.check(storage.url)
+                commit_started = time.perf_counter()
+                manifest = build_manifest(plan).with_checksums(crcs)
+                job.commit_started = True
+                manifest_bytes = await commit_manifest(storage, manifest, replace=decided.replaces)
+            finally:  # committed or failed, the save's spool folder has served
+                if job.session is not None:
+                    await complete_before_cancel(job.session.finish())
+        finally:
+            look.cancel()
+        job.stages["commit"] = time.perf_counter() - commit_started
+        job.result = self._result(job, deleted=())
+        job.emit("end", stage="commit", nbytes=manifest_bytes, seconds=job.stages["commit"])
+        deleted = await self._retention(plan.step, storage, job.keep_last)
+        job.result = dataclasses.replace(job.result, deleted_steps=tuple(deleted))
+        return job.result
+
+    def _result(self, job: _SaveJob, deleted: tuple[int, ...]) -> SaveResult:
+        session = job.session
+        return SaveResult(
+            step=job.plan.step,
+            save_id=job.plan.save_id,
+            nbytes=job.plan.total_bytes,
+            objects=len(job.plan.chunks),
+            blocked_s=job.blocked,
+            durable_s=time.perf_counter() - job.started,
+            ram_high_water=self.budget.high_water,
+            deleted_steps=deleted,
+            spooled_chunks=0 if session is None else session.spooled,
+            spool_fallback=None if session is None else session.fallback,
+            stage_seconds=dict(job.stages),
+            spool_high_water=None if self.spool is None else self.spool.budget.high_water,
+        )
+
+    async def _after_failure(self, job: _SaveJob, exc: BaseException) -> SaveResult | None:
+        """Settle a save that raised ``exc``: its result if it committed after all, else
+        None once the failure is reported and the attempt's removal is scheduled (or left
+        to gc when the commit's outcome cannot be read back)."""
+        plan, storage = job.plan, job.storage
+        if job.result is not None:  # committed; only retention was interrupted
+            return job.result
+        remove = True
+        if job.commit_started:
+            verdict = await complete_before_cancel(
+                whose_commit(storage, plan.step, plan.save_id, write_interrupted=True)
+            )
+            if verdict == "ours":
+                log.info("aiosnap: step %d committed although its save reported %r", plan.step, exc)
+                job.result = self._result(job, deleted=())
+                return job.result
+            remove = verdict == "other"
+            if not remove:
+                log.warning(
+                    "aiosnap: the commit of step %d may or may not have landed (%r); its data is left "
+                    "in place for `aiosnap gc`", plan.step, exc,
+                )  # fmt: skip
+        job.emit("exception", exception=exc)
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        if cancelled:
+            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {plan.step} was cancelled"))
+        else:
+            job.durable.set_exception(exc)
+        if not job.captured.done():  # save() itself raises it (or was cancelled): reported there
+            if cancelled:
+                job.captured.cancel()
+            else:
+                job.captured.set_exception(exc)
+                job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
+        elif not cancelled:
+            self.failures.record(exc)
+        if remove:
+            cleanup = asyncio.get_running_loop().create_task(remove_attempt(storage, plan.step, plan.save_id))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+        return None
 
     def _spool_session(self, plan: SavePlan, storage: Storage, keep_last: int | None) -> SpoolSession | None:
         if self.spool is None:
             return None
-        return SpoolSession(self.spool, plan, storage.url, self._pool_for(plan), self._bounce, keep_last)
+        pool = self._pool_for(plan)
+        return SpoolSession(self.spool, plan, storage.url, self.storage.url, pool, self._bounce, keep_last)
 
-    async def _stage(
-        self,
-        plan: SavePlan,
-        order: CudaOrder | None,
-        started: float,
-        captured: asyncio.Future[float],
-        session: SpoolSession | None,
-        storage: Storage,
-        stages: dict[str, float],
-    ) -> tuple[float, Checksums]:
-        """Capture and upload concurrently; returns the seconds save() was blocked and the
-        crc32c of every piece. Fills ``stages`` and emits each stage's end event."""
+    async def _stage(self, job: _SaveJob, look: asyncio.Future[Preflight]) -> Checksums:
+        """Capture and upload concurrently; returns the crc32c of every piece. Resolves
+        ``job.captured`` (save() returns) once every byte is captured and the step order
+        is checked; fills ``job.stages`` and emits each stage's end event."""
+        plan, session = job.plan, job.session
         pool = self._pool_for(plan)
         crcs: Checksums = {}
         workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
@@ -261,24 +357,25 @@ class Engine:
         may_start = asyncio.Event()
         clock = _StageClock()
         landed = None if session is None else session.landed
-        emit = self.events.scope("save", plan.step, storage.url, plan.save_id)
-        blocked = 0.0
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(workers):
-                    group.create_task(upload_worker(queue, storage, crcs, may_start, landed, clock))
+                    group.create_task(upload_worker(queue, job.storage, crcs, may_start, landed, clock))
                 capture_started = time.perf_counter()
-                await capture_chunks(plan, pool, queue, self._executor, self._copier, order, may_start, session)
+                await capture_chunks(plan, pool, queue, self._executor, self._copier, job.order, may_start, session)
                 if session is not None:
-                    await session.captured()  # the journal is on disk before save() returns
+                    await session.captured()  # the journal says so before save() returns
+                capture_done = time.perf_counter()
+                await self._check_preflight(job, look)
                 now = time.perf_counter()
-                blocked = now - started
-                stages["capture"] = now - capture_started
-                captured.set_result(blocked)
-                emit("end", stage="capture", nbytes=plan.total_bytes, seconds=stages["capture"])
+                job.blocked = now - job.started
+                job.stages["capture"] = capture_done - capture_started
+                job.captured.set_result(job.blocked)
+                may_start.set()
+                job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
                 if session is not None and session.spooled:
-                    stages["spool"] = session.spool_seconds
-                    emit("end", stage="spool", nbytes=session.spooled_bytes, seconds=session.spool_seconds)
+                    job.stages["spool"] = session.spool_seconds
+                    job.emit("end", stage="spool", nbytes=session.spooled_bytes, seconds=session.spool_seconds)
                 for _ in range(workers):
                     await queue.put(None)
         except BaseExceptionGroup as group_error:
@@ -288,18 +385,22 @@ class Engine:
                 staged = queue.get_nowait()
                 if staged is not None:
                     staged.release()
-        stages["upload"] = clock.seconds
-        emit("end", stage="upload", nbytes=plan.total_bytes, seconds=clock.seconds)
-        return blocked, crcs
+        job.stages["upload"] = clock.seconds
+        job.emit("end", stage="upload", nbytes=plan.total_bytes, seconds=clock.seconds)
+        return crcs
 
-    async def _commit(self, plan: SavePlan, crcs: Checksums, storage: Storage) -> tuple[Manifest, int]:
-        """Write the manifest; returns it and its size in bytes."""
-        manifest = build_manifest(plan).with_checksums(crcs)
-        others = self._saves_to(storage) - {plan.save_id}
-        return manifest, await commit_manifest(storage, manifest, others)
+    @staticmethod
+    async def _check_preflight(job: _SaveJob, look: asyncio.Future[Preflight]) -> None:
+        """Refuse the step in save() itself when the look at the root is back in time;
+        otherwise (a slow store, or one that failed: a background failure like any other)
+        it is checked before the commit."""
+        if not look.done():
+            await asyncio.wait([look], timeout=PREFLIGHT_GRACE_S)
+        if look.done() and look.exception() is None:
+            look.result().check(job.storage.url)
 
     async def _retention(self, step: int, storage: Storage, keep_last: int | None) -> list[int]:
-        busy = {s for where, s in self._in_flight.values() if where.url == storage.url}
+        busy = {job.plan.step for job in self._saves_to(storage)}
         try:
             return await apply_retention(storage, keep_last, step, busy)
         except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
@@ -323,14 +424,20 @@ class Engine:
         return await manifest_of(storage, step)
 
     async def purge(self, storage: Storage) -> list[int]:
-        """Wait for the saves to ``storage``, then delete everything under it."""
+        """Wait for the saves to ``storage``, then delete every step under it."""
         await self.drain(None, storage)
         return await remove_everything(storage)
+
+    async def rollback(self, storage: Storage, step: int) -> list[int]:
+        """Wait for the saves to ``storage``, then remove the committed steps after ``step``."""
+        await self.drain(None, storage)
+        return await remove_steps_after(storage, step)
 
     async def drain(self, timeout: float | None, storage: Storage | None = None) -> None:
         """Wait for saves in flight (to ``storage`` only, when given); after ``timeout``
         seconds cancel the rest."""
-        tasks = {task for task, where in self._tasks.items() if storage is None or where.url == storage.url}
+        jobs = self._jobs.values() if storage is None else self._saves_to(storage)
+        tasks = {job.task for job in jobs if job.task is not None}
         if not tasks:
             return
         _, pending = await asyncio.wait(tasks, timeout=timeout)
@@ -349,12 +456,21 @@ class Engine:
             self.storage,
             concurrency=self.config.upload.concurrency,
             keep_last=self.config.retention.keep_last,
+            live=set(self._jobs),
             storage_for=lambda url: storage_from_url(url, self.config),
             progress=progress,
         )
 
     async def shutdown(self) -> None:
-        """Free slabs, the spool lock and connections (after drain)."""
+        """Free slabs, the spool lock and connections (after drain). Removals of failed
+        attempts get :data:`CLEANUP_WAIT_S` to finish; the rest is left to ``aiosnap gc``."""
+        if self._cleanups:
+            _, late = await asyncio.wait(set(self._cleanups), timeout=CLEANUP_WAIT_S)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning("aiosnap: %d failed attempt(s) not removed by close(); `aiosnap gc` will", len(late))
+                await asyncio.wait(late)
         if self._pool is not None:
             self._pool.trim()
         if self.spool is not None:

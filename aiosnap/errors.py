@@ -8,6 +8,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── WrongThreadError             a blocking call was made from aiosnap's own loop thread
     ├── SpoolBusyError               another process holds the spool directory's lock
     ├── UnsupportedStateError        a value in the state cannot be saved
+    ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
     ├── StorageError                 a remote store refused or failed a request (botocore chained)
     │   └── StorageUnavailableError  retries (throttling, 5xx, resets, timeouts) ran out of time
@@ -34,6 +35,7 @@ __all__ = [
     "ManifestError",
     "PickleNotAllowedError",
     "SpoolBusyError",
+    "StepOrderError",
     "StorageError",
     "StorageUnavailableError",
     "TruncatedObjectError",
@@ -64,6 +66,11 @@ class SpoolBusyError(AiosnapError, RuntimeError):
 
 class UnsupportedStateError(AiosnapError, TypeError):
     """A value in the state cannot be saved (sparse or meta tensors, for example)."""
+
+
+class StepOrderError(AiosnapError, ValueError):
+    """``save()`` of a step older than the root's latest committed step, or of a step this
+    checkpointer is already saving: steps only move forward (see ``rollback()``)."""
 
 
 class CheckpointNotFoundError(AiosnapError, LookupError):

@@ -81,13 +81,19 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and block the calling thread for its result."""
+        """Run ``coro`` on the loop and block the calling thread for its result. Left early
+        (KeyboardInterrupt, timeout), the coroutine is cancelled."""
         if self.in_loop_thread():
             coro.close()
             raise WrongThreadError(
                 "a blocking aiosnap call was made from aiosnap's own event-loop thread; use the async API (await) there"
             )
-        return self.submit(coro).result(timeout)
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
     def stop(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the loop and join the thread; idempotent. Not from the loop thread.

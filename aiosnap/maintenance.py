@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .catalog import committed_steps, read_manifest, remove_step
 from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
 from .manifest import MANIFEST_FILE, ByteRange, Manifest, manifest_name
-from .pipeline.commit import commit_manifest, committed_steps, read_manifest, remove_attempt, remove_step
+from .names import step_dir
+from .pipeline.commit import commit_manifest, remove_attempt
 from .pipeline.upload import crc32c_of
-from .plan import step_dir
 from .storage.base import ObjectInfo, Storage
 
 __all__ = ["GcReport", "StepInfo", "collect_garbage", "copy_step", "list_steps", "verify_step"]
@@ -172,7 +173,7 @@ async def copy_step(
     except BaseExceptionGroup as group_error:
         await remove_attempt(dest, manifest.step, manifest.save_id)
         raise (leaf := first_error(group_error)) from leaf.__cause__
-    await commit_manifest(dest, manifest, set())
+    await commit_manifest(dest, manifest, replace=False)
 
 
 @dataclass

@@ -1,8 +1,11 @@
 """The manifest: a step's commit marker, written last, JSON (never pickle), versioned.
 
-It maps the state's tree to byte ranges of data objects, each with a crc32c. Object names
-are relative to the storage root and are checked on load: a name that could leave the root
-(absolute, ``..``, backslashes) makes the whole manifest invalid.
+It maps the state's tree to byte ranges of data objects, each with a crc32c. A manifest
+is read back from storage other people may write, so :meth:`Manifest.from_json` checks
+all of it before anything acts on it: strict types (``true`` is not a number), the format
+version, every object named inside the save's own attempt folder, every byte range inside
+its object, shapes that match byte counts, and the tree (see :mod:`aiosnap.tree`). Every
+problem is a :class:`~aiosnap.errors.ManifestError` naming the file.
 """
 
 from __future__ import annotations
@@ -12,48 +15,40 @@ import math
 import time
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ManifestError
-from .plan import SavePlan, step_dir
+from .names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
+from .plan import SavePlan
+from .tree import check_tree, dtype_from_name
 
-__all__ = ["FORMAT_VERSION", "Checksums", "Manifest", "build_manifest", "check_object_name", "manifest_name"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "MAX_MANIFEST_BYTES",
+    "ByteRange",
+    "Checksums",
+    "DataObject",
+    "EntryRecord",
+    "Manifest",
+    "build_manifest",
+    "manifest_name",
+]
 
 FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-
-
-def manifest_name(step: int) -> str:
-    """Root-relative name of a step's manifest."""
-    return f"{step_dir(step)}/{MANIFEST_FILE}"
-
-
-def check_object_name(name: str) -> str:
-    """Return ``name`` if it is a normalised root-relative name, else raise ValueError."""
-    if not name or name.startswith("/") or "\\" in name or "\x00" in name or ":" in name:
-        raise ValueError(f"unsafe object name {name!r}")
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"unsafe object name {name!r}")
-    return name
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; ValueError for anything that is not a dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
+MAX_MANIFEST_BYTES = 1024**3
+"""A manifest larger than this is refused unread (a hostile file must not exhaust memory)."""
+_MAX_INT = 2**63
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class ByteRange(_Frozen):
     object: str
-    offset: int = Field(ge=0)
-    nbytes: int = Field(gt=0)
+    offset: int = Field(ge=0, lt=_MAX_INT)
+    nbytes: int = Field(gt=0, lt=_MAX_INT)
     crc32c: int = Field(ge=0, lt=2**32)
 
     _check_name = field_validator("object")(check_object_name)
@@ -61,8 +56,8 @@ class ByteRange(_Frozen):
 
 class DataObject(_Frozen):
     name: str
-    rank: int = Field(ge=0)
-    nbytes: int = Field(ge=0)
+    rank: int = Field(ge=0, lt=2**31)
+    nbytes: int = Field(ge=0, lt=_MAX_INT)
 
     _check_name = field_validator("name")(check_object_name)
 
@@ -74,46 +69,58 @@ class EntryRecord(_Frozen):
     shape: list[int]
     stride: list[int]
     device: str
-    nbytes: int = Field(ge=0)
+    nbytes: int = Field(ge=0, lt=_MAX_INT)
     ranges: list[ByteRange]
 
     @model_validator(mode="after")
     def _consistent(self) -> EntryRecord:
         if sum(r.nbytes for r in self.ranges) != self.nbytes:
             raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
-        if self.kind == "tensor":
-            dtype = dtype_from_name(self.dtype)
-            if any(d < 0 for d in self.shape):
-                raise ValueError(f"{self.path}: negative dimension in shape {self.shape}")
-            expected = math.prod(self.shape) * dtype.itemsize
-            if expected != self.nbytes:
-                raise ValueError(
-                    f"{self.path}: shape {self.shape} of {self.dtype} is {expected} bytes, not {self.nbytes}"
-                )
+        dtype = dtype_from_name(self.dtype)
+        if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > 64:
+            raise ValueError(f"{self.path}: invalid shape {self.shape}")
+        if len(self.stride) != len(self.shape):
+            raise ValueError(f"{self.path}: stride {self.stride} does not match shape {self.shape}")
+        expected = math.prod(self.shape) * dtype.itemsize
+        if expected != self.nbytes:
+            raise ValueError(f"{self.path}: shape {self.shape} of {self.dtype} is {expected} bytes, not {self.nbytes}")
+        if self.kind == "pickle" and (self.dtype != "uint8" or len(self.shape) != 1):
+            raise ValueError(f"{self.path}: a pickle entry is a flat uint8 blob")
         return self
 
 
 class Manifest(_Frozen):
     format: Literal["aiosnap"] = "aiosnap"
     format_version: int
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, lt=10**20)
     save_id: str
     created_at: float
-    world_size: int = Field(ge=1)
+    world_size: int = Field(ge=1, lt=2**31)
     objects: list[DataObject]
     entries: list[EntryRecord]
     tree: Any
     metadata: dict[str, Any]
 
+    _check_save_id = field_validator("save_id")(check_save_id)
+
     @model_validator(mode="after")
-    def _ranges_inside_objects(self) -> Manifest:
-        sizes = {o.name: o.nbytes for o in self.objects}
+    def _consistent(self) -> Manifest:
+        folder = attempt_prefix(self.step, self.save_id) + "/"
+        sizes: dict[str, int] = {}
+        for obj in self.objects:
+            if not obj.name.startswith(folder):
+                raise ValueError(f"object {obj.name!r} lies outside this save's folder {folder!r}")
+            if obj.rank >= self.world_size:
+                raise ValueError(f"object {obj.name!r}: rank {obj.rank} >= world size {self.world_size}")
+            if sizes.setdefault(obj.name, obj.nbytes) != obj.nbytes:
+                raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
         for entry in self.entries:
             for r in entry.ranges:
                 if r.object not in sizes:
                     raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
                 if r.offset + r.nbytes > sizes[r.object]:
                     raise ValueError(f"{entry.path}: range runs past the end of {r.object!r}")
+        check_tree(self.tree, [e.kind for e in self.entries])
         return self
 
     @property
@@ -136,23 +143,36 @@ class Manifest(_Frozen):
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: {len(data)} bytes is too large for a manifest")
         try:
             doc = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
+        return cls.from_document(doc, where)
+
+    @classmethod
+    def from_document(cls, doc: Any, where: str) -> Manifest:
+        """Validate an already parsed JSON document (a spool journal carries one)."""
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
         version = doc.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
             raise ManifestError(
-                f"{where}: format version {version!r} is not supported "
-                f"(this aiosnap reads up to {FORMAT_VERSION}); upgrade aiosnap"
+                f"{where}: format version {version!r:.40} is not supported "
+                f"(this aiosnap reads 1 to {FORMAT_VERSION}; upgrade aiosnap for newer ones)"
             )
         try:
             return cls.model_validate(doc)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-            raise ManifestError(f"{where}: invalid manifest: {problems}") from exc
+            raise ManifestError(f"{where}: invalid manifest: {_describe(exc)}") from None
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: invalid manifest: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """The first problems, located, without echoing input values (which may be huge)."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '/'}: {e['msg']}" for e in exc.errors()[:5])
 
 
 Checksums = dict[tuple[str, int], int]
@@ -167,17 +187,12 @@ def build_manifest(plan: SavePlan) -> Manifest:
     for chunk in plan.chunks:
         for piece in chunk.pieces:
             ranges[piece.entry].append(
-                ByteRange(
-                    object=chunk.object_name,
-                    offset=piece.dst_offset,
-                    nbytes=piece.nbytes,
-                    crc32c=0,
-                )
+                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=0)
             )
     entries = [
         EntryRecord(
             path=e.path,
-            kind=e.kind,
+            kind=e.kind,  # type: ignore[arg-type]
             dtype=str(e.tensor.dtype).removeprefix("torch."),
             shape=list(e.tensor.shape),
             stride=list(e.tensor.stride()),

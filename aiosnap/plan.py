@@ -23,21 +23,13 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedStateError
+from .names import object_prefix, step_dir
+from .tree import MAX_TREE_DEPTH
 
 __all__ = ["Chunk", "Entry", "Piece", "SavePlan", "is_stateful", "make_plan", "object_prefix", "step_dir"]
 
 ALIGN = 64
 """Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
-
-
-def step_dir(step: int) -> str:
-    """Directory name of a step: zero-padded so names sort like numbers."""
-    return f"{step:012d}"
-
-
-def object_prefix(step: int, save_id: str, rank: int) -> str:
-    """Root-relative prefix of the data objects one rank writes in one save attempt."""
-    return f"{step_dir(step)}/{save_id}/rank-{rank}"
 
 
 @dataclass(frozen=True)
@@ -94,12 +86,42 @@ def is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
+    """Refuse tensors whose bytes are not plain host or device memory of their own."""
+    kind = type(tensor).__name__
+    if kind == "DTensor":
+        raise UnsupportedStateError(
+            f"{path}: DTensor (torch.distributed) state is not supported yet; save its full_tensor() "
+            "or its to_local() shard per rank"
+        )
+    if tensor.layout != torch.strided:
+        raise UnsupportedStateError(f"{path}: {tensor.layout} tensors are not supported")
+    if tensor.is_meta:
+        raise UnsupportedStateError(f"{path}: meta tensors hold no data to save")
+    if tensor.is_quantized:
+        raise UnsupportedStateError(f"{path}: quantized tensors are not supported")
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise UnsupportedStateError(f"{path}: a {kind} has no storage of its own to save ({exc})") from exc
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self._seen: dict[tuple[Any, ...], int] = {}
+        self._depth = 0
 
     def encode(self, value: Any, path: str) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_TREE_DEPTH:
+                raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
+            return self._encode(value, path)
+        finally:
+            self._depth -= 1
+
+    def _encode(self, value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int) and type(value) is int:
@@ -136,12 +158,7 @@ class _Flattener:
         return {"t": "pickle", "id": self._pickle(value, path)}
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
-        if tensor.layout != torch.strided:
-            raise UnsupportedStateError(f"{path}: {tensor.layout} tensors are not supported")
-        if tensor.is_meta:
-            raise UnsupportedStateError(f"{path}: meta tensors hold no data to save")
-        if tensor.is_quantized:
-            raise UnsupportedStateError(f"{path}: quantized tensors are not supported")
+        _plain_tensor_or_refuse(tensor, path)
         key = (
             tensor.device,
             tensor.untyped_storage().data_ptr(),

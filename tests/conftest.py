@@ -33,6 +33,7 @@ class FaultyStorage(Storage):
     ) -> None:
         self.inner = inner
         self.url = inner.url
+        self.settled_writes = inner.settled_writes
         self.fail_when = fail_when
         self.error = error
         self.delay = delay
@@ -60,8 +61,11 @@ class FaultyStorage(Storage):
         self.writes.append(name)
         await self.inner.write(name, data, if_absent=if_absent)
 
-    async def read(self, name: str) -> bytes:
-        return await self.inner.read(name)
+    async def read(self, name: str, *, limit: int | None = None) -> bytes:
+        return await self.inner.read(name, limit=limit)
+
+    async def size(self, name: str) -> int:
+        return await self.inner.size(name)
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         return await self.inner.read_into(name, offset, dest)
@@ -78,8 +82,8 @@ class FaultyStorage(Storage):
     async def delete_prefix(self, prefix: str) -> None:
         await self.inner.delete_prefix(prefix)
 
-    async def remove_root(self) -> None:
-        await self.inner.remove_root()
+    async def remove_empty_folder(self, prefix: str = "") -> None:
+        await self.inner.remove_empty_folder(prefix)
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.inner.walk(prefix)

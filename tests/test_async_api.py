@@ -69,12 +69,14 @@ def test_sync_api_from_several_threads(root: Path) -> None:
     )
     errors: list[BaseException] = []
     with SyncCheckpointer(config) as ckpt:
+        # one root per thread (steps only move forward within a root), one loop, budget and queue
+        views = [ckpt.at(str(root / f"thread-{i}")) for i in range(4)]
 
         def worker(index: int) -> None:
             try:
                 for j in range(3):
                     step = index * 10 + j
-                    ckpt.save({"v": torch.full((30_000,), float(step))}, step=step).wait()
+                    views[index].save({"v": torch.full((30_000,), float(step))}, step=step).wait()
             except BaseException as exc:
                 errors.append(exc)
 
@@ -84,9 +86,10 @@ def test_sync_api_from_several_threads(root: Path) -> None:
         for t in threads:
             t.join()
         assert not errors
-        assert ckpt.steps() == [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32]
-        for step in ckpt.steps():
-            assert torch.equal(ckpt.load(step=step)["v"], torch.full((30_000,), float(step)))
+        for index, view in enumerate(views):
+            assert view.steps() == [index * 10, index * 10 + 1, index * 10 + 2]
+            for step in view.steps():
+                assert torch.equal(view.load(step=step)["v"], torch.full((30_000,), float(step)))
 
 
 def test_sync_call_from_the_loop_thread_raises_instead_of_deadlocking(small_config: Config) -> None:

@@ -77,8 +77,7 @@ def test_failed_save_ends_with_an_exception_event(small_config: Config, faulty: 
     assert failure.error_type == "OSError" and "No space left" in (failure.error or "")
     assert failure.exception is handle.future.exception()
     assert "exception" not in failure.to_dict()
-    with pytest.raises(OSError):
-        ckpt.close()
+    ckpt.close()  # reported at wait(): not raised again
 
 
 def test_cancelled_save_still_closes_its_scope(small_config: Config, faulty: FaultyStorage) -> None:
@@ -153,7 +152,7 @@ def test_jsonl_and_logging_handlers_from_config(
     quiet = Config(**{**small_config.model_dump(), "events": {"log": False}})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="aiosnap.events"), SyncCheckpointer(quiet) as ckpt:
-        ckpt.save({"w": torch.ones(10)}, step=1).wait()
+        ckpt.save({"w": torch.ones(10)}, step=4).wait()
     assert not [r for r in caplog.records if r.name == "aiosnap.events"]
 
 

@@ -33,13 +33,13 @@ def test_keep_last_deletes_old_steps_only_after_the_new_one_commits(root: Path) 
     assert not (root / "000000000001").exists()
 
 
-def test_retention_never_deletes_the_step_just_committed(root: Path) -> None:
-    with SyncCheckpointer(_config(root, retention={"keep_last": 1}), storage=None) as ckpt:
-        ckpt.save({"x": torch.ones(1)}, step=10).wait()
-        ckpt.save({"x": torch.ones(1)}, step=5).wait()  # an older step number saved later
-        assert ckpt.steps() == [5, 10]
-        ckpt.save({"x": torch.ones(1)}, step=11).wait()
-        assert ckpt.steps() == [11]
+def test_retention_keeps_the_newest_steps(root: Path) -> None:
+    with SyncCheckpointer(_config(root, retention={"keep_last": 2}), storage=None) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save({"x": torch.full((4,), float(step))}, step=step).wait()
+        assert ckpt.steps() == [20, 30]
+        ckpt.save({"x": torch.ones(1)}, step=30).wait()  # re-saving the latest replaces it, deletes nothing
+        assert ckpt.steps() == [20, 30]
 
 
 def test_failed_save_never_triggers_retention(root: Path) -> None:
@@ -51,8 +51,7 @@ def test_failed_save_never_triggers_retention(root: Path) -> None:
     with pytest.raises(OSError, match="injected"):
         ckpt.save({"x": torch.ones(1)}, step=2).wait()
     assert ckpt.steps() == [1], "the only good checkpoint stays"
-    with pytest.raises(OSError, match="injected"):
-        ckpt.close()
+    ckpt.close()
 
 
 def test_resaving_a_step_replaces_its_objects(root: Path) -> None:

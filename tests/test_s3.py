@@ -118,8 +118,7 @@ def test_unreachable_server_fails_typed_within_the_deadline(s3_endpoint: str, s3
         handle.wait(30)
     assert time.monotonic() - started < 1.5 + 1 + 2  # deadline + one attempt's timeout + slack
     assert info.value.__cause__ is not None
-    with pytest.raises(StorageUnavailableError):
-        ckpt.close()
+    ckpt.close()  # reported at wait(), not again
     assert _keys(s3_client, s3_bucket) == before, "nothing written, the previous checkpoint untouched"
     with SyncCheckpointer(s3_config(s3_endpoint, s3_bucket)) as good:
         assert good.steps() == [1]
@@ -131,8 +130,7 @@ def test_interrupted_multipart_upload_is_aborted(s3_endpoint: str, s3_bucket: st
     ckpt = SyncCheckpointer(config)
     with pytest.raises(StorageUnavailableError):
         ckpt.save({"w": torch.randn(4_000_000)}, step=1).wait(60)
-    with pytest.raises(StorageUnavailableError):
-        ckpt.close()
+    ckpt.close()
     assert _open_uploads(s3_client, s3_bucket) == []
     assert not any(k.endswith("manifest.json") for k in _keys(s3_client, s3_bucket))
 
@@ -141,8 +139,7 @@ def test_missing_bucket_is_a_typed_error_at_once(s3_endpoint: str) -> None:
     ckpt = SyncCheckpointer(s3_config(s3_endpoint, "no-such-bucket-here"))
     with pytest.raises(StorageError, match="NoSuchBucket"):
         ckpt.save({"x": torch.ones(1)}, step=1).wait(30)
-    with pytest.raises(StorageError):
-        ckpt.close()
+    ckpt.close()
 
 
 def test_credentials_never_show_in_logs_errors_or_manifests(
@@ -164,8 +161,7 @@ def test_credentials_never_show_in_logs_errors_or_manifests(
     ckpt = SyncCheckpointer(dead)
     with pytest.raises(StorageUnavailableError) as info:
         ckpt.save({"x": torch.ones(3)}, step=2).wait(30)
-    with pytest.raises(StorageUnavailableError):
-        ckpt.close()
+    ckpt.close()
     texts = [caplog.text, str(info.value), repr(info.value.__cause__), manifest.decode(), repr(dead), str(dead)]
     assert all(secret not in text for text in texts)
     assert json.loads(manifest)["metadata"] == {}

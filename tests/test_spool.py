@@ -40,6 +40,11 @@ def _spool_files(spool_dir: Path) -> list[Path]:
     return [p for p in spool_dir.rglob("*") if p.is_file() and p.name != "LOCK"]
 
 
+def _chunk_files(spool_dir: Path) -> list[Path]:
+    """What the disk budget counts: spooled chunks (each save's small journal comes on top)."""
+    return [p for p in _spool_files(spool_dir) if p.suffix == ".bin"]
+
+
 def test_overflow_returns_long_before_a_throttled_upload(
     s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
 ) -> None:
@@ -80,7 +85,7 @@ def test_disk_budget_is_respected_on_disk(tmp_path: Path) -> None:
         nonlocal peak
         while not stop.is_set():
             with contextlib.suppress(FileNotFoundError):  # a file vanished while summing
-                peak = max(peak, sum(p.stat().st_size for p in _spool_files(spool_dir)))
+                peak = max(peak, sum(p.stat().st_size for p in _chunk_files(spool_dir)))
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch)
@@ -163,8 +168,7 @@ def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(ChecksumMismatchError, match="spool file .*1.bin is corrupt"):
         ckpt.save({"w": torch.randn(500_000)}, step=1).wait(30)  # 2 chunks, both spooled
     assert ckpt.steps() == []
-    with pytest.raises(ChecksumMismatchError):
-        ckpt.close()
+    ckpt.close()  # the failure was reported at wait(): not raised again
     assert _spool_files(tmp_path / "spool") == []
 
 

@@ -13,11 +13,12 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
   model on the GPU); durability follows in the background.
 - ``load_checkpoint`` first waits for saves in flight to that path.
 - ``remove_checkpoint`` never blocks training and never races a save: it waits (on the
-  helper thread) for every save in flight when it was called, and removes the path only if
-  all of them committed -- the last committed checkpoint is never deleted while a newer
-  one is still pending or has failed. A new save to the same path supersedes the removal.
+  helper thread) for every save in flight when it was called and for the latest save, and
+  removes the path only if all of them committed -- the last committed checkpoint is never
+  deleted while a newer one is still pending or has failed. A new save to the same path
+  supersedes the removal; only a save to that same path waits while it is deleted.
 - ``teardown`` waits for everything and re-raises a background failure with its original
-  type (unless it was already raised by a later ``save_checkpoint``).
+  type, unless Lightning was already told about it (by a later ``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -81,15 +82,16 @@ class AiosnapCheckpointIO(CheckpointIO):
         self.config = Config.coerce(config)
         self.allow_pickle = allow_pickle
         self.event_handlers = list(event_handlers)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the tables below; never held while deleting
+        self._key_locks: dict[str, threading.Lock] = {}  # a path's save and removal, one at a time
         self._checkpointer: SyncCheckpointer | None = None
         self._locations: dict[str, SyncCheckpointer] = {}
         self._next_step: dict[str, int] = {}
         self._generation: dict[str, int] = {}
         self._pending: dict[str, list[SyncSaveHandle]] = {}
+        self._last_save: SyncSaveHandle | None = None
         self._removals: list[concurrent.futures.Future[None]] = []
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reported: list[BaseException] = []  # failures already raised to Lightning
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -113,6 +115,10 @@ class AiosnapCheckpointIO(CheckpointIO):
     def _all_pending(self) -> list[SyncSaveHandle]:
         return [h for key in list(self._pending) for h in self._handles(key)]
 
+    def _key_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._key_locks.setdefault(key, threading.Lock())
+
     # -- CheckpointIO -----------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -123,7 +129,7 @@ class AiosnapCheckpointIO(CheckpointIO):
                 "configure storage through the aiosnap config instead"
             )
         key = location_of(path)
-        with self._lock:
+        with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
             step = self._next_step.get(key)
@@ -137,13 +143,10 @@ class AiosnapCheckpointIO(CheckpointIO):
                     "path": os.fspath(path),
                 }
             }
-            try:
-                handle = location.save(checkpoint, step=step, metadata=metadata)
-            except BaseException as exc:
-                self._reported.append(exc)
-                raise
+            handle = location.save(checkpoint, step=step, metadata=metadata)
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
+            self._last_save = handle
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -169,17 +172,21 @@ class AiosnapCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Schedule removal of ``path`` once every save now in flight has committed."""
+        """Schedule removal of ``path`` once every save now in flight, and the latest save,
+        have committed."""
         key = location_of(path)
         with self._lock:
             waiting_for = [h.future for h in self._all_pending()]
+            if self._last_save is not None:  # it may have failed already: then keep ``path``
+                waiting_for.append(self._last_save.future)
             generation = self._generation.get(key, 0)
             if self._remover is None:
                 self._remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-remover")
             self._removals.append(self._remover.submit(self._remove, key, generation, waiting_for))
 
     def _remove(self, key: str, generation: int, waiting_for: list[concurrent.futures.Future[Any]]) -> None:
-        """Helper thread: wait, then delete ``key`` unless a newer save failed or reused it."""
+        """Helper thread: wait, then delete ``key`` unless a newer save failed or reused it.
+        Only a save to the same path waits for the deletion; other saves go on."""
         concurrent.futures.wait(waiting_for)
         failed = [f.exception() for f in waiting_for if f.exception() is not None]
         if failed:
@@ -187,18 +194,21 @@ class AiosnapCheckpointIO(CheckpointIO):
                 "aiosnap: keeping %s: a newer save failed (%r), so it may be the last good checkpoint", key, failed[0]
             )
             return
-        with self._lock:
-            if self._generation.get(key, 0) != generation:
-                return  # saved again since: the new version replaced the old one already
-            if "://" not in key and Path(key).is_file():  # a torch.save file from before aiosnap
-                Path(key).unlink()
-                return
-            location = self._location(key)
-            location.purge()
-            location.close()
-            del self._locations[key]
-            self._next_step.pop(key, None)
-            self._pending.pop(key, None)
+        with self._key_lock(key):
+            with self._lock:
+                if self._generation.get(key, 0) != generation:
+                    return  # saved again since: the new version replaced the old one already
+                if "://" not in key and Path(key).is_file():  # a torch.save file from before aiosnap
+                    Path(key).unlink()
+                    return
+                location = self._location(key)
+                del self._locations[key]
+                self._next_step.pop(key, None)
+                self._pending.pop(key, None)
+            try:
+                location.purge()
+            finally:
+                location.close()
 
     def teardown(self) -> None:
         """Wait for removals and saves; re-raise a failure Lightning has not seen yet. The
@@ -217,12 +227,6 @@ class AiosnapCheckpointIO(CheckpointIO):
                 self._locations.clear()
                 self._next_step.clear()
                 self._pending.clear()
+                self._last_save = None
             if checkpointer is not None:
-                try:
-                    checkpointer.close()
-                except BaseException as exc:
-                    if not any(exc is seen for seen in self._reported):
-                        raise
-                    log.debug("aiosnap: failure already reported: %r", exc)
-                finally:
-                    self._reported.clear()
+                checkpointer.close()  # raises a failure Lightning has not been told about, once

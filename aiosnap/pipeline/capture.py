@@ -159,7 +159,7 @@ async def capture_chunks(
     While RAM (or spool disk) has room, uploads are held back (``uploads_may_start`` unset)
     so that the copies and spills, which block training, get the CPU, memory and disk
     bandwidth to themselves; the event is set as soon as capture would have to wait for RAM
-    or spool disk, and when it is done.
+    or spool disk (otherwise the caller sets it once ``save()`` may return).
     """
     loop = asyncio.get_running_loop()
     for chunk in plan.chunks:
@@ -197,4 +197,3 @@ async def capture_chunks(
         except BaseException:
             release()
             raise
-    uploads_may_start.set()

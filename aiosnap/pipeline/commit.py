@@ -1,141 +1,124 @@
-"""Commit stage and the step catalogue: manifest last, retention after commit.
+"""The commit protocol of one save attempt (loop thread).
 
-Runs on the background loop thread. A step counts as committed exactly when its manifest
-exists; deleting a step removes the manifest first, so a half-deleted step is never taken
-for a checkpoint.
+1. *Preflight*, when the save starts: the newest committed step of the root. A step older
+   than it is refused (steps only move forward, so "latest" is always the newest save);
+   the same step is a re-save that replaces it; a newer one is a new step, whose manifest
+   will be written only if still absent, so a second writer of the same new step can never
+   silently overwrite the first.
+2. Data objects, all under the attempt's own folder ``<step>/<save id>/``.
+3. The manifest, last: the commit point.
+4. After a failure: until the manifest write has started, the attempt's folder is removed
+   (it is this attempt's alone). Once it has started, the outcome is read back: the
+   attempt's data is removed only if the step's manifest is provably someone else's; if
+   it is this attempt's, the save committed after all; if it cannot be read, the data is
+   left for ``aiosnap gc``.
+
+Nothing here deletes another attempt's folder, except the one a re-save replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import suppress
+from dataclasses import dataclass
+from typing import Literal
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..manifest import MANIFEST_FILE, Manifest, manifest_name
-from ..plan import step_dir
+from ..catalog import committed_save_id, latest_committed, read_manifest
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
+from ..manifest import Manifest
+from ..names import attempt_prefix, manifest_name, step_dir
 from ..storage.base import Storage
 
-__all__ = [
-    "apply_retention",
-    "commit_manifest",
-    "committed_steps",
-    "manifest_of",
-    "read_manifest",
-    "remove_attempt",
-    "remove_everything",
-    "remove_step",
-]
+__all__ = ["Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
 
 log = logging.getLogger("aiosnap")
 
-
-async def committed_steps(storage: Storage) -> list[int]:
-    """Steps with a manifest, ascending. Folders without one (saves in progress or failed)
-    are left out."""
-    candidates = [int(name) for name in await storage.list_children("") if name.isdigit()]
-    present = await asyncio.gather(*(storage.exists(manifest_name(s)) for s in candidates))
-    return sorted(step for step, ok in zip(candidates, present, strict=True) if ok)
+READ_BACK_TIMEOUT_S = 10.0
+"""How long reading back an ambiguous commit may take before it is left undecided."""
 
 
-async def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of ``step``; CheckpointNotFoundError if it is not committed."""
-    name = manifest_name(step)
-    try:
-        data = await storage.read(name)
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}") from exc
-    manifest = Manifest.from_json(data, where=f"{storage.url}/{name}")
-    if manifest.step != step:
-        raise CorruptCheckpointError(f"{storage.url}/{name}: manifest says step {manifest.step}, not {step}")
-    return manifest
+@dataclass(frozen=True)
+class Preflight:
+    """What the root held when a save of ``step`` started."""
+
+    step: int
+    latest: int | None
+
+    @property
+    def replaces(self) -> bool:
+        """A re-save of the latest step (its manifest is replaced)."""
+        return self.latest == self.step
+
+    def check(self, url: str) -> None:
+        """Raise :class:`StepOrderError` for a step older than the latest committed one."""
+        if self.latest is not None and self.step < self.latest:
+            raise StepOrderError(
+                f"step {self.step} is older than the latest committed step {self.latest} in {url}: steps only "
+                f"move forward, so load() would still return step {self.latest}. To continue from an earlier "
+                f"step N, first remove the newer steps with ckpt.rollback(N) (or `aiosnap rollback {url} "
+                f"--to N`), or save to another root with ckpt.at(url)"
+            )
 
 
-async def manifest_of(storage: Storage, step: int | None) -> Manifest:
-    """The manifest of ``step``, or of the latest committed step when None."""
-    if step is None:
-        steps = await committed_steps(storage)
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
-        step = steps[-1]
-    return await read_manifest(storage, step)
+async def preflight(storage: Storage, step: int) -> Preflight:
+    """Look at the root as a save of ``step`` starts (one listing, usually one HEAD)."""
+    return Preflight(step, await latest_committed(storage))
 
 
-async def commit_manifest(storage: Storage, manifest: Manifest, in_flight: set[str]) -> int:
-    """Write the manifest (the commit point), then drop other attempts at the same step.
+async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool) -> int:
+    """Write the manifest: the commit point. Returns its size in bytes.
 
-    A new step's manifest is written only if still absent (a conditional write), so two
-    writers never silently overwrite one committed step; re-saving a step replaces it.
-
-    Attempts whose save id is in ``in_flight`` (saves still running) are left alone. Once
-    the manifest is written the save has committed: a failing cleanup is only logged.
-    Returns the manifest's size in bytes.
-    """
+    A new step's manifest is written only if still absent; :class:`FileExistsError` if
+    another writer committed the step first. A re-save (``replace``) replaces the step's
+    manifest, then removes the attempt folder the old one named (a failure there is only
+    logged: the save has committed)."""
     name = manifest_name(manifest.step)
-    new_step = not await storage.exists(name)
     document = manifest.to_json()
-    try:
-        await storage.write(name, document, if_absent=new_step)
-    except FileExistsError as exc:
-        # A retried conditional write may be refused because its first attempt landed.
-        if not await _committed_by(storage, manifest.step, manifest.save_id):
-            raise FileExistsError(
-                f"{storage.url}/{name}: step {manifest.step} was committed by another writer "
-                "while this save ran; not overwriting it"
-            ) from exc
-    try:
-        for name in await storage.list_children(step_dir(manifest.step)):
-            if name not in (MANIFEST_FILE, manifest.save_id) and name not in in_flight and not name.startswith("."):
-                await storage.delete_prefix(f"{step_dir(manifest.step)}/{name}")
-    except Exception as exc:
-        log.warning("aiosnap: step %d committed, but removing older attempts failed: %r", manifest.step, exc)
+    if not replace:
+        try:
+            await storage.write(name, document, if_absent=True)
+        except FileExistsError as exc:
+            # A retried conditional write may be refused because its first attempt landed.
+            if await whose_commit(storage, manifest.step, manifest.save_id) != "ours":
+                raise FileExistsError(
+                    f"{storage.url}/{name}: step {manifest.step} was committed by another writer "
+                    "while this save ran; not overwriting it"
+                ) from exc
+        return len(document)
+    replaced = await committed_save_id(storage, manifest.step)
+    await storage.write(name, document)
+    if replaced is not None and replaced != manifest.save_id:
+        try:
+            await storage.delete_prefix(attempt_prefix(manifest.step, replaced))
+        except Exception as exc:
+            log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
     return len(document)
 
 
-async def _committed_by(storage: Storage, step: int, save_id: str) -> bool:
+async def whose_commit(
+    storage: Storage, step: int, save_id: str, *, write_interrupted: bool = False
+) -> Literal["ours", "other", "unknown"]:
+    """Read back ``step``'s manifest: is it this attempt's (``ours``), someone else's
+    (``other``), or undecidable (``unknown``: unreadable within :data:`READ_BACK_TIMEOUT_S`,
+    or absent right after this attempt's own manifest write was interrupted on a backend
+    where such a write may still land later)."""
     try:
-        return (await read_manifest(storage, step)).save_id == save_id
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        return False
+        async with asyncio.timeout(READ_BACK_TIMEOUT_S):
+            manifest = await read_manifest(storage, step)
+    except CheckpointNotFoundError:
+        return "unknown" if write_interrupted and not storage.settled_writes else "other"
+    except CorruptCheckpointError:
+        return "unknown"
+    except Exception as exc:  # storage down, timed out: undecided
+        log.warning("aiosnap: cannot read back the manifest of step %d (%r)", step, exc)
+        return "unknown"
+    return "ours" if manifest.save_id == save_id else "other"
 
 
 async def remove_attempt(storage: Storage, step: int, save_id: str) -> None:
-    """Best-effort removal of a failed attempt's data objects."""
+    """Best-effort removal of one failed attempt's folder (this process's own)."""
     try:
-        await storage.delete_prefix(f"{step_dir(step)}/{save_id}")
+        await storage.delete_prefix(attempt_prefix(step, save_id))
+        await storage.remove_empty_folder(step_dir(step))
     except Exception as exc:  # cleanup must not hide the failure that got us here
-        log.warning("aiosnap: could not remove data of failed save at step %d: %r", step, exc)
-
-
-async def remove_step(storage: Storage, step: int) -> None:
-    """Uncommit (manifest first), then delete the step's data."""
-    await storage.delete(manifest_name(step))
-    with suppress(FileNotFoundError):
-        await storage.delete_prefix(step_dir(step))
-
-
-async def apply_retention(
-    storage: Storage, keep_last: int | None, just_committed: int, in_flight_steps: set[int]
-) -> list[int]:
-    """Delete committed steps beyond the newest ``keep_last``; never ``just_committed`` and
-    never a step with a save in flight. Returns the steps deleted."""
-    if keep_last is None:
-        return []
-    steps = await committed_steps(storage)
-    doomed = [s for s in steps[:-keep_last] if s != just_committed and s not in in_flight_steps]
-    for step in doomed:
-        await remove_step(storage, step)
-    return doomed
-
-
-async def remove_everything(storage: Storage) -> list[int]:
-    """Delete every committed step (newest first, each manifest before its data), then
-    every leftover under the root, then the root folder itself where that means anything.
-    The caller makes sure no save to ``storage`` is running. Returns the steps deleted."""
-    steps = await committed_steps(storage)
-    for step in reversed(steps):
-        await remove_step(storage, step)
-    for name in await storage.list_children(""):
-        await storage.delete_prefix(name)
-    await storage.remove_root()
-    return steps
+        log.warning("aiosnap: could not remove data of failed save at step %d (left for gc): %r", step, exc)

@@ -13,9 +13,10 @@ import asyncio
 import torch
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from ..manifest import ByteRange, Manifest, dtype_from_name
+from ..manifest import ByteRange, Manifest
 from ..storage.base import Storage
 from ..tensorio import bytes_view
+from ..tree import dtype_from_name
 from .upload import crc32c_of
 
 __all__ = ["fetch_entries"]
@@ -49,9 +50,33 @@ async def _read_range(
         )
 
 
+async def check_object_sizes(storage: Storage, manifest: Manifest, concurrency: int) -> None:
+    """Every data object is there with the size the manifest gives, before anything is
+    allocated for it (a hostile manifest cannot make a load allocate more than is stored)."""
+    where = f"{storage.url} step {manifest.step}"
+    limit = asyncio.Semaphore(concurrency)
+
+    async def check(name: str, nbytes: int) -> None:
+        async with limit:
+            try:
+                size = await storage.size(name)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{where}: data object {name!r} is missing") from exc
+        if size < nbytes:
+            raise TruncatedObjectError(f"{where}: data object {name!r} is truncated: {size} of {nbytes} bytes")
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for obj in manifest.objects:
+                group.create_task(check(obj.name, obj.nbytes))
+    except BaseExceptionGroup as group_error:
+        raise (leaf := first_error(group_error)) from leaf.__cause__
+
+
 async def fetch_entries(storage: Storage, manifest: Manifest, concurrency: int) -> dict[int, torch.Tensor]:
     """Every entry of ``manifest`` as a new CPU tensor (pickles as uint8 bytes), verified."""
     where = f"{storage.url} step {manifest.step}"
+    await check_object_sizes(storage, manifest, concurrency)
     limit = asyncio.Semaphore(concurrency)
     tensors: dict[int, torch.Tensor] = {}
     try:

@@ -1,12 +1,14 @@
 """Finishing the saves a crashed process left in the spool (loop thread).
 
-A save is resumed when its journal says capture was complete and every chunk has either
-landed in storage or is on the spool disk with the crc32c it was written with; its spooled
-chunks are uploaded, its manifest committed, retention applied. Anything else (no journal:
-capture never finished; a chunk that was only in RAM; a corrupt spool file) is discarded
-and reported. A save to another storage root (``Checkpointer.at``, Lightning paths) is
-resumed there, with the retention it was saved with, when a ``storage_for`` factory is
-given; otherwise it is left in the spool and reported as skipped.
+Every leftover journal is untrusted input: it is validated fully (see
+:mod:`aiosnap.pipeline.journal`) and must name this checkpointer's own root as its owner.
+A save is resumed only when its journal says capture finished and every chunk either
+landed in storage (checked: the object is there, with its size) or is on the spool disk
+with the crc32c it was written with; and only when its step is newer than the target's
+latest committed step (steps only move forward). Then its spooled chunks are uploaded, its
+manifest committed, retention applied. Anything else is discarded and reported; a save of
+another owner's root is left alone and reported as skipped. Saves of this process that
+are still running are never touched.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ..manifest import Manifest
+from ..catalog import apply_retention, latest_committed
 from ..storage.base import Storage
-from .commit import apply_retention, commit_manifest
+from .commit import commit_manifest, whose_commit
+from .journal import JOURNAL, JournalError, JournalState, read_journal
 from .spool import Spool, file_crc32c
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
@@ -38,52 +40,79 @@ class ResumeReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _why_not(spool: Spool, save_id: str, doc: dict[str, Any] | None) -> str | None:
-    if doc is None:
-        return "no journal: the process stopped before capture finished"
-    if doc.get("format") != 1 or not doc.get("captured"):
-        return "journal does not say capture finished"
-    for index, chunk in enumerate(doc["chunks"]):
-        if chunk["state"] == "ram":
-            return f"chunk {index} was only in RAM when the process stopped"
-        if chunk["state"] == "spooled":
-            path = spool.save_dir(save_id) / f"{index}.bin"
-            if not path.is_file() or path.stat().st_size != chunk["nbytes"]:
-                return f"spool file {path} is missing or truncated"
-            if file_crc32c(path) != chunk["crc"]:
-                return f"spool file {path} is corrupt (crc32c mismatch)"
-    return None
-
-
 Progress = Callable[[int, int], None]
 """Called with (bytes just uploaded, bytes to upload in all) as spooled chunks land."""
 
 
-def _to_upload(leftovers: list[tuple[str, dict[str, Any] | None]]) -> int:
-    return sum(
-        chunk["nbytes"]
-        for _, doc in leftovers
-        if doc is not None
-        for chunk in doc.get("chunks", [])
-        if chunk.get("state") == "spooled"
-    )
+class _Discard(Exception):
+    """This leftover save cannot be resumed; the message says why."""
 
 
-async def _finish(spool: Spool, storage: Storage, save_id: str, doc: dict[str, Any], concurrency: int,
-                  keep_last: int | None, progress: Callable[[int], None]) -> int:  # fmt: skip
+def _journal_of(spool: Spool, save_id: str) -> JournalState:
+    path = spool.save_dir(save_id) / JOURNAL
+    if not path.exists():
+        legacy = spool.save_dir(save_id) / "journal.json"
+        if legacy.exists():
+            raise _Discard("its journal is of an older aiosnap (format 1), which this one does not resume")
+        raise _Discard("no journal: the process stopped before anything was spooled")
+    try:
+        return read_journal(path, save_id)
+    except JournalError as exc:
+        raise _Discard(f"its journal cannot be trusted: {exc}") from None
+
+
+def _check_spool_files(spool: Spool, save_id: str, state: JournalState) -> None:
+    """Caller's thread (reads files): every chunk landed or spooled intact."""
+    if not state.captured:
+        raise _Discard("journal does not say capture finished")
+    for index, obj in enumerate(state.manifest.objects):
+        if index in state.landed:
+            continue
+        if index not in state.spooled:
+            raise _Discard(f"chunk {index} was only in RAM when the process stopped")
+        path = spool.save_dir(save_id) / f"{index}.bin"
+        if not path.is_file() or path.stat().st_size != obj.nbytes:
+            raise _Discard(f"spool file {path} is missing or truncated")
+        if file_crc32c(path) != state.spooled[index][0]:
+            raise _Discard(f"spool file {path} is corrupt (crc32c mismatch)")
+
+
+async def _check_landed(storage: Storage, state: JournalState) -> None:
+    """Every chunk the journal calls landed is still in storage, whole (``gc`` may have
+    removed an old incomplete step's objects)."""
+    for index in sorted(state.landed):
+        obj = state.manifest.objects[index]
+        try:
+            size = await storage.size(obj.name)
+        except FileNotFoundError:
+            raise _Discard(f"chunk {index} ({obj.name}) landed before the crash but is gone from storage") from None
+        if size != obj.nbytes:
+            raise _Discard(f"chunk {index} ({obj.name}) in storage has {size} bytes, not {obj.nbytes}")
+
+
+async def _finish(
+    spool: Spool, storage: Storage, state: JournalState, concurrency: int, progress: Callable[[int], None]
+) -> bool:
+    """Upload, commit, and say whether this call committed (False: it was already)."""
+    manifest = state.manifest
+    latest = await latest_committed(storage)
+    if latest is not None and manifest.step <= latest:
+        if manifest.step == latest and await whose_commit(storage, latest, manifest.save_id) == "ours":
+            return False  # committed just before the crash; only the spool folder was left
+        raise _Discard(f"step {manifest.step} is not newer than the latest committed step {latest}")
+    await _check_landed(storage, state)
     limit = asyncio.Semaphore(concurrency)
+    folder = spool.save_dir(manifest.save_id)
 
-    async def upload(index: int, chunk: dict[str, Any]) -> None:
+    async def upload(index: int) -> None:
+        obj = manifest.objects[index]
         async with limit:
-            await storage.write_file(chunk["object"], str(spool.save_dir(save_id) / f"{index}.bin"))
-        progress(chunk["nbytes"])
+            await storage.write_file(obj.name, str(folder / f"{index}.bin"))
+        progress(obj.nbytes)
 
-    await asyncio.gather(*(upload(i, c) for i, c in enumerate(doc["chunks"]) if c["state"] == "spooled"))
-    crcs = {(obj, offset): crc for obj, offset, crc in doc["crcs"]}
-    manifest = Manifest.model_validate(doc["manifest"]).with_checksums(crcs)
-    await commit_manifest(storage, manifest, set())
-    await apply_retention(storage, keep_last, manifest.step, set())
-    return manifest.step
+    await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
+    await commit_manifest(storage, manifest.with_checksums(state.checksums()), replace=False)
+    return True
 
 
 async def resume_spooled(
@@ -92,28 +121,44 @@ async def resume_spooled(
     *,
     concurrency: int,
     keep_last: int | None,
+    live: set[str] | None = None,
     storage_for: Callable[[str], Storage] | None = None,
     progress: Progress | None = None,
 ) -> ResumeReport:
-    """Commit every resumable save in ``spool`` to ``storage`` (or, through
-    ``storage_for``, to the other root it was meant for); discard the others."""
+    """Commit every resumable save in ``spool`` owned by ``storage``'s root, to that root
+    or (through ``storage_for``) to the other root it was meant for; discard the others.
+    ``live``: save ids of saves still running (never touched)."""
     report = ResumeReport()
-    leftovers = await asyncio.to_thread(spool.leftovers)
-    total = _to_upload(leftovers)
+    states: dict[str, JournalState | _Discard] = {}
+    for save_id in await asyncio.to_thread(spool.leftovers, live or set()):
+        try:
+            states[save_id] = await asyncio.to_thread(_journal_of, spool, save_id)
+        except _Discard as why:
+            states[save_id] = why
+    total = sum(
+        s.manifest.objects[i].nbytes
+        for s in states.values()
+        if isinstance(s, JournalState)
+        for i in range(len(s.manifest.objects))
+        if i not in s.landed
+    )
 
     def landed(nbytes: int) -> None:
         if progress is not None:
             progress(nbytes, total)
 
-    for save_id, doc in leftovers:
+    for save_id, state in states.items():
+        if isinstance(state, JournalState) and state.begin.owner_url != storage.url:
+            report.skipped.append((save_id, f"belongs to the checkpointer of {state.begin.owner_url}"))
+            continue
         target, retention, opened = storage, keep_last, False
-        if doc is not None and doc.get("storage_url") != storage.url:
+        if isinstance(state, JournalState) and state.begin.storage_url != storage.url:
             if storage_for is None:
-                report.skipped.append((save_id, f"belongs to {doc.get('storage_url')}"))
+                report.skipped.append((save_id, f"belongs to {state.begin.storage_url}"))
                 continue
-            target, retention, opened = storage_for(str(doc.get("storage_url"))), doc.get("keep_last"), True
+            target, retention, opened = storage_for(state.begin.storage_url), state.begin.keep_last, True
         try:
-            await _resume_one(spool, target, save_id, doc, concurrency, retention, report, landed)
+            await _resume_one(spool, target, save_id, state, concurrency, retention, report, landed)
         finally:
             if opened:
                 await target.close()
@@ -124,26 +169,33 @@ async def _resume_one(
     spool: Spool,
     storage: Storage,
     save_id: str,
-    doc: dict[str, Any] | None,
+    state: JournalState | _Discard,
     concurrency: int,
     keep_last: int | None,
     report: ResumeReport,
     landed: Callable[[int], None],
 ) -> None:
     """Resume or discard one leftover save (see the module docstring)."""
-    reason = await asyncio.to_thread(_why_not, spool, save_id, doc)
-    if reason is not None:
-        log.warning("aiosnap: discarding spooled save %s: %s", save_id, reason)
-        report.discarded.append((save_id, reason))
+    try:
+        if isinstance(state, _Discard):
+            raise state
+        await asyncio.to_thread(_check_spool_files, spool, save_id, state)
+        committed = await _finish(spool, storage, state, concurrency, landed)
+    except _Discard as why:
+        log.warning("aiosnap: discarding spooled save %s: %s", save_id, why)
+        report.discarded.append((save_id, str(why)))
         await spool.discard(save_id)
         return
-    assert doc is not None
-    try:
-        step = await _finish(spool, storage, save_id, doc, concurrency, keep_last, landed)
     except Exception as exc:  # kept for the next attempt; the caller reports it
         log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
         report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
         return
-    log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
-    report.resumed.append(step)
+    step = state.manifest.step
+    if committed:
+        log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
+        report.resumed.append(step)
+        try:
+            await apply_retention(storage, keep_last, step, set())
+        except Exception as exc:
+            log.warning("aiosnap: retention after resuming step %d failed: %r", step, exc)
     await spool.discard(save_id)

@@ -6,28 +6,24 @@ Layout of ``spool.dir``::
 
     LOCK                         flock()ed by the one checkpointer using this spool
     <save id>/<chunk>.bin        captured chunk bytes, fsynced
-    <save id>/journal.json       written once capture is complete, updated as chunks land
+    <save id>/journal.jsonl      append-only record of the save (see pipeline.journal)
 
-The journal carries the manifest to commit (crc32c still 0), each chunk's object name,
-size, whole-chunk crc32c and state (spooled / landed), and the crc32c of every piece known
-so far. A save is resumable after a crash when its journal says captured and every chunk
-has landed or is on the spool disk. Coroutines run on the loop thread; file I/O runs in
-the default executor.
+The journal is started by the first spill; a spool file is deleted only after a journal
+record saying its chunk landed is on disk. A save is resumable after a crash when its
+journal says captured and every chunk has landed or is on the spool disk. Coroutines run
+on the loop thread; file I/O runs in worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
 import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import crc32c
 import torch
@@ -35,16 +31,16 @@ import torch
 from ..budget import ByteBudget
 from ..config import SpoolConfig
 from ..errors import SpoolBusyError
-from ..manifest import Checksums, build_manifest
+from ..manifest import build_manifest
 from ..plan import Chunk, SavePlan
 from ..storage.base import complete_before_cancel
 from ..tensorio import bytes_view
 from .capture import BufferPool, StagedChunk
+from .journal import JOURNAL, JournalWriter
 
 __all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession", "file_crc32c"]
 
 log = logging.getLogger("aiosnap")
-JOURNAL = "journal.json"
 LOCK = "LOCK"
 
 
@@ -64,17 +60,6 @@ def _write_durably(path: Path, data: memoryview | bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    _write_durably(tmp, data)
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Spool:
     """One spool directory, locked for this process, with its disk budget."""
 
@@ -82,6 +67,8 @@ class Spool:
         self.root = root
         self.budget = budget
         self.mode = mode
+        self.active: set[str] = set()
+        """Save ids with a session in this process: never leftovers (loop thread)."""
         self._lock_fd: int | None = lock_fd
 
     @classmethod
@@ -147,27 +134,14 @@ class Spool:
             raise
         return str(path), crc, pieces
 
-    async def write_journal(self, save_id: str, doc: dict[str, Any]) -> None:
-        data = json.dumps(doc).encode("utf-8")
-        # completed even if cancelled, so that no journal lands after the save's cleanup
-        await complete_before_cancel(asyncio.to_thread(_write_atomically, self.save_dir(save_id) / JOURNAL, data))
-
     async def discard(self, save_id: str) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.save_dir(save_id), True)
+        await complete_before_cancel(asyncio.to_thread(shutil.rmtree, self.save_dir(save_id), True))
 
-    def leftovers(self) -> list[tuple[str, dict[str, Any] | None]]:
-        """Save folders left by an earlier process, with their journals (None when missing
-        or unreadable). Caller's thread."""
-        found: list[tuple[str, dict[str, Any] | None]] = []
-        for entry in sorted(self.root.iterdir()):
-            if not entry.is_dir():
-                continue
-            try:
-                doc = json.loads((entry / JOURNAL).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                doc = None
-            found.append((entry.name, doc if isinstance(doc, dict) else None))
-        return found
+    def leftovers(self, live: set[str]) -> list[str]:
+        """Save folders left by an earlier process (not those of ``live`` save ids, nor of
+        a session of this process). Any thread: reads the directory only."""
+        busy = self.active | live
+        return sorted(e.name for e in self.root.iterdir() if e.is_dir() and e.name not in busy)
 
     def close(self) -> None:
         """Release the lock (idempotent)."""
@@ -213,6 +187,7 @@ class SpoolSession:
         spool: Spool,
         plan: SavePlan,
         storage_url: str,
+        owner_url: str,
         pool: BufferPool,
         bounce: Bounce | None,
         keep_last: int | None,
@@ -220,6 +195,7 @@ class SpoolSession:
         self.spool = spool
         self.plan = plan
         self.storage_url = storage_url
+        self.owner_url = owner_url
         self.keep_last = keep_last
         self.pool = pool
         self.bounce = bounce
@@ -228,12 +204,12 @@ class SpoolSession:
         self.spooled_bytes = 0
         self.spool_seconds = 0.0
         """Time spent copying into spool buffers and writing spool files."""
-        self._state: dict[int, str] = {}
-        self._chunk_crcs: dict[int, int] = {}
-        self._crcs: Checksums = {}
-        self._skeleton = build_manifest(plan).model_dump(mode="json")
-        self._journal_written = False
+        self._landed: dict[int, list[int]] = {}
+        self._journal: JournalWriter | None = None
+        self._journal_ok = True
         self._journal_lock = asyncio.Lock()
+        self._kept: list[Callable[[], None]] = []  # disk leases of files kept for a broken journal
+        spool.active.add(plan.save_id)
 
     def wants(self, pool: BufferPool) -> bool:
         """Spill this chunk? Always in ``always`` mode; in ``overflow`` when RAM is short."""
@@ -246,32 +222,23 @@ class SpoolSession:
         return self.spool.budget.used + nbytes > self.spool.budget.capacity
 
     async def capture(self, chunk: Chunk, copy: Callable[[torch.Tensor], Awaitable[None]]) -> StagedChunk | None:
-        """Copy ``chunk`` into a buffer and write it to the spool. None: not spilled (no disk
-        budget right now, or the disk failed: then this save falls back to RAM)."""
+        """Copy ``chunk`` into a buffer, write it to the spool and journal it. None: not
+        spilled (no disk budget right now, or the disk failed: then this save falls back to
+        RAM)."""
         nbytes = chunk.nbytes
+        budget = self.spool.budget
         if self.spool.mode == "always":
-            await self.spool.budget.acquire(nbytes)
-            slab = await self.pool.acquire()
-            buffer = slab
-
-            def give_back() -> None:
-                self.pool.release(slab)
-        else:
-            assert self.bounce is not None
-            if not self.spool.budget.try_acquire(nbytes):
-                return None
-            await self.bounce.lock.acquire()
-            buffer = self.bounce.buffer
-            give_back = self.bounce.lock.release
+            await budget.acquire(nbytes)
+        elif not budget.try_acquire(nbytes):
+            return None
         ranges = [(p.dst_offset, p.nbytes) for p in chunk.pieces]
         began = time.perf_counter()
         try:
-            await copy(buffer)
-            path, crc, pieces = await self.spool.spill(
-                self.plan.save_id, chunk.index, bytes_view(buffer)[:nbytes], ranges
-            )
+            path, crc, pieces = await self._spill(chunk, copy, ranges)
+            await self._record({"kind": "spooled", "chunk": chunk.index, "crc": crc, "pieces": pieces})
         except OSError as exc:
-            self.spool.budget.release(nbytes)
+            budget.release(nbytes)
+            await asyncio.to_thread(Path(self.spool.save_dir(self.plan.save_id), f"{chunk.index}.bin").unlink, True)
             self.fallback = f"{type(exc).__name__}: {exc}"
             log.warning(
                 "aiosnap: spooling step %d to %s failed (%s); this save waits for RAM instead",
@@ -279,80 +246,122 @@ class SpoolSession:
             )  # fmt: skip
             return None
         except BaseException:
-            self.spool.budget.release(nbytes)
+            budget.release(nbytes)
             raise
-        finally:
-            give_back()
         self.spooled += 1
         self.spooled_bytes += nbytes
         self.spool_seconds += time.perf_counter() - began
-        self._state[chunk.index] = "spooled"
-        self._chunk_crcs[chunk.index] = crc
-        for (offset, _), piece_crc in zip(ranges, pieces, strict=True):
-            self._crcs[(chunk.object_name, offset)] = piece_crc
         return StagedChunk(
             index=chunk.index,
             object_name=chunk.object_name,
             data=memoryview(b""),
             ranges=ranges,
-            release=_DiskLease(self.spool.budget, nbytes),
+            release=_DiskLease(budget, nbytes),
             spool_path=path,
             chunk_crc=crc,
             piece_crcs=pieces,
         )
 
-    def _journal(self) -> dict[str, Any]:
+    async def _spill(
+        self, chunk: Chunk, copy: Callable[[torch.Tensor], Awaitable[None]], ranges: list[tuple[int, int]]
+    ) -> tuple[str, int, list[int]]:
+        """Copy the chunk into a RAM buffer (a slab, or the bounce slab) and write it out."""
+        if self.spool.mode == "always":
+            slab = await self.pool.acquire()
+            buffer = slab
+
+            def give_back() -> None:
+                self.pool.release(slab)
+        else:
+            assert self.bounce is not None
+            await self.bounce.lock.acquire()
+            buffer = self.bounce.buffer
+            give_back = self.bounce.lock.release
+        try:
+            await copy(buffer)
+            return await self.spool.spill(
+                self.plan.save_id, chunk.index, bytes_view(buffer)[: chunk.nbytes], ranges
+            )  # fmt: skip
+        finally:
+            give_back()
+
+    async def _record(self, record: dict[str, object]) -> None:
+        """Append a record, starting the journal (with what has landed so far) if needed.
+        OSError when the journal cannot be written."""
+        async with self._journal_lock:
+            if not self._journal_ok:
+                raise OSError("the spool journal of this save could not be written earlier")
+            try:
+                if self._journal is None:
+                    self._journal = JournalWriter(self.spool.save_dir(self.plan.save_id) / JOURNAL)
+                    landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
+                    await self._journal.append(self._begin(), *landed, record)
+                else:
+                    await self._journal.append(record)
+            except OSError:
+                self._journal_ok = False
+                raise
+
+    def _begin(self) -> dict[str, object]:
         return {
-            "format": 1,
+            "kind": "begin",
+            "format": 2,
             "save_id": self.plan.save_id,
             "step": self.plan.step,
             "storage_url": self.storage_url,
+            "owner_url": self.owner_url,
             "keep_last": self.keep_last,
-            "captured": True,
-            "manifest": self._skeleton,
-            "chunks": [
-                {
-                    "object": c.object_name,
-                    "nbytes": c.nbytes,
-                    "state": self._state.get(c.index, "ram"),
-                    "crc": self._chunk_crcs.get(c.index),
-                }
-                for c in self.plan.chunks
-            ],
-            "crcs": [[obj, offset, crc] for (obj, offset), crc in self._crcs.items()],
+            "manifest": build_manifest(self.plan).model_dump(mode="json"),
         }
 
     async def captured(self) -> None:
-        """Capture is complete: if anything went to the spool, write the journal (before
-        save() returns, so that a crash from here on loses nothing that is on disk)."""
-        if self.spooled:
-            self._journal_written = await self._write_journal()
+        """Capture is complete: if anything went to the spool, journal it (before save()
+        returns, so that a crash from here on loses nothing that is on disk)."""
+        if self._journal is None:
+            return
+        try:
+            await self._record({"kind": "captured"})
+        except OSError as exc:
+            self._broken(exc)
 
-    async def _write_journal(self) -> bool:
-        """Rewrite the journal; on a disk error the save goes on, only no longer resumable."""
-        async with self._journal_lock:
-            try:
-                await self.spool.write_journal(self.plan.save_id, self._journal())
-            except OSError as exc:
-                self.fallback = self.fallback or f"{type(exc).__name__}: {exc}"
-                log.warning(
-                    "aiosnap: cannot write the spool journal of step %d (%s): the save goes on, "
-                    "but would not survive a crash", self.plan.step, exc,
-                )  # fmt: skip
-                return False
-        return True
+    def _broken(self, exc: OSError) -> None:
+        self.fallback = self.fallback or f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "aiosnap: cannot write the spool journal of step %d (%s): the save goes on, "
+            "but would not survive a crash", self.plan.step, exc,
+        )  # fmt: skip
 
     async def landed(self, staged: StagedChunk, checksums: list[int]) -> None:
-        """A chunk reached storage: record it (journal first), then drop its spool file."""
-        self._state[staged.index] = "landed"
-        for (offset, _), crc in zip(staged.ranges, checksums, strict=True):
-            self._crcs[(staged.object_name, offset)] = crc
-        if self._journal_written:
-            self._journal_written = await self._write_journal()
-        if staged.spool_path is not None:
-            await asyncio.to_thread(Path(staged.spool_path).unlink, True)
+        """A chunk reached storage: journal it, then drop its spool file (only once the
+        journal says it landed; a file whose record could not be written stays until the
+        save ends, with its disk budget)."""
+        self._landed[staged.index] = checksums
+        durable = False
+        if self._journal is not None and self._journal_ok:
+            try:
+                await self._record({"kind": "landed", "chunk": staged.index, "pieces": checksums})
+                durable = True
+            except OSError as exc:
+                self._broken(exc)
+        if staged.spool_path is None:
+            return
+        if durable:
+            await complete_before_cancel(asyncio.to_thread(Path(staged.spool_path).unlink, True))
+        else:
+            self._kept.append(staged.release)
+            staged.release = _no_op
 
     async def finish(self) -> None:
         """The save committed or failed: its spool folder goes."""
-        if self.spooled or self.fallback:
-            await self.spool.discard(self.plan.save_id)
+        try:
+            if self._journal is not None or self.spooled or self.fallback:
+                await self.spool.discard(self.plan.save_id)
+        finally:
+            for release in self._kept:
+                release()
+            self._kept.clear()
+            self.spool.active.discard(self.plan.save_id)
+
+
+def _no_op() -> None:
+    """A release that has been taken over by the session."""

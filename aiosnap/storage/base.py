@@ -61,6 +61,10 @@ class Storage(abc.ABC):
     """Async object storage rooted at one URL."""
 
     url: str
+    settled_writes: bool = False
+    """True when a :meth:`write` that returned, raised or was cancelled can have no effect
+    later (local files: the rename happened or it did not). False for object stores, where
+    a request abandoned mid-way may still land."""
 
     @abc.abstractmethod
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
@@ -76,8 +80,14 @@ class Storage(abc.ABC):
         await self.write(name, data)
 
     @abc.abstractmethod
-    async def read(self, name: str) -> bytes:
-        """The whole object (used for small objects such as manifests)."""
+    async def read(self, name: str, *, limit: int | None = None) -> bytes:
+        """The whole object (used for small objects such as manifests); with ``limit``, at
+        most ``limit + 1`` bytes of it (so a caller can tell an object is too large without
+        reading all of it)."""
+
+    @abc.abstractmethod
+    async def size(self, name: str) -> int:
+        """The object's size in bytes (FileNotFoundError when it does not exist)."""
 
     @abc.abstractmethod
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
@@ -110,8 +120,9 @@ class Storage(abc.ABC):
         (epoch seconds); returns how many. Backends without multipart uploads have none."""
         return 0
 
-    async def remove_root(self) -> None:  # noqa: B027 - optional hook
-        """Remove the (empty) root folder itself, for backends that have folders."""
+    async def remove_empty_folder(self, prefix: str = "") -> None:  # noqa: B027 - optional hook
+        """Remove the folder ``prefix`` (the root itself when empty) if nothing is left in
+        it, for backends that have folders."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from ..manifest import check_object_name
+from ..names import check_object_name
 from .base import BytesLike, ObjectInfo, Storage, complete_before_cancel
 
 __all__ = ["LocalStorage"]
@@ -33,9 +33,37 @@ def _fsync_dir_sync(path: Path) -> None:
         os.close(fd)
 
 
+def makedirs_durably(folder: Path, attempts: int = 5) -> None:
+    """``mkdir -p folder``, fsyncing the parent of every folder it creates, so that a new
+    object's path survives a power loss, not only its bytes. An empty parent removed
+    meanwhile by a concurrent cleanup (:meth:`LocalStorage.remove_empty_folder`) is made
+    again."""
+    for attempt in range(attempts):
+        missing: list[Path] = []
+        probe = folder
+        while not probe.is_dir():
+            missing.append(probe)
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+        try:
+            for created in reversed(missing):
+                try:
+                    created.mkdir()
+                except FileExistsError:
+                    if not created.is_dir():
+                        raise
+                    continue
+                _fsync_dir_sync(created.parent)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+
+
 def _copy_file_sync(source: str, path: Path) -> None:
     """Copy (kernel-side where possible), fsync, rename into place, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    makedirs_durably(path.parent)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         shutil.copyfile(source, tmp)
@@ -55,6 +83,8 @@ def _copy_file_sync(source: str, path: Path) -> None:
 class LocalStorage(Storage):
     """Objects are files under ``root``; names map to relative paths."""
 
+    settled_writes = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
@@ -71,7 +101,7 @@ class LocalStorage(Storage):
         await complete_before_cancel(self._write(self._path(name), data, if_absent))
 
     async def _write(self, path: Path, data: BytesLike, if_absent: bool) -> None:
-        await aiofiles.os.makedirs(path.parent, exist_ok=True)
+        await asyncio.to_thread(makedirs_durably, path.parent)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             async with aiofiles.open(tmp, "wb") as f:
@@ -92,9 +122,15 @@ class LocalStorage(Storage):
     async def write_file(self, name: str, path: str) -> None:
         await complete_before_cancel(asyncio.to_thread(_copy_file_sync, path, self._path(name)))
 
-    async def read(self, name: str) -> bytes:
+    async def read(self, name: str, *, limit: int | None = None) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:
-            return await f.read()
+            return await f.read(-1 if limit is None else limit + 1)
+
+    async def size(self, name: str) -> int:
+        path = self._path(name)
+        if not await aiofiles.os.path.isfile(path):
+            raise FileNotFoundError(f"{self.url}: no such object {name!r}")
+        return int(await aiofiles.os.path.getsize(path))
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         return await complete_before_cancel(self._read_into(self._path(name), offset, dest))
@@ -146,7 +182,9 @@ class LocalStorage(Storage):
                     found.append(ObjectInfo(path.relative_to(self.root).as_posix(), stat.st_size, stat.st_mtime))
         return sorted(found, key=lambda o: o.name)
 
-    async def remove_root(self) -> None:
-        with suppress(FileNotFoundError):
-            if not await aiofiles.os.listdir(self.root):
-                await aiofiles.os.rmdir(self.root)
+    async def remove_empty_folder(self, prefix: str = "") -> None:
+        path = self._path(prefix)
+        with suppress(FileNotFoundError, NotADirectoryError):
+            if not await aiofiles.os.listdir(path):
+                with suppress(OSError):  # filled again meanwhile
+                    await aiofiles.os.rmdir(path)

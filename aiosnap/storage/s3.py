@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..config import S3Config
 from ..errors import StorageError, StorageUnavailableError, first_error
-from ..manifest import check_object_name
+from ..names import check_object_name
 from .base import BytesLike, ObjectInfo, Storage
 
 __all__ = ["S3Storage"]
@@ -354,24 +354,44 @@ class S3Storage(Storage):
 
     async def _abort(self, name: str, key: str, upload_id: str) -> None:
         try:
-            await self._call(
-                f"abort multipart upload of {name}",
-                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
-                deadline=min(30.0, self.config.retry_deadline),
-            )
+            await self._abort_upload(f"abort multipart upload of {name}", key, upload_id,
+                                     deadline=min(30.0, self.config.retry_deadline))  # fmt: skip
         except Exception as exc:  # the original failure is what the caller must see
             log.warning("aiosnap: %s: could not abort the multipart upload of %s: %r", self.url, name, exc)
 
-    async def read(self, name: str) -> bytes:
+    async def _abort_upload(self, what: str, key: str, upload_id: str, deadline: float | None = None) -> None:
+        """Abort one multipart upload; one already gone (``NoSuchUpload``: completed, or an
+        earlier attempt of this abort landed before its answer was lost) is success."""
+        try:
+            await self._call(
+                what, lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
+                deadline=deadline,
+            )  # fmt: skip
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, ClientError) or _code(exc.__cause__) != "NoSuchUpload":
+                raise
+
+    async def read(self, name: str, *, limit: int | None = None) -> bytes:
         key = self._key(name)
+        window = {} if limit is None else {"Range": f"bytes=0-{limit}"}
 
         async def get(c: Any) -> bytes:
-            response = await c.get_object(Bucket=self.bucket, Key=key)
+            try:
+                response = await c.get_object(Bucket=self.bucket, Key=key, **window)
+            except ClientError as exc:
+                if window and _status(exc) == 416:  # an empty object has no byte 0
+                    return b""
+                raise
             async with response["Body"] as body:
                 data: bytes = await body.read()
             return data
 
         return await self._call(f"GET {name}", get)
+
+    async def size(self, name: str) -> int:
+        key = self._key(name)
+        response = await self._call(f"HEAD {name}", lambda c: c.head_object(Bucket=self.bucket, Key=key))
+        return int(response["ContentLength"])
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         key = self._key(name)
@@ -458,10 +478,7 @@ class S3Storage(Storage):
             for upload in page.get("Uploads", []):
                 if upload["Initiated"].timestamp() < older_than:
                     key, upload_id = upload["Key"], upload["UploadId"]
-                    await self._call(
-                        f"ABORT {key}",
-                        lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),  # noqa: B023
-                    )
+                    await self._abort_upload(f"ABORT {key}", key, upload_id)
                     aborted += 1
             if not page.get("IsTruncated"):
                 return aborted

@@ -1,0 +1,139 @@
+"""The catalog of a storage root: which steps exist, the latest, retention, removal.
+
+Reads storage, owns no bytes; coroutines run on whichever loop calls them (aiosnap's
+background loop for checkpointers, the CLI's own loop for maintenance). A step counts as
+committed exactly when its manifest exists; removing a step deletes the manifest first,
+so a half-removed step is never taken for a checkpoint. Only folders named exactly as
+aiosnap names steps are considered (see :mod:`aiosnap.names`); nothing else in a root is
+listed or deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .manifest import MAX_MANIFEST_BYTES, Manifest
+from .names import attempt_prefix, manifest_name, parse_step_dir, step_dir
+from .storage.base import Storage
+
+__all__ = [
+    "apply_retention",
+    "committed_steps",
+    "latest_committed",
+    "manifest_of",
+    "read_manifest",
+    "remove_step",
+    "remove_steps_after",
+    "step_folders",
+]
+
+log = logging.getLogger("aiosnap")
+
+
+async def step_folders(storage: Storage) -> list[int]:
+    """Steps that have a folder (committed or not), ascending."""
+    names = await storage.list_children("")
+    return sorted({step for step in map(parse_step_dir, names) if step is not None})
+
+
+async def committed_steps(storage: Storage) -> list[int]:
+    """Steps with a manifest, ascending. Folders without one (saves in progress or failed)
+    are left out."""
+    candidates = await step_folders(storage)
+    present = await asyncio.gather(*(storage.exists(manifest_name(s)) for s in candidates))
+    return [step for step, ok in zip(candidates, present, strict=True) if ok]
+
+
+async def latest_committed(storage: Storage) -> int | None:
+    """The newest committed step (None when there is none): one listing, then one HEAD
+    per step folder from the newest down until a manifest is found."""
+    for step in reversed(await step_folders(storage)):
+        if await storage.exists(manifest_name(step)):
+            return step
+    return None
+
+
+async def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The validated manifest of ``step``; CheckpointNotFoundError if it is not committed,
+    ManifestError (a CorruptCheckpointError) if it cannot be trusted."""
+    name = manifest_name(step)
+    where = f"{storage.url}/{name}"
+    try:
+        data = await storage.read(name, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}") from exc
+    manifest = Manifest.from_json(data, where=where)
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
+    return manifest
+
+
+async def manifest_of(storage: Storage, step: int | None) -> Manifest:
+    """The manifest of ``step``, or of the latest committed step when None."""
+    if step is None:
+        step = await latest_committed(storage)
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
+    return await read_manifest(storage, step)
+
+
+async def committed_save_id(storage: Storage, step: int) -> str | None:
+    """The save id of ``step``'s manifest; None when there is none or it cannot be read."""
+    try:
+        return (await read_manifest(storage, step)).save_id
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return None
+
+
+async def remove_step(storage: Storage, step: int) -> None:
+    """Uncommit ``step`` (manifest first), then delete the attempt folder it named. Other
+    attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap gc``;
+    so is the data of a step whose manifest could not be read."""
+    save_id = await committed_save_id(storage, step)
+    await storage.delete(manifest_name(step))
+    if save_id is not None:
+        await storage.delete_prefix(attempt_prefix(step, save_id))
+    await storage.remove_empty_folder(step_dir(step))
+
+
+async def apply_retention(
+    storage: Storage, keep_last: int | None, just_committed: int, in_flight_steps: set[int]
+) -> list[int]:
+    """Delete committed steps beyond the newest ``keep_last``; never ``just_committed`` and
+    never a step with a save in flight. Returns the steps deleted."""
+    if keep_last is None:
+        return []
+    steps = await committed_steps(storage)
+    doomed = [s for s in steps[:-keep_last] if s != just_committed and s not in in_flight_steps]
+    for step in doomed:
+        await remove_step(storage, step)
+    return doomed
+
+
+async def remove_steps_after(storage: Storage, step: int) -> list[int]:
+    """Make ``step`` the latest again: remove every committed step after it, newest first
+    (each manifest before its data). ``step`` must be committed. Returns the steps removed."""
+    steps = await committed_steps(storage)
+    if step not in steps:
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url} to roll back to")
+    newer = [s for s in steps if s > step]
+    for doomed in reversed(newer):
+        await remove_step(storage, doomed)
+    return newer
+
+
+async def remove_everything(storage: Storage) -> list[int]:
+    """Delete every committed step (newest first, each manifest before its data), then every
+    other step folder, then the root folder itself where that means anything and it is
+    empty. Files that are not aiosnap's stay. The caller makes sure no save to ``storage``
+    is running. Returns the committed steps deleted."""
+    steps = await committed_steps(storage)
+    for step in reversed(steps):
+        await remove_step(storage, step)
+    for name in await storage.list_children(""):
+        if parse_step_dir(name) is not None:
+            await storage.delete_prefix(name)
+    await storage.remove_empty_folder()
+    return steps

@@ -1,0 +1,225 @@
+"""The spool journal of one save: append-only, one fsynced record per event.
+
+``<spool>/<save id>/journal.jsonl`` holds lines ``<crc32c, 8 hex digits> <JSON>``:
+
+- ``begin``: the save (id, step, target root, the checkpointer's own root, retention) and
+  its manifest with every crc32c still 0;
+- ``spooled``: chunk N's file is on the spool disk, fsynced, with its crc32c and those of
+  its pieces;
+- ``landed``: chunk N is in storage, with the crc32c of its pieces (written *before* the
+  chunk's spool file is deleted);
+- ``captured``: every byte was captured (written before ``save()`` returns).
+
+A crash can tear only the last line, which a reader ignores. Everything else is untrusted
+input when read back: :func:`read_journal` validates every record, the manifest fully, and
+that the pieces match the manifest's ranges, before resume acts on any of it.
+
+:class:`JournalWriter` runs its file I/O on a worker thread and completes each append even
+if cancelled (no record can land after the save's cleanup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import crc32c
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import AiosnapError
+from ..manifest import Checksums, Manifest
+from ..names import check_save_id
+from ..storage.base import complete_before_cancel
+
+__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_journal"]
+
+JOURNAL = "journal.jsonl"
+FORMAT = 2
+MAX_JOURNAL_BYTES = 2 * 1024**3
+
+
+class JournalError(AiosnapError, ValueError):
+    """A spool journal that cannot be trusted (the save it describes is not resumed)."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Begin(_Record):
+    kind: Literal["begin"]
+    format: Literal[2]
+    save_id: str
+    step: int = Field(ge=0)
+    storage_url: str = Field(min_length=1, max_length=4096)
+    owner_url: str = Field(min_length=1, max_length=4096)
+    keep_last: int | None = Field(ge=1)
+    manifest: dict[str, Any]
+
+    _check_save_id = field_validator("save_id")(check_save_id)
+
+
+_Crc = Field(ge=0, lt=2**32)
+
+
+class Spooled(_Record):
+    kind: Literal["spooled"]
+    chunk: int = Field(ge=0)
+    crc: int = _Crc
+    pieces: list[int]
+
+
+class Landed(_Record):
+    kind: Literal["landed"]
+    chunk: int = Field(ge=0)
+    pieces: list[int]
+
+
+class Captured(_Record):
+    kind: Literal["captured"]
+
+
+_KINDS: dict[str, type[_Record]] = {"begin": Begin, "spooled": Spooled, "landed": Landed, "captured": Captured}
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    body = json.dumps(record, separators=(",", ":")).encode("utf-8")
+    return f"{crc32c.crc32c(body):08x} ".encode() + body + b"\n"
+
+
+def _append_sync(path: Path, data: bytes, create: bool) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if create:  # the journal's name itself must survive a crash
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class JournalWriter:
+    """Appends records to one journal; every append is on disk when it returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._created = False
+
+    async def append(self, *records: dict[str, Any]) -> None:
+        data = b"".join(_line(r) for r in records)
+        create = not self._created
+        await complete_before_cancel(asyncio.to_thread(_append_sync, self.path, data, create))
+        self._created = True
+
+
+@dataclass
+class JournalState:
+    """What a journal says about its save."""
+
+    begin: Begin
+    manifest: Manifest
+    captured: bool = False
+    spooled: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    """Chunk -> (crc32c of its spool file, crc32c of its pieces)."""
+    landed: dict[int, list[int]] = field(default_factory=dict)
+    """Chunk -> crc32c of its pieces."""
+
+    def chunk_names(self) -> list[str]:
+        return [o.name for o in self.manifest.objects]
+
+    def checksums(self) -> Checksums:
+        """Every piece's crc32c, keyed like the manifest's ranges."""
+        crcs: Checksums = {}
+        for chunk, offsets in enumerate(_piece_offsets(self.manifest)):
+            pieces = self.landed.get(chunk) or self.spooled.get(chunk, (0, []))[1]
+            name = self.manifest.objects[chunk].name
+            crcs.update({(name, offset): crc for offset, crc in zip(offsets, pieces, strict=True)})
+        return crcs
+
+
+def _piece_offsets(manifest: Manifest) -> list[list[int]]:
+    """For each object, in order, the offsets of the byte ranges in it (ascending)."""
+    index = {o.name: i for i, o in enumerate(manifest.objects)}
+    offsets: list[list[int]] = [[] for _ in manifest.objects]
+    for entry in manifest.entries:
+        for r in entry.ranges:
+            offsets[index[r.object]].append(r.offset)
+    return [sorted(o) for o in offsets]
+
+
+def _parse_line(line: bytes) -> dict[str, Any]:
+    head, _, body = line.partition(b" ")
+    if len(head) != 8 or f"{crc32c.crc32c(body):08x}".encode() != head:
+        raise ValueError("checksum mismatch")
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise ValueError("not a record")
+    return doc
+
+
+def read_journal(path: Path, save_id: str) -> JournalState:
+    """Read and validate the journal of ``save_id`` (caller's thread); JournalError says
+    why it cannot be trusted. A torn last line (a crash mid-append) is ignored."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_JOURNAL_BYTES + 1)
+    except OSError as exc:
+        raise JournalError(f"cannot read the journal: {exc.strerror or exc}") from None
+    if len(data) > MAX_JOURNAL_BYTES:
+        raise JournalError("the journal is too large")
+    lines = data.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]  # ``tail``: what followed the last newline (torn)
+    del tail
+    records: list[_Record] = []
+    for number, line in enumerate(complete, start=1):
+        try:
+            doc = _parse_line(line)
+            kind = _KINDS.get(doc.get("kind"))  # type: ignore[arg-type]
+            if kind is None:
+                raise ValueError(f"unknown record kind {doc.get('kind')!r:.40}")
+            records.append(kind.model_validate(doc))
+        except (ValueError, TypeError, RecursionError, ValidationError) as exc:
+            if number == len(complete) and isinstance(exc, ValueError) and "checksum" in str(exc):
+                break  # torn by a crash while it was appended: the record never happened
+            raise JournalError(f"line {number}: {_short(exc)}") from None
+    if not records or not isinstance(records[0], Begin):
+        raise JournalError("no begin record")
+    begin = records[0]
+    if begin.save_id != save_id:
+        raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
+    try:
+        manifest = Manifest.from_document(begin.manifest, where="the journal's manifest")
+    except AiosnapError as exc:
+        raise JournalError(str(exc)) from None
+    if manifest.save_id != save_id or manifest.step != begin.step:
+        raise JournalError("its manifest belongs to another save")
+    state = JournalState(begin, manifest)
+    offsets = _piece_offsets(manifest)
+    for record in records[1:]:
+        if isinstance(record, Begin):
+            raise JournalError("a second begin record")
+        if isinstance(record, Captured):
+            state.captured = True
+            continue
+        assert isinstance(record, (Spooled, Landed))
+        if record.chunk >= len(offsets) or len(record.pieces) != len(offsets[record.chunk]):
+            raise JournalError(f"a record for chunk {record.chunk} does not match the manifest")
+        if any(not 0 <= crc < 2**32 or type(crc) is not int for crc in record.pieces):
+            raise JournalError(f"chunk {record.chunk}: invalid piece checksum")
+        if isinstance(record, Spooled):
+            state.spooled[record.chunk] = (record.crc, list(record.pieces))
+        else:
+            state.landed[record.chunk] = list(record.pieces)
+    return state
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '/'}: {e['msg']}" for e in exc.errors()[:3])
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
