@@ -10,6 +10,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── UnsupportedStateError        a value in the state cannot be saved
     ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
+    ├── StateMismatchError           load(state): the checkpoint does not fit the given state
     ├── StorageError                 a remote store refused or failed a request (botocore chained)
     │   └── StorageUnavailableError  retries (throttling, 5xx, resets, timeouts) ran out of time
     ├── CorruptCheckpointError       a checkpoint exists but must not be trusted
@@ -35,6 +36,7 @@ __all__ = [
     "ManifestError",
     "PickleNotAllowedError",
     "SpoolBusyError",
+    "StateMismatchError",
     "StepOrderError",
     "StorageError",
     "StorageUnavailableError",
@@ -75,6 +77,11 @@ class StepOrderError(AiosnapError, ValueError):
 
 class CheckpointNotFoundError(AiosnapError, LookupError):
     """There is no committed checkpoint, or not the requested step."""
+
+
+class StateMismatchError(AiosnapError, ValueError):
+    """``load(state)``: a key of ``state`` is not in the checkpoint, or a tensor's shape or a
+    value's kind differs; the message names the path."""
 
 
 class StorageError(AiosnapError):

@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any, Literal
 
+import crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ManifestError
@@ -35,7 +36,10 @@ __all__ = [
     "manifest_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this aiosnap: version 1 plus a crc32c of the manifest's own bytes (versions 1
+and 2 are read)."""
+_CRC_FIELD = b',"crc32c":'
 MAX_MANIFEST_BYTES = 1024**3
 """A manifest larger than this is refused unread (a hostile file must not exhaust memory)."""
 _MAX_INT = 2**63
@@ -138,7 +142,9 @@ class Manifest(_Frozen):
         return self.model_copy(update={"entries": entries, "created_at": time.time()})
 
     def to_json(self) -> bytes:
-        return self.model_dump_json().encode("utf-8")
+        """The document, its last field the crc32c of every byte before that field."""
+        body = self.model_dump_json().encode("utf-8")
+        return body[:-1] + _CRC_FIELD + b"%d}" % crc32c.crc32c(body)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -149,11 +155,17 @@ class Manifest(_Frozen):
             doc = json.loads(data)
         except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
+        if isinstance(doc, dict) and doc.get("format_version") != 1:  # version 1 had no checksum
+            found = doc.pop("crc32c", None)
+            cut = data.rfind(_CRC_FIELD)
+            if type(found) is not int or cut < 0 or crc32c.crc32c(data[:cut] + b"}") != found:
+                raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
         return cls.from_document(doc, where)
 
     @classmethod
     def from_document(cls, doc: Any, where: str) -> Manifest:
-        """Validate an already parsed JSON document (a spool journal carries one)."""
+        """Validate an already parsed JSON document (a spool journal carries one, whose
+        integrity the journal's own checksums cover)."""
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
         version = doc.get("format_version")

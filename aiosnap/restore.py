@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import PickleNotAllowedError
+from .errors import PickleNotAllowedError, StateMismatchError
 from .manifest import Manifest
 from .plan import is_stateful
 from .tree import TreeDecoder
@@ -63,11 +63,11 @@ def apply_state(
 def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], path: str) -> None:
     items = _dict_node_items(node)
     if items is None:
-        raise ValueError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
+        raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
     saved = {decode(k): v for k, v in items}
     missing = [k for k in target if k not in saved]
     if missing:
-        raise KeyError(
+        raise StateMismatchError(
             f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
             f"(it has {sorted(map(str, saved))!r})"
         )
@@ -79,9 +79,9 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
         elif isinstance(current, torch.Tensor):
             value = decode(child)
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{where}: checkpoint holds {type(value).__name__}, state has a tensor")
+                raise StateMismatchError(f"{where}: checkpoint holds {type(value).__name__}, state has a tensor")
             if value.shape != current.shape:
-                raise ValueError(
+                raise StateMismatchError(
                     f"{where}: checkpoint shape {tuple(value.shape)} != state shape {tuple(current.shape)}"
                 )
             with torch.no_grad():

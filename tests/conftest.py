@@ -21,6 +21,10 @@ class FaultyStorage(Storage):
 
     ``delay`` seconds are slept before every write (a slow target), and ``gate`` (an
     asyncio.Event created lazily on the loop) can hold writes until a test opens it.
+    ``lose_answer_when``: the write lands, then ``error`` is raised (an answer lost on the
+    way back); ``hang_after_write_when``: the write lands, then never returns (until
+    cancelled). ``read_error``: raised by every read. ``delete_delay``: seconds slept before
+    every delete.
     """
 
     def __init__(
@@ -40,17 +44,27 @@ class FaultyStorage(Storage):
         self.writes: list[str] = []
         self.held = False
         self._gate: asyncio.Event | None = None
+        self.hold_when: Callable[[str], bool] | None = None  # only these writes wait for release()
+        self.lose_answer_when: Callable[[str], bool] | None = None
+        self.hang_after_write_when: Callable[[str], bool] | None = None
+        self.read_error: BaseException | None = None
+        self.delete_delay = 0.0
 
     def hold(self) -> None:
+        """Writes wait from now on until :meth:`release`."""
+        self._gate = None
         self.held = True
 
     def release(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Let held writes (and later ones) through; ``loop`` is the one they wait on."""
         self.held = False
-        if self._gate is not None:
-            loop.call_soon_threadsafe(self._gate.set)
+        self.hold_when = None
+        gate = self._gate
+        if gate is not None:
+            loop.call_soon_threadsafe(gate.set)
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
-        if self.held:
+        if self.held or (self.hold_when is not None and self.hold_when(name)):
             self._gate = self._gate or asyncio.Event()
             await self._gate.wait()
         if self.delay:
@@ -60,8 +74,15 @@ class FaultyStorage(Storage):
             raise self.error
         self.writes.append(name)
         await self.inner.write(name, data, if_absent=if_absent)
+        if self.lose_answer_when is not None and self.lose_answer_when(name):
+            assert self.error is not None
+            raise self.error
+        if self.hang_after_write_when is not None and self.hang_after_write_when(name):
+            await asyncio.Event().wait()
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
+        if self.read_error is not None:
+            raise self.read_error
         return await self.inner.read(name, limit=limit)
 
     async def size(self, name: str) -> int:
@@ -77,9 +98,11 @@ class FaultyStorage(Storage):
         return await self.inner.list_children(prefix)
 
     async def delete(self, name: str) -> None:
+        await asyncio.sleep(self.delete_delay)
         await self.inner.delete(name)
 
     async def delete_prefix(self, prefix: str) -> None:
+        await asyncio.sleep(self.delete_delay)
         await self.inner.delete_prefix(prefix)
 
     async def remove_empty_folder(self, prefix: str = "") -> None:
@@ -87,6 +110,10 @@ class FaultyStorage(Storage):
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.inner.walk(prefix)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")
 
 
 @pytest.fixture

@@ -33,6 +33,8 @@ def test_public_names_are_locked() -> None:
         "SaveHandle",
         "SaveResult",
         "SpoolBusyError",
+        "StateMismatchError",
+        "StepOrderError",
         "StorageError",
         "StorageUnavailableError",
         "SyncCheckpointer",

@@ -17,6 +17,7 @@ from aiosnap import (
     SyncCheckpointer,
     TruncatedObjectError,
 )
+from tests.fuzzing import sign_manifest
 
 
 class Opaque:
@@ -102,7 +103,7 @@ def test_object_names_escaping_the_root_are_refused(small_config: Config, root: 
     doc = json.loads(path.read_text())
     doc["objects"][0]["name"] = evil
     doc["entries"][0]["ranges"][0]["object"] = evil
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sign_manifest(doc))
     with SyncCheckpointer(small_config) as ckpt, pytest.raises(ManifestError, match="unsafe object name"):
         ckpt.load()
 
@@ -122,7 +123,7 @@ def test_invalid_manifests_are_refused(small_config: Config, root: Path, mutate:
     path = _manifest_path(root)
     doc = json.loads(path.read_text())
     mutate(doc)  # type: ignore[operator]
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sign_manifest(doc))
     with SyncCheckpointer(small_config) as ckpt, pytest.raises(ManifestError, match=message):
         ckpt.load()
 

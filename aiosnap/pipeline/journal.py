@@ -133,24 +133,28 @@ class JournalState:
     def chunk_names(self) -> list[str]:
         return [o.name for o in self.manifest.objects]
 
+    def pieces(self, chunk: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) of the byte ranges in ``chunk``'s object, by offset."""
+        return _piece_ranges(self.manifest)[chunk]
+
     def checksums(self) -> Checksums:
         """Every piece's crc32c, keyed like the manifest's ranges."""
         crcs: Checksums = {}
-        for chunk, offsets in enumerate(_piece_offsets(self.manifest)):
+        for chunk, ranges in enumerate(_piece_ranges(self.manifest)):
             pieces = self.landed.get(chunk) or self.spooled.get(chunk, (0, []))[1]
             name = self.manifest.objects[chunk].name
-            crcs.update({(name, offset): crc for offset, crc in zip(offsets, pieces, strict=True)})
+            crcs.update({(name, offset): crc for (offset, _), crc in zip(ranges, pieces, strict=True)})
         return crcs
 
 
-def _piece_offsets(manifest: Manifest) -> list[list[int]]:
-    """For each object, in order, the offsets of the byte ranges in it (ascending)."""
+def _piece_ranges(manifest: Manifest) -> list[list[tuple[int, int]]]:
+    """For each object, in order, its byte ranges (offset, nbytes), ascending."""
     index = {o.name: i for i, o in enumerate(manifest.objects)}
-    offsets: list[list[int]] = [[] for _ in manifest.objects]
+    ranges: list[list[tuple[int, int]]] = [[] for _ in manifest.objects]
     for entry in manifest.entries:
         for r in entry.ranges:
-            offsets[index[r.object]].append(r.offset)
-    return [sorted(o) for o in offsets]
+            ranges[index[r.object]].append((r.offset, r.nbytes))
+    return [sorted(found) for found in ranges]
 
 
 def _parse_line(line: bytes) -> dict[str, Any]:
@@ -200,7 +204,7 @@ def read_journal(path: Path, save_id: str) -> JournalState:
     if manifest.save_id != save_id or manifest.step != begin.step:
         raise JournalError("its manifest belongs to another save")
     state = JournalState(begin, manifest)
-    offsets = _piece_offsets(manifest)
+    offsets = _piece_ranges(manifest)
     for record in records[1:]:
         if isinstance(record, Begin):
             raise JournalError("a second begin record")

@@ -23,7 +23,7 @@ from ..catalog import apply_retention, latest_committed
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
 from .journal import JOURNAL, JournalError, JournalState, read_journal
-from .spool import Spool, file_crc32c
+from .spool import Spool, file_crc32c_with_pieces
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -73,7 +73,8 @@ def _check_spool_files(spool: Spool, save_id: str, state: JournalState) -> None:
         path = spool.save_dir(save_id) / f"{index}.bin"
         if not path.is_file() or path.stat().st_size != obj.nbytes:
             raise _Discard(f"spool file {path} is missing or truncated")
-        if file_crc32c(path) != state.spooled[index][0]:
+        whole, pieces = file_crc32c_with_pieces(path, state.pieces(index))
+        if (whole, pieces) != state.spooled[index]:
             raise _Discard(f"spool file {path} is corrupt (crc32c mismatch)")
 
 

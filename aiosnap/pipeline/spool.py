@@ -38,7 +38,7 @@ from ..tensorio import bytes_view
 from .capture import BufferPool, StagedChunk
 from .journal import JOURNAL, JournalWriter
 
-__all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession", "file_crc32c"]
+__all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession", "file_crc32c", "file_crc32c_with_pieces"]
 
 log = logging.getLogger("aiosnap")
 LOCK = "LOCK"
@@ -51,6 +51,14 @@ def file_crc32c(path: str | Path) -> int:
         while block := f.read(8 * 1024 * 1024):
             crc = crc32c.crc32c(block, crc)
     return int(crc)
+
+
+def file_crc32c_with_pieces(path: str | Path, pieces: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """crc32c of a whole file and of each ``(offset, nbytes)`` piece of it, reading the file
+    once (calling thread). The file is a spooled chunk: at most one slab in size."""
+    with open(path, "rb") as f:
+        data = memoryview(f.read())
+    return int(crc32c.crc32c(data)), [int(crc32c.crc32c(data[o : o + n])) for o, n in pieces]
 
 
 def _write_durably(path: Path, data: memoryview | bytes) -> None:

@@ -1,0 +1,220 @@
+"""Fuzzing what is read back from storage and spool: real manifests and journals, mutated.
+
+Two kinds of case. *Damage* (bytes flipped, fields changed, nothing else): every load either
+returns the saved state bit-exact or raises a CorruptCheckpointError. *Forgery* (changed by
+someone who may write the storage, checksums recomputed): every load returns or raises an
+AiosnapError -- never another exception type, never pickled code run, never an allocation
+larger than what is stored. ``make soak`` runs many more cases (``--fuzz-cases``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import random
+import shutil
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import AiosnapError, Config, CorruptCheckpointError, SyncCheckpointer
+from aiosnap.names import MANIFEST_FILE, step_dir
+from aiosnap.pipeline import fetch
+from aiosnap.pipeline.journal import JOURNAL
+from aiosnap.pipeline.resume import resume_spooled
+from aiosnap.pipeline.spool import Spool
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, assert_same
+from tests.fuzzing import mutate_bytes, mutate_document, mutated_text, sign_manifest
+
+
+class Counted:
+    """Counts its unpickling: any count above zero means pickled code ran."""
+
+    unpickled = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Counted.unpickled += 1
+
+
+def _state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(6, 5, generator=generator)
+    odict: OrderedDict[str, Any] = OrderedDict(a=torch.arange(4), b=2)
+    odict._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {
+        "model": {"w": base, "view": base.t(), "b": torch.arange(9, dtype=torch.int16)},
+        "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99)}]},
+        "odict": odict,
+        "misc": [
+            None,
+            True,
+            3,
+            2.5,
+            float("nan"),
+            float("-inf"),
+            "s",
+            b"\x00raw",
+            1 + 2j,
+            torch.float16,
+            torch.device("cpu"),
+            torch.Size([2, 3]),
+            (1, (2, "x")),
+        ],
+        "bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "bait": torch.frombuffer(bytearray(pickle.dumps(Counted())), dtype=torch.uint8),  # attack material
+        "big": torch.randn(40_000, generator=generator),  # several objects
+    }
+
+
+def _cases(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--fuzz-cases"))
+
+
+def test_fuzzed_manifests_fail_cleanly(
+    small_config: Config, root: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state()
+    with SyncCheckpointer(small_config) as ckpt:
+        ckpt.save(state, step=1).wait()
+    path = root / step_dir(1) / MANIFEST_FILE
+    original = path.read_bytes()
+    document = json.loads(original)
+    stored = sum(p.stat().st_size for p in root.rglob("*.bin"))
+    largest = 0
+    real_empty_for = fetch._empty_for
+
+    def watched_empty_for(manifest: Any, index: int) -> torch.Tensor:
+        nonlocal largest
+        tensor = real_empty_for(manifest, index)
+        largest = max(largest, tensor.numel() * tensor.element_size())
+        return tensor
+
+    monkeypatch.setattr(fetch, "_empty_for", watched_empty_for)
+    rng = random.Random(20261130)
+    outcomes: dict[str, int] = {}
+    quiet = small_config.model_copy(update={"events": type(small_config.events)(log=False)})
+    target = {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(9, dtype=torch.int16)}}
+    started = time.perf_counter()
+    with SyncCheckpointer(quiet) as ckpt:
+        expected = ckpt.load()
+        for case in range(_cases(request)):
+            forged = case % 2 == 1
+            path.write_bytes(sign_manifest(mutate_document(document, rng)) if forged else mutated_text(document, rng))
+            into = case % 4 >= 2
+            try:
+                result = ckpt.load({k: dict(v) for k, v in target.items()}) if into else ckpt.load()
+            except AiosnapError as exc:
+                damage_missed = not forged and not isinstance(exc, CorruptCheckpointError)
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                if damage_missed:
+                    raise AssertionError(f"case {case}: damage reported as {exc!r}") from exc
+                continue
+            outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+            if not forged and not into:
+                assert_same(result, expected)
+    elapsed = time.perf_counter() - started
+    assert Counted.unpickled == 0, "a pickle was executed"
+    assert largest <= stored, f"a load allocated {largest} bytes; only {stored} are stored"
+    print(f"\nmanifest fuzz: {_cases(request)} cases in {elapsed:.1f} s: {dict(sorted(outcomes.items()))}")
+
+
+@pytest.fixture
+def journal_template(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
+    """A real spool journal of a save caught mid-upload: chunks 0 and 1 landed, 2 and 3
+    still on the spool disk. Returns (spool template, storage template, config, state)."""
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": 1},
+    )
+    state = {"w": torch.randn(60_000, generator=torch.Generator().manual_seed(3)), "n": 5}
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: not name.endswith(("/0.bin", "/1.bin"))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=4)
+    folder = next(p for p in spool_dir.iterdir() if p.is_dir())
+    deadline = time.monotonic() + 10
+    while (folder / JOURNAL).read_text().count('"landed"') < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    spool_copy, root_copy = tmp_path / "spool-template", tmp_path / "root-template"
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(root, root_copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    return spool_copy, root_copy, config, state
+
+
+def _mutate_journal(data: bytes, rng: random.Random, forged: bool) -> bytes:
+    import crc32c
+
+    if not forged and rng.random() < 0.5:
+        return mutate_bytes(data, rng)
+    lines = data.split(b"\n")[:-1]
+    at = rng.randrange(len(lines))
+    head, _, body = lines[at].partition(b" ")
+    new_body = json.dumps(mutate_document(json.loads(body), rng)).encode()
+    new_head = f"{crc32c.crc32c(new_body):08x}".encode() if forged else head
+    lines[at] = new_head + b" " + new_body
+    if rng.random() < 0.2:
+        del lines[rng.randrange(len(lines))]
+    return b"\n".join(lines) + b"\n"
+
+
+def test_fuzzed_spool_journals_never_commit_a_broken_step(
+    journal_template: tuple[Path, Path, Config, dict[str, Any]], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    spool_template, root_template, config, state = journal_template
+    save_id = next(p.name for p in spool_template.iterdir() if p.is_dir())
+    journal = (spool_template / save_id / JOURNAL).read_bytes()
+    rng = random.Random(4)
+    cases = max(1, _cases(request) // 4)
+    outcomes: dict[str, int] = {}
+
+    spool_dir, root = Path(str(config.spool.dir)), Path(config.storage.url)  # the journal names these
+
+    def one(case: int) -> None:
+        for folder, template in ((spool_dir, spool_template), (root, root_template)):
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(template, folder)
+        forged = case % 2 == 1
+        if case > 0:  # case 0: the journal as written, which must resume
+            (spool_dir / save_id / JOURNAL).write_bytes(_mutate_journal(journal, rng, forged))
+        spool = Spool.open(config.spool, min_bytes=64 * 1024)
+        assert spool is not None
+        storage = LocalStorage(root)
+        try:
+            report = asyncio.run(resume_spooled(spool, storage, concurrency=2, keep_last=1))  # never raises
+        finally:
+            spool.close()
+        kind = next(k for k in ("resumed", "failed", "discarded", "skipped", "") if not k or getattr(report, k))
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        committed = sorted(p.parent.name for p in root.glob(f"*/{MANIFEST_FILE}"))
+        if case == 0:
+            assert report.resumed == [4], report
+        if not report.resumed:
+            assert committed == [], f"case {case}: nothing resumed, yet {committed} committed"
+        if report.resumed:
+            with SyncCheckpointer(config.model_copy(update={"spool": type(config.spool)()})) as reader:
+                try:
+                    restored = reader.load(step=report.resumed[0])
+                except CorruptCheckpointError:
+                    assert forged, f"case {case}: a damaged journal committed a broken step"
+                    return
+                if not forged:
+                    assert_same(restored, state)
+
+    started = time.perf_counter()
+    for case in range(cases):
+        one(case)
+    print(f"\njournal fuzz: {cases} cases in {time.perf_counter() - started:.1f} s: {dict(sorted(outcomes.items()))}")
+    assert outcomes.get("resumed", 0) < cases, "most mutations must be caught"
