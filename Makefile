@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench soak clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# The fault soak and the fuzzers, long: many saves through failing storage, the fault proxy
+# and SIGKILLed trainers, then the invariant (a short version runs inside `make test`).
+soak: install
+	$(PY) -m pytest tests/test_soak.py tests/test_fuzz.py -s -p no:cacheprovider \
+		--soak-rounds 300 --soak-kills 20 --fuzz-cases 50000 --timeout 3000
 
 bench: install
 	$(PY) -m aiosnap.bench

@@ -1,6 +1,6 @@
 """The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``gc``, ``bench``. URLs are storage
+Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``. URLs are storage
 roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
 (S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
 and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .catalog import manifest_of
+from .catalog import committed_steps, manifest_of, remove_steps_after
 from .checkpointer import SyncCheckpointer
 from .config import Config, load_config
-from .errors import AiosnapError
+from .errors import AiosnapError, CheckpointNotFoundError
 from .maintenance import collect_garbage, copy_step, list_steps, verify_step
 from .manifest import Manifest
 from .storage.base import Storage, storage_from_url
@@ -264,6 +264,33 @@ def resume_command(
         out.print(f"committed steps in {ckpt.url}: {steps}")
     if report.failed:
         raise typer.Exit(1)
+
+
+@app.command("rollback")
+def rollback_command(
+    url: UrlArgument,
+    to: Annotated[int, typer.Option("--to", help="the committed step to continue from")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="only say what would be removed")] = False,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Make a committed step the latest again: remove every committed step after it (newest
+    first, manifest first), so that training can continue from it. Stop the job first."""
+
+    async def run(storage: Storage) -> list[int]:
+        if dry_run:
+            steps = await committed_steps(storage)
+            if to not in steps:
+                raise CheckpointNotFoundError(f"step {to} has no committed checkpoint in {storage.url}")
+            return [s for s in steps if s > to]
+        return await remove_steps_after(storage, to)
+
+    removed = _on_storage(url, _config(config), run)
+    if as_json:
+        _emit_json({"to": to, "removed": removed, "dry_run": dry_run})
+        return
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} steps after {to}: {removed or 'none'}")
 
 
 def _seconds(text: str) -> float:

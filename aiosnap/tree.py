@@ -153,7 +153,7 @@ class _Checker:
             _fields(node, "items")
             hashable = [self.check(v, f"{path}/{i}", depth + 1) for i, v in enumerate(_items(node))]
             return tag == "tuple" and all(hashable)
-        _fields(node, "items", "meta")
+        _fields(node, *(("items", "meta") if tag == "odict" else ("items",)))  # metadata: OrderedDicts only
         for pair in _items(node):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("dict node: each item must be [key, value]")
@@ -205,7 +205,7 @@ class TreeDecoder:
             return self._decode(node)
         except (PickleNotAllowedError, ManifestError):
             raise
-        except (KeyError, IndexError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError, RecursionError) as exc:
             raise ManifestError(f"{self.where}: malformed tree: {type(exc).__name__}: {exc}") from exc
 
     def _entry(self, node: dict[str, Any], kind: str) -> int:
@@ -235,10 +235,12 @@ class TreeDecoder:
             return pickle.loads(blob)  # noqa: S301 - the caller opted in
         if tag in ("dict", "odict"):
             items = [(self._decode(k), self._decode(v)) for k, v in node["items"]]
-            result: dict[Any, Any] = dict(items) if tag == "dict" else OrderedDict(items)
-            if "meta" in node:
-                result._metadata = self._decode(node["meta"])  # type: ignore[attr-defined]
-            return result
+            if tag == "dict":
+                return dict(items)
+            ordered: OrderedDict[Any, Any] = OrderedDict(items)
+            if "meta" in node:  # a module's state dict carries its version metadata
+                ordered._metadata = self._decode(node["meta"])  # type: ignore[attr-defined]
+            return ordered
         if tag == "list":
             return [self._decode(v) for v in node["items"]]
         if tag == "tuple":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import Config
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.pipeline.journal import JOURNAL
 from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 
@@ -114,6 +117,8 @@ class FaultyStorage(Storage):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")
+    parser.addoption("--soak-rounds", type=int, default=12, help="saves per in-process soak (make soak raises it)")
+    parser.addoption("--soak-kills", type=int, default=1, help="child trainers killed per spool mode in the soak")
 
 
 @pytest.fixture
@@ -161,6 +166,38 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert b != b, path
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.fixture
+def crashed_spool(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
+    """What a crash leaves of a real save caught mid-upload with ``spool.mode: always``:
+    chunks 0 and 1 landed, 2 and 3 still on the spool disk, the journal saying so. Returns
+    copies of the spool and of the storage root as they were (restore them to the config's
+    paths to play the crash), the config and the state saved as step 4."""
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": 1},
+    )
+    state = {"w": torch.randn(60_000, generator=torch.Generator().manual_seed(3)), "n": 5}
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: not name.endswith(("/0.bin", "/1.bin"))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=4)
+    folder = next(p for p in spool_dir.iterdir() if p.is_dir())
+    deadline = time.monotonic() + 10
+    while (folder / JOURNAL).read_text().count('"landed"') < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    spool_copy, root_copy = tmp_path / "spool-template", tmp_path / "root-template"
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(root, root_copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    return spool_copy, root_copy, config, state
 
 
 # --- S3: a real protocol server (moto) and a fault-injecting proxy in front of it ---------

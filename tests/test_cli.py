@@ -244,3 +244,18 @@ def test_download_copies_a_verified_step_and_refuses_corrupt_data(
     refused = aiosnap("download", url, str(other), "--config", str(config_file))
     assert refused.returncode == 1 and "checksum mismatch" in refused.stderr
     assert not list(other.rglob("manifest.json")) and not list(other.rglob("*.bin"))
+
+
+def test_rollback_makes_an_earlier_step_the_latest(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+    root, _ = filled
+    dry = json.loads(aiosnap("rollback", str(root), "--to", "20", "--dry-run", "--json").stdout)
+    assert dry == {"to": 20, "removed": [30, 40], "dry_run": True}
+    assert json.loads(aiosnap("ls", str(root), "--json").stdout)[-1]["step"] == 40, "a dry run removes nothing"
+    done = aiosnap("rollback", str(root), "--to", "20")
+    assert done.returncode == 0 and "removed steps after 20: [30, 40]" in done.stdout
+    assert [d["step"] for d in json.loads(aiosnap("ls", str(root), "--json").stdout)] == [10, 20]
+    missing = aiosnap("rollback", str(root), "--to", "25")
+    assert missing.returncode == 1 and "step 25 has no committed checkpoint" in missing.stderr
+    with SyncCheckpointer(Config(storage={"url": str(root)})) as ckpt:
+        ckpt.save({"x": torch.ones(1)}, step=21).wait()  # training continues from step 20
+        assert ckpt.steps()[-1] == 21

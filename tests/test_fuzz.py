@@ -28,7 +28,7 @@ from aiosnap.pipeline.journal import JOURNAL
 from aiosnap.pipeline.resume import resume_spooled
 from aiosnap.pipeline.spool import Spool
 from aiosnap.storage.local import LocalStorage
-from tests.conftest import FaultyStorage, assert_same
+from tests.conftest import assert_same
 from tests.fuzzing import mutate_bytes, mutate_document, mutated_text, sign_manifest
 
 
@@ -124,36 +124,6 @@ def test_fuzzed_manifests_fail_cleanly(
     print(f"\nmanifest fuzz: {_cases(request)} cases in {elapsed:.1f} s: {dict(sorted(outcomes.items()))}")
 
 
-@pytest.fixture
-def journal_template(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
-    """A real spool journal of a save caught mid-upload: chunks 0 and 1 landed, 2 and 3
-    still on the spool disk. Returns (spool template, storage template, config, state)."""
-    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
-    config = Config(
-        storage={"url": str(root)},
-        ram_budget="1MiB",
-        upload={"chunk_size": "64KiB", "concurrency": 2},
-        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
-        retention={"keep_last": 1},
-    )
-    state = {"w": torch.randn(60_000, generator=torch.Generator().manual_seed(3)), "n": 5}
-    store = FaultyStorage(LocalStorage(root))
-    store.hold_when = lambda name: not name.endswith(("/0.bin", "/1.bin"))
-    ckpt = SyncCheckpointer(config, storage=store)
-    ckpt.save(state, step=4)
-    folder = next(p for p in spool_dir.iterdir() if p.is_dir())
-    deadline = time.monotonic() + 10
-    while (folder / JOURNAL).read_text().count('"landed"') < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    spool_copy, root_copy = tmp_path / "spool-template", tmp_path / "root-template"
-    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
-    shutil.copytree(root, root_copy)
-    with pytest.raises(TimeoutError):
-        ckpt.close(timeout=0.1)
-    return spool_copy, root_copy, config, state
-
-
 def _mutate_journal(data: bytes, rng: random.Random, forged: bool) -> bytes:
     import crc32c
 
@@ -171,9 +141,9 @@ def _mutate_journal(data: bytes, rng: random.Random, forged: bool) -> bytes:
 
 
 def test_fuzzed_spool_journals_never_commit_a_broken_step(
-    journal_template: tuple[Path, Path, Config, dict[str, Any]], tmp_path: Path, request: pytest.FixtureRequest
+    crashed_spool: tuple[Path, Path, Config, dict[str, Any]], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    spool_template, root_template, config, state = journal_template
+    spool_template, root_template, config, state = crashed_spool
     save_id = next(p.name for p in spool_template.iterdir() if p.is_dir())
     journal = (spool_template / save_id / JOURNAL).read_bytes()
     rng = random.Random(4)

@@ -110,6 +110,7 @@ def _nested(depth: int) -> dict[str, Any]:
         (lambda d: d.update(tree={"t": "device", "v": "warp:9"}), "device node"),
         (lambda d: d.update(tree={"t": "float", "v": 3}), "float as text"),
         (lambda d: d.update(tree={"t": "list", "items": [], "extra": 1}), "unexpected field"),
+        (lambda d: d.update(tree={"t": "dict", "items": [], "meta": False}), "unexpected field"),  # found by the fuzzer
         (lambda d: d.update(tree=_nested(150)), "nested deeper"),
         (lambda d: d.update(format_version=True), "format version True"),
         (lambda d: d.update(format_version=-7), "format version -7"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -270,3 +272,26 @@ def test_the_example_runs(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "resumed and finished at epoch 5" in run.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "last.ckpt"
+
+
+def test_a_slow_removal_never_holds_back_saves_to_other_paths(tmp_path: Path, config: Config) -> None:
+    deleting = threading.Event()
+
+    class SlowDeletes(FaultyStorage):
+        async def delete_prefix(self, prefix: str) -> None:
+            deleting.set()
+            await asyncio.sleep(2.0)  # an S3 delete of many objects
+            await self.inner.delete_prefix(prefix)
+
+    plugin = AiosnapCheckpointIO(config, storage_for=lambda url, cfg: SlowDeletes(LocalStorage(url)))
+    old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(8)}, old)
+    plugin.load_checkpoint(old)
+    plugin.remove_checkpoint(old)
+    assert deleting.wait(10)
+    started = time.monotonic()
+    plugin.save_checkpoint({"w": torch.zeros(8)}, new)  # training goes on while old.ckpt is deleted
+    assert time.monotonic() - started < 1.0
+    plugin.teardown()
+    assert not old.exists() and plugin.load_checkpoint(new)["w"].sum() == 0
+    plugin.teardown()

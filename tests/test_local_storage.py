@@ -63,3 +63,15 @@ async def test_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
 def test_url_forms(tmp_path: Path) -> None:
     assert storage_from_url(str(tmp_path)).url == str(tmp_path)
     assert storage_from_url(f"file://{tmp_path}").url == str(tmp_path)
+
+
+async def test_new_parent_folders_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosnap.storage import local
+
+    synced: list[Path] = []
+    real = local._fsync_dir_sync
+    monkeypatch.setattr(local, "_fsync_dir_sync", lambda path: (synced.append(Path(path)), real(path))[1])
+    storage = LocalStorage(tmp_path / "root")
+    await storage.write("000000000001/abc/rank-0/0.bin", b"data")
+    for created in ("root", "root/000000000001", "root/000000000001/abc", "root/000000000001/abc/rank-0"):
+        assert (tmp_path / created).parent in synced, f"the parent of new folder {created} was not fsynced"

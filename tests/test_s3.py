@@ -225,3 +225,14 @@ def test_missing_aiobotocore_gives_an_install_hint() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert "pip install 'aiosnap[s3]'" in out.stdout
+
+
+async def test_aborting_an_upload_already_gone_is_success(
+    s3_endpoint: str, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = S3Storage(s3_bucket, "gone", S3Config(endpoint_url=s3_endpoint, addressing_style="path"))
+    try:
+        await storage._abort("x.bin", "gone/x.bin", "an-upload-id-that-no-longer-exists")  # NoSuchUpload
+    finally:
+        await storage.close()
+    assert "could not abort" not in caplog.text

@@ -265,3 +265,20 @@ def test_half_captured_crash_is_discarded_and_the_previous_step_stays(
         assert ckpt.steps() == [1]
         assert torch.equal(ckpt.load()["w"], torch.zeros(10))
     assert _spool_files(tmp_path / "spool") == []
+
+
+def test_a_constructor_that_fails_releases_the_spool_lock_and_the_events_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    events_file = tmp_path / "events.jsonl"
+    config = _local(tmp_path / "c", tmp_path / "spool").model_copy(
+        update={"loop": "uvloop", "events": type(Config().events)(jsonl=events_file)}
+    )
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `loop: uvloop` without uvloop installed
+    with pytest.raises(ImportError, match="uvloop"):
+        SyncCheckpointer(config)
+    open_paths = {f.path for f in psutil.Process().open_files()}
+    assert str(events_file) not in open_paths, "the JSON-lines file was closed"
+    SyncCheckpointer(config.model_copy(update={"loop": "asyncio"})).close()  # the spool lock was released

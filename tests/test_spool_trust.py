@@ -1,0 +1,191 @@
+"""The spool and its resume trust nothing they did not check: live saves are not leftovers,
+landed objects are verified, journals of other roots are left alone, a spool file goes only
+once the journal says its chunk landed, and a process killed right after save() returned
+loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.budget import ByteBudget
+from aiosnap.names import step_dir
+from aiosnap.pipeline.capture import BufferPool
+from aiosnap.pipeline.journal import JOURNAL
+from aiosnap.pipeline.spool import Spool, SpoolSession
+from aiosnap.plan import make_plan
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, assert_same
+from tests.spool_child import state as child_state
+
+REPO = Path(__file__).parent.parent
+Crashed = tuple[Path, Path, Config, dict[str, Any]]
+
+
+def _spool_config(root: Path, spool_dir: Path, **extra: Any) -> Config:
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2},
+        spool={"dir": str(spool_dir), "mode": "always"},
+        **extra,
+    )
+
+
+def _play_the_crash(crashed: Crashed) -> Config:
+    """Put the spool and storage back as the crash left them."""
+    spool_template, root_template, config, _ = crashed
+    for folder, template in ((Path(str(config.spool.dir)), spool_template), (Path(config.storage.url), root_template)):
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(template, folder)
+    return config.model_copy(update={"spool": config.spool.model_copy(update={"resume": True})})
+
+
+def test_resume_never_touches_a_save_still_running(tmp_path: Path) -> None:
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = _spool_config(root, spool_dir, max_pending_saves=1)
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: not name.endswith("/0.bin")  # one chunk lands, the rest wait
+    state = {"w": torch.randn(60_000)}
+    with SyncCheckpointer(config, storage=store) as ckpt:
+        handle = ckpt.save(state, step=1)
+        deadline = time.monotonic() + 10
+        while not any(name.endswith("/0.bin") for name in store.writes):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        report = ckpt.resume_spool()
+        assert (report.resumed, report.discarded, report.failed, report.skipped) == ([], [], [], [])
+        store.release(ckpt._loop.loop)
+        assert handle.wait(10).step == 1
+        assert_same(ckpt.load(), state)
+    assert not [p for p in spool_dir.rglob("*") if p.is_file() and p.name != "LOCK"]
+
+
+def test_landed_objects_removed_meanwhile_are_never_committed_over(crashed_spool: Crashed) -> None:
+    config = _play_the_crash(crashed_spool)
+    root = Path(config.storage.url)
+    no_spool = config.model_copy(update={"spool": type(config.spool)(), "retention": type(config.retention)()})
+    with SyncCheckpointer(no_spool) as ckpt:  # an older good step, which retention would delete
+        ckpt.save({"w": torch.zeros(3)}, step=2).wait()
+    landed = sorted((root / step_dir(4)).rglob("0.bin"))
+    assert len(landed) == 1
+    landed[0].unlink()  # `aiosnap gc` removed the incomplete step's objects
+    with SyncCheckpointer(config) as ckpt:
+        report = ckpt.resume_report
+        assert report.resumed == []
+        assert len(report.discarded) == 1 and "gone from storage" in report.discarded[0][1]
+        assert ckpt.steps() == [2], "no manifest over a missing object, no retention"
+        assert torch.equal(ckpt.load()["w"], torch.zeros(3))
+
+
+def test_the_crashed_save_resumes_when_all_is_there(crashed_spool: Crashed) -> None:
+    config = _play_the_crash(crashed_spool)
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [4]
+        assert_same(ckpt.load(), crashed_spool[3])
+
+
+def test_a_journal_of_another_root_is_left_alone(crashed_spool: Crashed, tmp_path: Path) -> None:
+    config = _play_the_crash(crashed_spool)
+    elsewhere = config.model_copy(update={"storage": type(config.storage)(url=str(tmp_path / "other"))})
+    with SyncCheckpointer(elsewhere) as ckpt:
+        report = ckpt.resume_report
+        assert report.resumed == [] and report.discarded == []
+        assert len(report.skipped) == 1 and "belongs to the checkpointer of" in report.skipped[0][1]
+        assert ckpt.steps() == []
+    assert any(Path(str(config.spool.dir)).glob(f"*/{JOURNAL}")), "kept for its own checkpointer"
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [4]
+
+
+def test_a_spool_file_goes_only_after_the_journal_says_it_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spool_dir = tmp_path / "spool"
+    checked: list[str] = []
+    real_unlink = pathlib.Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.suffix == ".bin" and spool_dir in self.parents:
+            journal = (self.parent / JOURNAL).read_text().splitlines()
+            records = [json.loads(line.split(" ", 1)[1]) for line in journal]
+            chunk = int(self.stem)
+            assert {"kind": "landed", "chunk": chunk} in [{k: r.get(k) for k in ("kind", "chunk")} for r in records]
+            checked.append(self.name)
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    config = _spool_config(tmp_path / "ckpt", spool_dir, max_pending_saves=2)
+    with SyncCheckpointer(config) as ckpt:
+        handles = [ckpt.save({"w": torch.randn(50_000)}, step=s) for s in (1, 2, 3)]
+        for handle in handles:
+            handle.wait(30)
+    assert len(checked) >= 12
+
+
+def test_killed_right_after_save_returned_is_always_resumed(tmp_path: Path) -> None:
+    expected = child_state()
+    for trial in range(3):
+        root, spool_dir = tmp_path / f"ckpt{trial}", tmp_path / f"spool{trial}"
+        config = Config(
+            storage={"url": str(root)},
+            ram_budget="8MiB",
+            upload={"chunk_size": "1MiB", "concurrency": 4},
+            spool={"dir": str(spool_dir), "mode": "always"},
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.spool_child", config.model_dump_json(), "5"],
+            stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ),
+        )  # fmt: skip
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "CAPTURED"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(30)
+            if child.stdout is not None:
+                child.stdout.close()
+        with SyncCheckpointer(config) as ckpt:
+            report = ckpt.resume_report
+            assert ckpt.steps() == [5], f"trial {trial}: lost the step ({report})"
+            restored = ckpt.load()
+        assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["b"], expected["b"])
+
+
+async def test_a_save_cancelled_while_waiting_for_ram_returns_its_disk_budget(tmp_path: Path) -> None:
+    config = _spool_config(tmp_path / "ckpt", tmp_path / "spool")
+    spool = Spool.open(config.spool, min_bytes=64 * 1024)
+    assert spool is not None
+    try:
+        budget = ByteBudget(64 * 1024, "ram_budget")
+        pool = BufferPool(budget, 64 * 1024)
+        slab = await pool.acquire()  # RAM is exhausted: the next slab must wait
+        plan = make_plan({"w": torch.randn(1000)}, step=1, chunk_bytes=64 * 1024)
+        session = SpoolSession(spool, plan, str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), pool, None, None)
+
+        async def copy(buffer: torch.Tensor) -> None:
+            raise AssertionError("never reached")
+
+        task = asyncio.ensure_future(session.capture(plan.chunks[0], copy))
+        await asyncio.sleep(0.05)
+        assert spool.budget.used > 0  # disk reserved, waiting for a slab
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert spool.budget.used == 0, "the disk budget came back"
+        pool.release(slab)
+        await session.finish()
+    finally:
+        spool.close()
