@@ -13,6 +13,8 @@ import concurrent.futures
 import json
 import logging
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -139,6 +141,33 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
     return handlers + list(extra)
 
 
+def _close_abandoned(loop: LoopThread, engine: Engine, url: str) -> None:
+    """A checkpointer nobody closed was collected, or is still open as the interpreter exits
+    (``weakref.finalize``): let its saves finish, then free its thread, slabs, spool lock and
+    connections. Runs on whichever thread collected it, or at exit."""
+    if loop.forked():
+        return  # a forked child: nothing of it runs here
+    if loop.in_loop_thread():  # collected by the loop thread itself: it cannot wait for itself
+        loop.loop.call_soon(loop.loop.stop)
+        return
+    pending = len(engine._jobs)
+    if pending:
+        log.warning("aiosnap: %s was not closed; waiting for %d save(s) to finish", url, pending)
+    try:
+        loop.run(engine.drain(None))
+    except BaseException as exc:
+        log.warning("aiosnap: %s: saves of an unclosed checkpointer did not finish: %r", url, exc)
+    finally:
+        try:
+            loop.run(engine.shutdown())
+        finally:
+            loop.stop()
+            engine.events.close()
+    for failure in engine.failures.take_all():
+        log.error("aiosnap: %s: a save of an unclosed checkpointer failed: %r", url, failure)
+    warnings.warn(f"aiosnap: a checkpointer for {url} was not closed (closed for you)", ResourceWarning, stacklevel=1)
+
+
 class _Core:
     """What both APIs share: config, the loop thread, the engine, the lifecycle.
 
@@ -185,6 +214,8 @@ class _Core:
             if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()
+        # Forgotten (collected, or still open at interpreter exit): finish what it accepted.
+        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, self._engine, storage.url)
 
     def _view(self, url: str, keep_last: int | None, storage: Storage | None) -> Any:
         """A checkpointer of the same class for another storage root, sharing this one's
@@ -213,10 +244,11 @@ class _Core:
         """The handlers events go to (config's first, then the ones passed in); appendable."""
         return self._engine.events.handlers
 
-    def flush_events(self) -> None:
+    def flush_events(self, timeout: float | None = None) -> bool:
         """Block until every event emitted so far has reached the handlers (they run on
-        their own thread; ``close()`` flushes too)."""
-        self._engine.events.flush()
+        their own thread; ``close()`` flushes too), at most ``timeout`` seconds; returns
+        whether they all did."""
+        return self._engine.events.flush(timeout)
 
     @property
     def loop_kind(self) -> str:
@@ -231,6 +263,8 @@ class _Core:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError(f"{type(self).__name__} for {self.url} is closed")
+        if self._loop.forked():
+            self._loop.submit(asyncio.sleep(0))  # raises ForkedProcessError
 
     def _plan(
         self, state: dict[str, Any], step: int, metadata: dict[str, Any] | None
@@ -277,10 +311,14 @@ class _Core:
         scope.emit("end", "load", scope.step, url=self.url, nbytes=scope.nbytes, seconds=scope.elapsed())
 
     def _begin_close(self) -> bool:
+        """Mark closed; False when there is nothing (more) to close: already closed, or a
+        forked child, where the background thread does not exist."""
         if self._closed:
             return False
         self._closed = True
-        return True
+        if self._owner is None:
+            self._finalizer.detach()
+        return not self._loop.forked()
 
     def _close_views(self) -> list[Any]:
         """Storages of the views still open, marked closed (the owner closes them)."""

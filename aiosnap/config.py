@@ -10,6 +10,7 @@ available when the checkpointer starts (``"25%"``).
 from __future__ import annotations
 
 import contextvars
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,6 +35,7 @@ from .errors import ConfigError
 __all__ = ["Config", "load_config"]
 
 MIN_RAM_BUDGET = 64 * 1024
+ENV_PREFIX = "AIOSNAP_"
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
@@ -44,10 +46,25 @@ def parse_size(value: Any) -> int:
     try:
         size = int(_BYTE_SIZE.validate_python(value))
     except ValidationError as exc:
-        raise ValueError(f"expected a size such as 1048576 or '512MiB', got {value!r}") from exc
+        raise ValueError(f"expected a size such as 1048576 or '512MiB', got {value!r:.40}") from exc
     if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
+        raise ValueError(f"size must be positive, got {value!r:.40}")
     return size
+
+
+def at_least(minimum: int, hint: str) -> BeforeValidator:
+    """A size of at least ``minimum`` bytes (a bare small number is most likely a unit
+    forgotten: ``chunk_size: 64`` meant 64MiB, not 64 bytes)."""
+
+    def check(value: Any) -> int:
+        size = parse_size(value)
+        if size < minimum:
+            raise ValueError(
+                f"{size} bytes is below the minimum of {minimum} ({hint}; did you forget a unit, as in 64MiB?)"
+            )
+        return size
+
+    return BeforeValidator(check)
 
 
 def parse_budget(value: Any) -> int | str:
@@ -65,6 +82,18 @@ def parse_budget(value: Any) -> int | str:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 Budget = Annotated[int | str, BeforeValidator(parse_budget)]
+ChunkSize = Annotated[int, at_least(64 * 1024, "64 KiB")]
+PartSize = Annotated[int, at_least(5 * 1024**2, "S3's smallest part, 5 MiB")]
+
+
+def parse_spool_budget(value: Any) -> int | str:
+    budget = parse_budget(value)
+    if isinstance(budget, int) and budget < 1024**2:
+        raise ValueError(f"{budget} bytes is below the minimum of 1 MiB (did you forget a unit, as in 10GiB?)")
+    return budget
+
+
+SpoolBudget = Annotated[int | str, BeforeValidator(parse_spool_budget)]
 
 
 class _Section(BaseModel):
@@ -91,7 +120,7 @@ class UploadConfig(_Section):
 
     concurrency: int = Field(8, ge=1, le=256)
     """Data objects written (and, on load, byte ranges read) at the same time."""
-    chunk_size: Size = 64 * 1024 * 1024
+    chunk_size: ChunkSize = 64 * 1024 * 1024
     """Largest data object; large tensors are split, small ones batched, up to this size.
     Capped at a quarter of the RAM budget so capture and upload overlap."""
 
@@ -102,7 +131,7 @@ class SpoolConfig(_Section):
 
     dir: str | None = None
     """Spool directory on fast local disk (one checkpointer at a time: a lock file)."""
-    budget: Budget = "50%"
+    budget: SpoolBudget = "50%"
     """Most bytes on spool disk: a size, or a share such as "50%" of the free space of the
     spool file system when the checkpointer starts (never more than that free space)."""
     mode: Literal["off", "overflow", "always"] | None = None
@@ -149,9 +178,9 @@ class S3Config(_Section):
     access_key_id: SecretStr | None = None
     secret_access_key: SecretStr | None = None
     session_token: SecretStr | None = None
-    multipart_threshold: Size = 16 * 1024 * 1024
+    multipart_threshold: PartSize = 16 * 1024 * 1024
     """Objects larger than this go as multipart uploads; smaller ones as one PUT."""
-    part_size: Size = 8 * 1024 * 1024
+    part_size: PartSize = 8 * 1024 * 1024
     """Multipart part size; raised to S3's 5 MiB minimum and to fit in 10,000 parts."""
     part_concurrency: int = Field(4, ge=1, le=64)
     """Parts of one object uploaded at the same time."""
@@ -195,6 +224,18 @@ class Config(BaseSettings):
     spool: SpoolConfig = SpoolConfig()
     events: EventsConfig = EventsConfig()
 
+    def __init__(self, **values: Any) -> None:
+        """Validate ``values`` over the environment, the YAML file being loaded and the
+        defaults; every problem is a :class:`ConfigError` naming the field (or the
+        ``AIOSNAP_*`` variable), never echoing a value (it may be a secret)."""
+        _check_environment()
+        try:
+            super().__init__(**values)
+            return
+        except ValidationError as exc:
+            problem = describe(exc)
+        raise ConfigError(problem)  # outside the handler: no chained error holding the input
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -233,6 +274,32 @@ class Config(BaseSettings):
         raise ConfigError(f"expected a Config, a URL or a dict, got {type(value).__name__}")
 
 
+def _known_settings(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every setting's dotted path (``upload.concurrency``), sections included."""
+    known: set[str] = set()
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        known.add(path)
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            known |= _known_settings(annotation, path + ".")
+    return known
+
+
+def _check_environment() -> None:
+    """Refuse an ``AIOSNAP_*`` variable that names no setting (a misspelling would be
+    ignored otherwise); the message names the variable, never its value."""
+    known = _known_settings(Config)
+    for name in os.environ:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        setting = ".".join(name[len(ENV_PREFIX) :].lower().split("__"))
+        if setting not in known:
+            close = sorted(k for k in known if k.split(".")[-1][:3] == setting.split(".")[-1][:3])
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"environment variable {name} names no aiosnap setting {setting!r}{hint}")
+
+
 _file_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_file_data", default=None)
 
 
@@ -246,12 +313,33 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(_file_data.get() or {})
 
 
-def _describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError) -> str:
+    """Each problem as ``field: message``; input values are left out (they may be secrets)."""
     parts = []
-    for err in exc.errors():
+    for err in exc.errors(include_input=False, include_url=False):
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {seen[key]} and {line})", key_node.start_mark
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
 def load_config(path: str | Path) -> Config:
@@ -262,9 +350,12 @@ def load_config(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        problem = None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+        problem = f"{path}: invalid YAML: {exc}"
+    if problem is not None:
+        raise ConfigError(problem)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -272,7 +363,8 @@ def load_config(path: str | Path) -> Config:
     token = _file_data.set(data)
     try:
         return Config()
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: {_describe(exc)}") from exc
+    except ConfigError as exc:
+        problem = str(exc)
     finally:
         _file_data.reset(token)
+    raise ConfigError(f"{path}: {problem}")

@@ -6,6 +6,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── ConfigError                  bad configuration (file, field, value)
     ├── CheckpointerClosedError      the checkpointer was used after close()
     ├── WrongThreadError             a blocking call was made from aiosnap's own loop thread
+    ├── ForkedProcessError           a checkpointer was used in a child made by os.fork()
     ├── SpoolBusyError               another process holds the spool directory's lock
     ├── UnsupportedStateError        a value in the state cannot be saved
     ├── StepOrderError               a step older than the latest (or already being saved)
@@ -33,6 +34,7 @@ __all__ = [
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptCheckpointError",
+    "ForkedProcessError",
     "ManifestError",
     "PickleNotAllowedError",
     "SpoolBusyError",
@@ -60,6 +62,11 @@ class CheckpointerClosedError(AiosnapError, RuntimeError):
 
 class WrongThreadError(AiosnapError, RuntimeError):
     """A blocking call was made from aiosnap's own event-loop thread (it would deadlock)."""
+
+
+class ForkedProcessError(AiosnapError, RuntimeError):
+    """A checkpointer made before ``os.fork()`` was used in the child, where its background
+    thread does not exist; make a new checkpointer in the child."""
 
 
 class SpoolBusyError(AiosnapError, RuntimeError):

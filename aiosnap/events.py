@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,8 +37,11 @@ __all__ = [
 
 log = logging.getLogger("aiosnap")
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing waits for event handlers to take the queued events."""
+
 EventKind = Literal["start", "end", "exception"]
-EventOp = Literal["save", "load"]
+EventOp = Literal["save", "load", "resume"]
 EventHandler = Callable[["Event"], None]
 
 
@@ -100,10 +103,8 @@ class Event:
     """The exception itself (``exception`` events only); left out of :meth:`to_dict`."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able fields (no exception object)."""
-        doc = asdict(self)
-        doc.pop("exception")
-        return doc
+        """JSON-able fields (no exception object, nothing copied: any exception type is fine)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "exception"}
 
     def describe(self) -> str:
         """One human line, as the logging handler writes it."""
@@ -137,16 +138,22 @@ class LoggingHandler:
 
 
 class JsonlHandler:
-    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe)."""
+    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe). A
+    last line left unfinished by a crash is ended first, so the next event starts a line."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("a+b")
         self._lock = threading.Lock()
+        if self.path.stat().st_size > 0:
+            self._file.seek(-1, 2)
+            if self._file.read(1) != b"\n":
+                self._file.write(b"\n")
+                self._file.flush()
 
     def __call__(self, event: Event) -> None:
-        line = json.dumps(event.to_dict(), allow_nan=False) + "\n"
+        line = (json.dumps(event.to_dict(), allow_nan=False, default=str) + "\n").encode("utf-8")
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
@@ -232,23 +239,37 @@ class EventBus:
             finally:
                 self._queue.task_done()
 
-    def flush(self) -> None:
-        """Block until every event emitted so far has been handled."""
-        if self._thread is not None:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every event emitted so far has been handled (at most ``timeout``
+        seconds); returns whether they all were."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+
+        def wait_for_queue() -> None:
             self._queue.join()
+            done.set()
+
+        threading.Thread(target=wait_for_queue, daemon=True, name="aiosnap-flush").start()
+        return done.wait(timeout)
 
     def scope(self, op: EventOp, step: int | None, url: str, save_id: str | None = None) -> ScopeEmitter:
         """An emitter with the fields every event of one save or load shares filled in."""
         return ScopeEmitter(self, op, step, url, save_id)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Deliver what is queued, stop the dispatcher, close handlers that hold resources
-        (JSON-lines files)."""
+        (JSON-lines files). A handler still blocked after ``timeout`` seconds is left behind
+        on its daemon thread, with a warning, rather than hanging the caller."""
         with self._start_lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join()
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning(
+                    "aiosnap: an event handler is still blocked after %.0f s; later events are dropped", timeout
+                )
         for handler in self.handlers:
             if isinstance(handler, JsonlHandler):
                 handler.close()

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
-from .errors import WrongThreadError
+from .errors import ForkedProcessError, WrongThreadError
 
 __all__ = ["LoopThread"]
 
@@ -44,6 +45,7 @@ class LoopThread:
 
     def __init__(self, kind: Literal["auto", "uvloop", "asyncio"] = "auto", name: str = "aiosnap") -> None:
         self.loop = _new_loop(kind)
+        self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -76,8 +78,18 @@ class LoopThread:
         """True when called from this loop's own thread."""
         return threading.get_ident() == self._thread.ident
 
+    def forked(self) -> bool:
+        """True in a child made by ``os.fork()``: the loop's thread does not exist there."""
+        return os.getpid() != self.pid
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop from any thread."""
+        """Schedule ``coro`` on the loop from any thread of the process that made it."""
+        if self.forked():
+            coro.close()
+            raise ForkedProcessError(
+                "this aiosnap checkpointer was made before os.fork(); its background thread does not exist "
+                "in the child: make a new checkpointer in the child (or use the 'spawn' start method)"
+            )
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -103,7 +115,7 @@ class LoopThread:
         for a peer that stopped reading (a stalled server). After ``timeout`` seconds the
         daemon thread is left to finish on its own, with a warning, rather than hanging
         ``close()``."""
-        if not self._thread.is_alive():
+        if self.forked() or not self._thread.is_alive():
             return
         if self.in_loop_thread():
             raise WrongThreadError("LoopThread.stop() called from the loop thread itself")

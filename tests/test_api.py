@@ -24,6 +24,7 @@ def test_public_names_are_locked() -> None:
         "ConfigError",
         "CorruptCheckpointError",
         "Event",
+        "ForkedProcessError",
         "JsonlHandler",
         "LoggingHandler",
         "Manifest",

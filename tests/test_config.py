@@ -55,9 +55,10 @@ def test_budget_as_share_of_available_memory() -> None:
     ],
 )
 def test_bad_values_name_the_field(fields: dict[str, object], field_name: str) -> None:
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         Config(**fields)  # type: ignore[arg-type]
     assert field_name in str(info.value)
+    assert info.value.__cause__ is None and info.value.__context__ is None
 
 
 def test_impossible_budgets_are_refused_when_resolved(tmp_path: Path) -> None:
@@ -128,3 +129,68 @@ def test_unknown_storage_scheme_names_the_field(tmp_path: Path) -> None:
 def test_s3_url_without_bucket_names_the_field() -> None:
     with pytest.raises(ConfigError, match="storage.url.*no bucket"):
         SyncCheckpointer("s3:///prefix-only")
+
+
+SECRET = "wJalrXUtnFEMI-do-not-print-me"
+
+
+def _every_text(exc: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(exc)) + repr(exc.__context__) + repr(exc.__cause__)
+
+
+def test_a_misspelt_secret_never_reaches_an_error_or_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"s3:\n  access_key_id: AKIA\n  secret_acess_key: {SECRET}\n")
+    with pytest.raises(ConfigError, match="s3.secret_acess_key") as from_yaml:
+        load_config(path)
+    with pytest.raises(ConfigError, match="s3.secret_acess_key") as from_dict:
+        SyncCheckpointer({"storage": {"url": str(tmp_path)}, "s3": {"secret_acess_key": SECRET}})
+    monkeypatch.setenv("AIOSNAP_S3__SECRET_ACESS_KEY", SECRET)
+    with pytest.raises(ConfigError, match="AIOSNAP_S3__SECRET_ACESS_KEY.*secret_access_key") as from_env:
+        Config()
+    for caught in (from_yaml, from_dict, from_env):
+        assert SECRET not in _every_text(caught.value)
+    from aiosnap.cli import main
+
+    assert main(["ls", str(tmp_path)]) == 1  # the CLI refuses, and prints no secret (checked below)
+
+
+def test_the_cli_never_prints_a_misspelt_secret(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AIOSNAP_S3__SECRET_ACESS_KEY": SECRET}
+    run = subprocess.run([sys.executable, "-m", "aiosnap", "ls", str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 1 and "AIOSNAP_S3__SECRET_ACESS_KEY" in run.stderr
+    assert SECRET not in run.stdout + run.stderr
+
+
+def test_misspelt_environment_variables_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOSNAP_RAM_BUDGT", "1GiB")
+    with pytest.raises(ConfigError, match="AIOSNAP_RAM_BUDGT.*did you mean ram_budget"):
+        Config()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field_name"),
+    [
+        ({"upload": {"chunk_size": 64}}, "upload.chunk_size"),
+        ({"s3": {"part_size": 8}}, "s3.part_size"),
+        ({"s3": {"multipart_threshold": "16KiB"}}, "s3.multipart_threshold"),
+        ({"spool": {"dir": "/tmp/x", "budget": 500}}, "spool.budget"),
+    ],
+)
+def test_a_forgotten_unit_is_refused(fields: dict[str, object], field_name: str) -> None:
+    with pytest.raises(ConfigError, match=f"{field_name}.*did you forget a unit"):
+        Config(**fields)  # type: ignore[arg-type]
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("ram_budget: 1GiB\nupload:\n  concurrency: 4\nram_budget: 2GiB\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml.*'ram_budget' is given twice \(lines 1 and 4\)"):
+        load_config(path)

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from ..config import Config
 from ..errors import ConfigError
@@ -129,16 +129,26 @@ class Storage(abc.ABC):
 
 
 def storage_from_url(url: str, config: Config | None = None) -> Storage:
-    """A backend for ``url``: a plain path or ``file://`` (local), ``s3://`` (S3, configured
-    by ``config.s3``; aiobotocore is imported only then)."""
+    """A backend for ``url``: a plain path (taken literally) or ``file://`` (local; the path
+    percent-decoded), ``s3://bucket/prefix`` (S3, configured by ``config.s3``; aiobotocore
+    is imported only then). A ``?`` or ``#`` in a URL is refused rather than silently cut
+    off (two different URLs are never one root)."""
     parsed = urlparse(url)
-    if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
         from .local import LocalStorage
 
-        path = parsed.path if parsed.scheme == "file" else url
-        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        return LocalStorage(url)
+    if parsed.query or parsed.fragment or url.endswith(("?", "#")):
+        raise ConfigError(
+            f"storage.url: {url!r} has a '?' or '#', which a URL does not keep as part of the path; "
+            "percent-encode it (%3F, %23) in a file:// URL, or give the folder as a plain path"
+        )
+    if parsed.scheme == "file":
+        from .local import LocalStorage
+
+        if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
-        return LocalStorage(path)
+        return LocalStorage(unquote(parsed.path))
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ConfigError(f"storage.url: {url!r} names no bucket (use s3://bucket/prefix)")
