@@ -401,11 +401,12 @@ class Checkpointer(_Core):
         return result
 
     async def resume_spool(self, progress: Callable[[int, int], None] | None = None) -> ResumeReport:
-        """Finish and commit the saves a crashed process left in the spool now (what
-        ``spool.resume`` does at start). ``progress(nbytes, total)`` hears each spooled
-        chunk land, from aiosnap's loop thread."""
+        """Finish and commit the saves a crashed process left in the spool for this root
+        now (what ``spool.resume`` does at start for the configured root; for a root of
+        ``at()``, call this on that view), with this root's retention.
+        ``progress(nbytes, total)`` hears each spooled chunk land, from aiosnap's loop thread."""
         self._check_open()
-        result: ResumeReport = await self._call(self._engine.resume(progress))
+        result: ResumeReport = await self._call(self._engine.resume(progress, self._storage, self._keep_last))
         return result
 
     async def purge(self) -> list[int]:
@@ -496,7 +497,7 @@ class SyncCheckpointer(_Core):
     def resume_spool(self, progress: Callable[[int, int], None] | None = None) -> ResumeReport:
         """See :meth:`Checkpointer.resume_spool`."""
         self._check_open()
-        return self._loop.run(self._engine.resume(progress))
+        return self._loop.run(self._engine.resume(progress, self._storage, self._keep_last))
 
     def purge(self) -> list[int]:
         """See :meth:`Checkpointer.purge`."""

@@ -13,10 +13,12 @@ Runs on the main thread: each command drives its own event loop with ``asyncio.r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,8 +32,10 @@ from rich.table import Table
 from .catalog import committed_steps, manifest_of, remove_steps_after
 from .checkpointer import SyncCheckpointer
 from .config import Config, load_config
+from .engine import ResumeReport
 from .errors import AiosnapError, CheckpointNotFoundError
-from .maintenance import collect_garbage, copy_step, list_steps, verify_step
+from .garbage import collect_garbage
+from .maintenance import copy_step, list_steps, verify_step
 from .manifest import Manifest
 from .storage.base import Storage, storage_from_url
 
@@ -117,22 +121,22 @@ def list_command(
     steps = _on_storage(url, _config(config), lambda s: list_steps(s, include_incomplete=all_steps))
     if as_json:
         _emit_json([dataclasses.asdict(info) for info in steps])
-        return
+    elif steps:
+        table = Table("step", "state", "time", "size", "world size", "save id", box=None, header_style="bold")
+        for info in steps:
+            note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
+            table.add_row(
+                str(info.step),
+                info.state + note,
+                "" if info.state == "unreadable" else _when(info.time),
+                _size(info.nbytes),
+                "" if info.world_size is None else str(info.world_size),
+                info.save_id or info.problem or "",
+            )
+        out.print(table)
     if not steps:
-        out.print(f"no checkpoints in {url}")
-        return
-    table = Table("step", "state", "time", "size", "world size", "save id", box=None, header_style="bold")
-    for info in steps:
-        note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
-        table.add_row(
-            str(info.step),
-            info.state + note,
-            _when(info.time),
-            _size(info.nbytes),
-            "" if info.world_size is None else str(info.world_size),
-            info.save_id or "",
-        )
-    out.print(table)
+        print(f"no checkpoints in {url}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command("info")
@@ -204,34 +208,42 @@ def download_command(
     copy is committed (manifest written) only once complete."""
     settings = _config(config)
 
-    async def run(storage: Storage) -> Manifest:
+    async def run(storage: Storage) -> tuple[Manifest, bool]:
         manifest = await manifest_of(storage, step)
         target = storage_from_url(dest, settings)
         try:
             bar, advance = _progress(manifest.total_bytes, f"downloading step {manifest.step}", not as_json)
             copy = copy_step(storage, target, manifest, concurrency=settings.upload.concurrency, progress=advance)
             if bar is None:
-                await copy
+                copied = await copy
             else:
                 with bar:
-                    await copy
+                    copied = await copy
         finally:
             await target.close()
-        return manifest
+        return manifest, copied
 
-    manifest = _on_storage(url, settings, run)
+    manifest, copied = _on_storage(url, settings, run)
     if as_json:
-        _emit_json({"step": manifest.step, "bytes": manifest.total_bytes, "dest": dest})
-    else:
+        _emit_json({"step": manifest.step, "bytes": manifest.total_bytes, "dest": dest, "copied": copied})
+    elif copied:
         out.print(f"step {manifest.step}: {_size(manifest.total_bytes)} copied to {dest}, every checksum verified")
+    else:
+        out.print(f"step {manifest.step}: already in {dest} (the same save), nothing copied")
 
 
 @app.command("resume")
 def resume_command(
     config: Annotated[Path, typer.Option("--config", "-c", help="the training job's YAML config")],
+    roots: Annotated[
+        list[str] | None,
+        typer.Option("--root", help="also resume saves made for this other root (at(), Lightning paths); repeatable"),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Finish and commit the spooled saves a crashed training process left behind."""
+    """Finish and commit the spooled saves a crashed training process left behind: those
+    for the config's root (with its retention), and for each --root given (deleting
+    nothing there)."""
     settings = load_config(config)
     if settings.spool.effective_mode == "off":
         raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
@@ -244,11 +256,18 @@ def resume_command(
                 bar.update(bar.task_ids[0], total=total)
             advance(nbytes)
 
-        if bar is None:
-            report = ckpt.resume_spool()
-        else:
-            with bar:
-                report = ckpt.resume_spool(landed)
+        targets = [ckpt, *(ckpt.at(root) for root in roots or [])]
+        reports = []
+        with bar if bar is not None else contextlib.nullcontext():
+            for target in targets:
+                reports.append(target.resume_spool(landed if bar is not None else None))
+        everywhere = set.intersection(*({save_id for save_id, _ in r.skipped} for r in reports))
+        report = ResumeReport(
+            resumed=[step for r in reports for step in r.resumed],
+            discarded=[item for r in reports for item in r.discarded],
+            failed=[item for r in reports for item in r.failed],
+            skipped=[item for item in reports[0].skipped if item[0] in everywhere],  # skipped by every root
+        )
         steps = ckpt.steps()
     if as_json:
         _emit_json({"resumed": report.resumed, "discarded": report.discarded, "failed": report.failed,
@@ -297,11 +316,12 @@ def _seconds(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     text = text.strip().lower()
     try:
-        if text[-1:] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
     except ValueError:
         raise typer.BadParameter(f"{text!r} is not a duration (e.g. 90s, 30m, 2h, 1d)") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise typer.BadParameter(f"{text!r}: a duration must be finite and not negative (e.g. 90s, 30m, 2h, 1d)")
+    return seconds
 
 
 @app.command("gc")
@@ -322,7 +342,7 @@ def gc_command(
         url, _config(config), lambda s: collect_garbage(s, keep_last=keep_last, grace_s=grace_s, dry_run=dry_run)
     )
     if as_json:
-        _emit_json({**dataclasses.asdict(report), "dry_run": dry_run})
+        _emit_json(dataclasses.asdict(report))
         return
     verb = "would delete" if dry_run else "deleted"
     out.print(f"{verb} steps: {report.deleted_steps or 'none'}")
@@ -330,8 +350,11 @@ def gc_command(
         out.print(f"{verb} incomplete: {prefix}")
     for prefix in report.kept_recent:
         out.print(f"kept (younger than {grace}): {prefix}")
-    if not dry_run:
-        out.print(f"aborted multipart uploads: {report.aborted_uploads}")
+    for step in report.kept_unreadable:
+        out.print(f"kept (manifest unreadable, never guessed about): step {step}")
+    for prefix in report.skipped:
+        out.print(f"kept (no longer garbage when re-checked): {prefix}")
+    out.print(f"{'would abort' if dry_run else 'aborted'} multipart uploads: {report.aborted_uploads}")
     out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
 
 
@@ -365,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except (AiosnapError, OSError, NotImplementedError) as exc:
+    except (AiosnapError, OSError, NotImplementedError, ValueError) as exc:
         print(f"aiosnap: error: {exc}", file=sys.stderr)
+        if "--json" in (argv if argv is not None else sys.argv[1:]):  # scripts parse stdout
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
         return 1
     return 0
 

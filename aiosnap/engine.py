@@ -40,7 +40,7 @@ from .pipeline.spool import Bounce, Spool, SpoolSession
 from .pipeline.upload import upload_worker
 from .plan import ALIGN, SavePlan
 from .restore import check_pickles
-from .storage.base import Storage, complete_before_cancel, storage_from_url
+from .storage.base import Storage, complete_before_cancel
 
 __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
@@ -213,6 +213,7 @@ class Engine:
         self._jobs[plan.save_id] = job
         job.emit("start")
         job.task = loop.create_task(self._run(job))
+        job.task.add_done_callback(lambda task: self._forget(job, task))
         try:
             await asyncio.shield(job.captured)
         except asyncio.CancelledError:
@@ -232,25 +233,34 @@ class Engine:
         on one root are one root)."""
         return [job for job in self._jobs.values() if job.storage.url == storage.url]
 
-    async def _run(self, job: _SaveJob) -> None:
+    def _forget(self, job: _SaveJob, task: asyncio.Task[None]) -> None:
+        """Done callback of a save's task, however it ended (cancelled before its first
+        step included): free its slot and its name, and settle whatever is not settled."""
         assert self._pending is not None
+        self._jobs.pop(job.plan.save_id, None)
+        self._pending.release()
+        if not job.captured.done():
+            job.captured.cancel()
+        if not job.durable.done():
+            job.emit("exception", exception=asyncio.CancelledError())
+            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {job.plan.step} was cancelled"))
+
+    async def _run(self, job: _SaveJob) -> None:
         try:
-            try:
-                result = await self._save(job)
-            except BaseException as exc:
-                committed = await self._after_failure(job, exc)
-                if committed is None:
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    return
-                result = committed
-            job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
-            if not job.captured.done():
-                job.captured.set_result(result.blocked_s)
-            job.durable.set_result(result)
-        finally:
-            self._jobs.pop(job.plan.save_id, None)
-            self._pending.release()
+            result = await self._save(job)
+        except BaseException as exc:
+            # Settling runs to its end even if cancelled again (close(timeout) running out):
+            # the handle always resolves and the failure is always reported.
+            committed = await complete_before_cancel(self._after_failure(job, exc))
+            if committed is None:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return
+            result = committed
+        job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
+        if not job.captured.done():
+            job.captured.set_result(result.blocked_s)
+        job.durable.set_result(result)
 
     async def _save(self, job: _SaveJob) -> SaveResult:
         """Capture, upload, commit, retention: the happy path of one save."""
@@ -305,9 +315,10 @@ class Engine:
             return job.result
         remove = True
         if job.commit_started:
-            verdict = await complete_before_cancel(
-                whose_commit(storage, plan.step, plan.save_id, write_interrupted=True)
-            )
+            # a refusal (another writer's manifest is there) is definite; anything else may
+            # have been a request abandoned mid-way, which on an object store can still land
+            interrupted = not isinstance(exc, FileExistsError)
+            verdict = await whose_commit(storage, plan.step, plan.save_id, write_interrupted=interrupted)
             if verdict == "ours":
                 log.info("aiosnap: step %d committed although its save reported %r", plan.step, exc)
                 job.result = self._result(job, deleted=())
@@ -320,10 +331,6 @@ class Engine:
                 )  # fmt: skip
         job.emit("exception", exception=exc)
         cancelled = isinstance(exc, asyncio.CancelledError)
-        if cancelled:
-            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {plan.step} was cancelled"))
-        else:
-            job.durable.set_exception(exc)
         if not job.captured.done():  # save() itself raises it (or was cancelled): reported there
             if cancelled:
                 job.captured.cancel()
@@ -331,7 +338,11 @@ class Engine:
                 job.captured.set_exception(exc)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
         elif not cancelled:
-            self.failures.record(exc)
+            self.failures.record(exc)  # before the handle can hand it out: see FailureLedger
+        if cancelled:
+            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {plan.step} was cancelled"))
+        else:
+            job.durable.set_exception(exc)
         if remove:
             cleanup = asyncio.get_running_loop().create_task(remove_attempt(storage, plan.step, plan.save_id))
             self._cleanups.add(cleanup)
@@ -447,18 +458,23 @@ class Engine:
             await asyncio.wait(pending)
             raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
 
-    async def resume(self, progress: ResumeProgress | None = None) -> ResumeReport:
-        """Finish the spooled saves an earlier process left behind (see pipeline.resume)."""
+    async def resume(
+        self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None
+    ) -> ResumeReport:
+        """Finish the spooled saves an earlier process left behind for ``storage`` (this
+        engine's own root by default), with retention ``keep_last`` (see pipeline.resume)."""
         if self.spool is None:
             return ResumeReport()
+        target = self.storage if storage is None else storage
         return await resume_spooled(
             self.spool,
-            self.storage,
+            target,
             concurrency=self.config.upload.concurrency,
-            keep_last=self.config.retention.keep_last,
+            keep_last=self.config.retention.keep_last if storage is None else keep_last,
+            owner_url=self.storage.url,
             live=set(self._jobs),
-            storage_for=lambda url: storage_from_url(url, self.config),
             progress=progress,
+            events=self.events,
         )
 
     async def shutdown(self) -> None:

@@ -16,7 +16,10 @@ __all__ = ["FailureLedger"]
 
 
 class FailureLedger:
-    """Failures of background saves that nobody has been told about yet, oldest first."""
+    """Failures of background saves that nobody has been told about yet, oldest first.
+
+    The loop thread records a failure *before* it completes the save's handle with it, so
+    a caller can never observe a failure that is recorded afterwards."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,28 +1,39 @@
-"""Looking after a checkpoint root without training code: list, verify, collect garbage.
+"""Looking after a checkpoint root without training code: list, verify, copy.
 
 Everything here is async and runs on whichever event loop calls it (the CLI runs its own
 with ``asyncio.run``); it talks to a :class:`~aiosnap.storage.base.Storage` directly and
-never holds more than ``concurrency`` byte ranges in memory at once.
+never holds more than ``concurrency`` byte ranges in memory at once. It reads a root that
+training may be writing at the same time: a step removed between listing and reading is
+skipped, and one step whose manifest cannot be read is shown as such, never failing the
+whole listing. Garbage collection lives in :mod:`aiosnap.garbage`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .catalog import committed_steps, read_manifest, remove_step
-from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from .manifest import MANIFEST_FILE, ByteRange, Manifest, manifest_name
-from .names import step_dir
-from .pipeline.commit import commit_manifest, remove_attempt
+from .catalog import committed_save_id, committed_steps, read_manifest
+from .errors import (
+    AiosnapError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    TruncatedObjectError,
+    first_error,
+)
+from .manifest import ByteRange, Manifest
+from .names import attempt_prefix, check_save_id, parse_step_dir, step_dir
+from .pipeline.commit import commit_manifest
 from .pipeline.upload import crc32c_of
-from .storage.base import ObjectInfo, Storage
+from .storage.base import Storage, roots_overlap
 
-__all__ = ["GcReport", "StepInfo", "collect_garbage", "copy_step", "list_steps", "verify_step"]
+__all__ = ["StepInfo", "copy_step", "list_steps", "verify_step"]
 
+log = logging.getLogger("aiosnap")
 Progress = Callable[[int], None]
 VERIFY_WINDOW = 8 * 1024 * 1024
 """Bytes read and checksummed at a time per concurrent range in :func:`verify_step`."""
@@ -30,11 +41,11 @@ VERIFY_WINDOW = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One step folder: committed (has a manifest) or incomplete (a save in progress,
-    failed or interrupted), or leftover attempts beside a committed step."""
+    """One step folder: committed (has a readable manifest), unreadable (has a manifest
+    this aiosnap cannot use), or incomplete (a save in progress, failed or interrupted)."""
 
     step: int
-    state: Literal["committed", "incomplete"]
+    state: Literal["committed", "incomplete", "unreadable"]
     nbytes: int
     time: float
     """Commit time (committed) or newest object's modification time (incomplete)."""
@@ -43,48 +54,70 @@ class StepInfo:
     entries: int | None = None
     leftovers: list[str] = field(default_factory=list)
     """Attempt folders beside the committed one (failed or in-progress re-saves)."""
+    problem: str | None = None
+    """Why an unreadable step's manifest cannot be used."""
 
 
-def _by_step(objects: list[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
-    folders: dict[str, list[ObjectInfo]] = {}
-    for obj in objects:
-        top = obj.name.split("/", 1)[0]
-        if top.isdigit():
-            folders.setdefault(top, []).append(obj)
-    return folders
+def split_name(name: str) -> tuple[int, str | None] | None:
+    """(step, save id or None) of an object name aiosnap could have written, else None:
+    ``<step>/manifest.json`` and the like give (step, None), ``<step>/<save id>/...``
+    gives (step, save id); anything else in a root is not aiosnap's."""
+    parts = name.split("/")
+    step = parse_step_dir(parts[0])
+    if step is None or len(parts) < 2:
+        return None
+    if len(parts) == 2:
+        return step, None
+    try:
+        return step, check_save_id(parts[1])
+    except ValueError:
+        return None
 
 
 async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> list[StepInfo]:
     """Committed steps (ascending) with time, size, world size; with
     ``include_incomplete`` also folders without a manifest and leftover attempts."""
+    await storage.check_root()
     committed = await committed_steps(storage)
-    manifests = await asyncio.gather(*(read_manifest(storage, s) for s in committed))
-    infos = {
-        m.step: StepInfo(
-            step=m.step,
-            state="committed",
-            nbytes=m.total_bytes,
-            time=m.created_at,
-            world_size=m.world_size,
-            save_id=m.save_id,
-            entries=len(m.entries),
-        )
-        for m in manifests
-    }
+    read = await asyncio.gather(*(read_manifest(storage, s) for s in committed), return_exceptions=True)
+    infos: dict[int, StepInfo] = {}
+    for step, found in zip(committed, read, strict=True):
+        if isinstance(found, CheckpointNotFoundError):
+            continue  # removed (retention, gc) since the listing
+        if isinstance(found, CorruptCheckpointError):
+            infos[step] = StepInfo(step=step, state="unreadable", nbytes=0, time=0.0, problem=str(found))
+        elif isinstance(found, BaseException):
+            raise found
+        else:
+            infos[step] = StepInfo(
+                step=step,
+                state="committed",
+                nbytes=found.total_bytes,
+                time=found.created_at,
+                world_size=found.world_size,
+                save_id=found.save_id,
+                entries=len(found.entries),
+            )
     if include_incomplete:
-        for folder, objects in _by_step(await storage.walk()).items():
-            step = int(folder)
-            attempts = sorted({o.name.split("/")[1] for o in objects if o.name.count("/") >= 2})
+        attempts: dict[int, dict[str, list[float]]] = {}
+        sizes: dict[int, int] = {}
+        for obj in await storage.walk():
+            where = split_name(obj.name)
+            if where is None:
+                continue
+            step, save_id = where
+            if save_id is None:
+                continue
+            attempts.setdefault(step, {}).setdefault(save_id, []).append(obj.mtime)
+            sizes[step] = sizes.get(step, 0) + obj.size
+        for step, found_attempts in attempts.items():
             if step in infos:
-                leftovers = [a for a in attempts if a != infos[step].save_id]
+                leftovers = sorted(a for a in found_attempts if a != infos[step].save_id)
                 infos[step] = replace(infos[step], leftovers=leftovers)
             else:
+                newest = max(t for times in found_attempts.values() for t in times)
                 infos[step] = StepInfo(
-                    step=step,
-                    state="incomplete",
-                    nbytes=sum(o.size for o in objects),
-                    time=max(o.mtime for o in objects),
-                    leftovers=attempts,
+                    step=step, state="incomplete", nbytes=sizes[step], time=newest, leftovers=sorted(found_attempts)
                 )
     return [infos[s] for s in sorted(infos)]
 
@@ -136,23 +169,41 @@ async def verify_step(
 
 async def copy_step(
     source: Storage, dest: Storage, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None
-) -> None:
+) -> bool:
     """Copy one committed step to another root (``aiosnap download``): each data object is
     read whole, every range's crc32c checked, then written; the manifest goes last, so the
-    copy is committed only once complete. A failure removes what was copied and raises
-    (:class:`~aiosnap.errors.CorruptCheckpointError` for bad data). Holds at most
-    ``concurrency`` objects in memory."""
+    copy is committed only once complete. Returns False when ``dest`` already holds this
+    very save (nothing to do).
+
+    A copy never removes anything it did not write in this run: a failure deletes the
+    objects this run wrote (nothing else) and raises
+    (:class:`~aiosnap.errors.CorruptCheckpointError` for bad data). Refused: roots that
+    overlap (the same root spelled twice, or one inside the other), and a ``dest`` holding
+    the same step from another save. Holds at most ``concurrency`` objects in memory."""
+    if roots_overlap(source, dest):
+        raise AiosnapError(f"{dest.url} and {source.url} overlap: copy a step to a root outside its own")
     where = f"{source.url} step {manifest.step}"
+    present = await committed_save_id(dest, manifest.step)
+    if present == manifest.save_id:
+        return False
+    if present is not None:
+        raise AiosnapError(
+            f"{dest.url} already holds step {manifest.step} from another save ({present}); not replacing it"
+        )
     ranges: dict[str, list[ByteRange]] = {}
     for entry in manifest.entries:
         for r in entry.ranges:
             ranges.setdefault(r.object, []).append(r)
     limit = asyncio.Semaphore(concurrency)
+    written: list[str] = []
 
     async def copy(name: str, nbytes: int) -> None:
         async with limit:
             buffer = memoryview(bytearray(nbytes))
-            got = await source.read_into(name, 0, buffer)
+            try:
+                got = await source.read_into(name, 0, buffer)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{where}: data object {name!r} is missing") from exc
             if got < nbytes:
                 raise TruncatedObjectError(f"{where}: {name!r} is truncated ({got} of {nbytes} bytes)")
             for r in ranges.get(name, []):
@@ -162,6 +213,7 @@ async def copy_step(
                         f"{where}: checksum mismatch in {name!r} at offset {r.offset} "
                         f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x}); not copied"
                     )
+            written.append(name)  # before the write: a write cut short may have left it
             await dest.write(name, buffer)
         if progress is not None:
             progress(nbytes)
@@ -170,72 +222,22 @@ async def copy_step(
         async with asyncio.TaskGroup() as group:
             for obj in manifest.objects:
                 group.create_task(copy(obj.name, obj.nbytes))
-    except BaseExceptionGroup as group_error:
-        await remove_attempt(dest, manifest.step, manifest.save_id)
-        raise (leaf := first_error(group_error)) from leaf.__cause__
-    await commit_manifest(dest, manifest, replace=False)
+        await commit_manifest(dest, manifest, replace=False)
+    except BaseException as failure:
+        await asyncio.shield(_remove_written(dest, written, manifest.step, manifest.save_id))
+        if isinstance(failure, BaseExceptionGroup):
+            raise (leaf := first_error(failure)) from leaf.__cause__
+        raise
+    return True
 
 
-@dataclass
-class GcReport:
-    """What :func:`collect_garbage` removed (or would remove, with ``dry_run``)."""
-
-    deleted_steps: list[int] = field(default_factory=list)
-    removed_incomplete: list[str] = field(default_factory=list)
-    kept_recent: list[str] = field(default_factory=list)
-    """Incomplete folders younger than the grace period (possibly saves in progress)."""
-    aborted_uploads: int = 0
-    freed_bytes: int = 0
-
-
-async def collect_garbage(
-    storage: Storage, *, keep_last: int, grace_s: float, dry_run: bool = False, now: float | None = None
-) -> GcReport:
-    """Retention and cleanup: delete committed steps beyond the newest ``keep_last``;
-    delete incomplete step folders and leftover attempts whose newest object is older than
-    ``grace_s`` (younger ones may be saves in progress and are kept); abort multipart
-    uploads started before the grace period (S3)."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    now = time.time() if now is None else now
-    report = GcReport()
-    committed = await committed_steps(storage)
-    objects = _by_step(await storage.walk())
-    for step in committed[:-keep_last]:
-        report.deleted_steps.append(step)
-        report.freed_bytes += sum(o.size for o in objects.get(step_dir(step), []))
-        if not dry_run:
-            await remove_step(storage, step)
-    survivors = set(committed[-keep_last:])
-    for folder, found in sorted(objects.items()):
-        step = int(folder)
-        if step in report.deleted_steps:
-            continue
-        owner = None
-        if step in survivors:
-            try:
-                owner = (await read_manifest(storage, step)).save_id
-            except CorruptCheckpointError:
-                continue  # never guess about a step whose manifest cannot be read
-        groups: dict[str, list[ObjectInfo]] = {}
-        for obj in found:
-            parts = obj.name.split("/")
-            if parts[-1] == MANIFEST_FILE and len(parts) == 2:
-                continue
-            prefix = folder if owner is None else "/".join(parts[:2])
-            if owner is not None and (len(parts) < 3 or parts[1] == owner):
-                continue
-            groups.setdefault(prefix, []).append(obj)
-        for prefix, members in groups.items():
-            if now - max(o.mtime for o in members) < grace_s:
-                report.kept_recent.append(prefix)
-                continue
-            if owner is None and await storage.exists(manifest_name(step)):
-                continue  # committed since we listed (e.g. by a concurrent resume): not garbage
-            report.removed_incomplete.append(prefix)
-            report.freed_bytes += sum(o.size for o in members)
-            if not dry_run:
-                await storage.delete_prefix(prefix)
-    if not dry_run:
-        report.aborted_uploads = await storage.abort_stale_uploads(now - grace_s)
-    return report
+async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
+    """Undo a failed copy: the objects this run wrote, then their folders if empty."""
+    folders = {name.rsplit("/", 1)[0] for name in names} | {attempt_prefix(step, save_id), step_dir(step)}
+    try:
+        for name in names:
+            await dest.delete(name)
+        for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
+            await dest.remove_empty_folder(folder)
+    except Exception as exc:
+        log.warning("aiosnap: %s: could not remove what a failed copy wrote: %r", dest.url, exc)

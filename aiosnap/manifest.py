@@ -10,6 +10,7 @@ problem is a :class:`~aiosnap.errors.ManifestError` naming the file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -40,7 +41,7 @@ FORMAT_VERSION = 2
 """Written by this aiosnap: version 1 plus a crc32c of the manifest's own bytes (versions 1
 and 2 are read)."""
 _CRC_FIELD = b',"crc32c":'
-MAX_MANIFEST_BYTES = 1024**3
+MAX_MANIFEST_BYTES = 128 * 1024**2
 """A manifest larger than this is refused unread (a hostile file must not exhaust memory)."""
 _MAX_INT = 2**63
 
@@ -118,12 +119,19 @@ class Manifest(_Frozen):
                 raise ValueError(f"object {obj.name!r}: rank {obj.rank} >= world size {self.world_size}")
             if sizes.setdefault(obj.name, obj.nbytes) != obj.nbytes:
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
+        spans: dict[str, list[tuple[int, int]]] = {}
         for entry in self.entries:
             for r in entry.ranges:
                 if r.object not in sizes:
                     raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
                 if r.offset + r.nbytes > sizes[r.object]:
                     raise ValueError(f"{entry.path}: range runs past the end of {r.object!r}")
+                spans.setdefault(r.object, []).append((r.offset, r.offset + r.nbytes))
+        for name, found in spans.items():  # no byte stored once may be loaded twice
+            found.sort()
+            for (_, end), (start, _) in itertools.pairwise(found):
+                if start < end:
+                    raise ValueError(f"byte ranges overlap in object {name!r}")
         check_tree(self.tree, [e.kind for e in self.entries])
         return self
 

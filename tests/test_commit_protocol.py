@@ -4,6 +4,7 @@ rollback, a second writer, a store that is down."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import signal
 import time
@@ -62,10 +63,8 @@ def test_close_timeout_during_the_manifest_write_keeps_the_committed_data(
 
 
 def test_an_undecidable_commit_leaves_the_data_for_gc(small_config: Config, faulty: FaultyStorage, root: Path) -> None:
-    class ObjectStore(FaultyStorage):
-        settled_writes = False  # like S3: an abandoned request may still land later
-
-    store = ObjectStore(LocalStorage(root))
+    store = FaultyStorage(LocalStorage(root))
+    store.settled_writes = False  # like S3: an abandoned request may still land later
     state = {"w": torch.randn(40_000)}
     store.lose_answer_when = lambda name: name.endswith(MANIFEST_FILE)
     store.error = ConnectionResetError("the answer was lost (injected)")
@@ -219,3 +218,91 @@ def test_second_writer_of_a_new_step_fails_and_never_touches_the_first(small_con
     assert _attempts(root, 5) == [ours], "the loser removed its own attempt, nothing else"
     with SyncCheckpointer(small_config) as reader:
         assert torch.equal(reader.load(step=5)["x"], torch.zeros(50_000)), "the first commit stands"
+
+
+# -- found by review: cancellation before the save's task ran, the ledger race, settling
+#    under close(timeout), a re-save whose abandoned manifest write lands late
+
+
+def test_a_save_cancelled_before_its_task_ran_frees_its_slot(small_config: Config) -> None:
+    ckpt = SyncCheckpointer(small_config)
+    engine = ckpt._engine
+    plan, order = ckpt._plan({"w": torch.zeros(10)}, 7, None)
+
+    async def cancel_at_once() -> None:
+        started = asyncio.ensure_future(engine.save(plan, order, 0.0, ckpt._storage, None))
+        await asyncio.sleep(0)  # engine.save made the task; it has not taken a step yet
+        engine.abort(plan.save_id)
+        started.cancel()
+        await asyncio.gather(started, return_exceptions=True)
+        await asyncio.sleep(0.1)
+
+    ckpt._loop.run(cancel_at_once())
+    assert engine._jobs == {}
+    ckpt.save({"w": torch.zeros(10)}, step=7).wait(10)  # neither refused nor blocked
+    ckpt.close()
+
+
+async def test_a_failure_the_handle_delivered_is_never_raised_again(
+    small_config: Config, faulty: FaultyStorage
+) -> None:
+    faulty.fail_when = lambda name: name.endswith(MANIFEST_FILE)
+    faulty.error = OSError(errno.EIO, "injected")
+    raised_twice = 0
+    async with Checkpointer(small_config, storage=faulty) as ckpt:
+        for step in range(1, 151):
+            handle = await ckpt.save({"w": torch.zeros(10)}, step=step)  # raises only a failure not yet seen
+            with contextlib.suppress(OSError):
+                await handle
+        faulty.fail_when = None
+        try:
+            await ckpt.save({"w": torch.zeros(10)}, step=1000)
+        except OSError:
+            raised_twice += 1
+    assert raised_twice == 0
+
+
+def test_close_timeout_while_a_failed_save_reads_back_still_settles_it(small_config: Config, root: Path) -> None:
+    class SlowReadBack(FaultyStorage):
+        async def read(self, name: str, *, limit: int | None = None) -> bytes:
+            if name.endswith(MANIFEST_FILE):
+                await asyncio.sleep(2)
+            return await super().read(name, limit=limit)
+
+    store = SlowReadBack(LocalStorage(root), fail_when=lambda n: n.endswith(MANIFEST_FILE), error=OSError(28, "full"))
+    ckpt = SyncCheckpointer(small_config, storage=store)
+    handle = ckpt.save({"w": torch.zeros(1000)}, step=1)
+    time.sleep(0.5)  # the manifest write failed; reading back is under way
+    with pytest.raises(OSError, match="full"):  # nobody saw it: close() reports it
+        ckpt.close(timeout=0.3)
+    assert handle.done()
+    with pytest.raises(OSError, match="full"):
+        handle.wait(1)
+
+
+def test_a_resaves_abandoned_manifest_write_that_lands_late_keeps_its_data(small_config: Config, root: Path) -> None:
+    class LateLanding(FaultyStorage):
+        late = False
+
+        async def write(self, name: str, data: object, *, if_absent: bool = False) -> None:
+            if self.late and name.endswith(MANIFEST_FILE):
+                self.late = False
+                payload = bytes(data)  # type: ignore[call-overload]
+
+                async def lands_later() -> None:
+                    await asyncio.sleep(0.5)
+                    await self.inner.write(name, payload)
+
+                asyncio.get_running_loop().create_task(lands_later())
+                raise ConnectionResetError("reset while the manifest PUT was in flight (injected)")
+            await super().write(name, data, if_absent=if_absent)  # type: ignore[arg-type]
+
+    store = LateLanding(LocalStorage(root))
+    store.settled_writes = False  # like S3: an abandoned request may still land later
+    with SyncCheckpointer(small_config, storage=store) as ckpt:
+        ckpt.save({"w": torch.zeros(1000)}, step=5).wait()
+        store.late = True
+        with pytest.raises(ConnectionResetError):
+            ckpt.save({"w": torch.ones(1000)}, step=5).wait()  # the old manifest is still there
+        time.sleep(1.0)  # ... until the abandoned write lands
+        assert torch.equal(ckpt.load()["w"], torch.ones(1000)), "the re-save's data was left in place"

@@ -175,3 +175,16 @@ def test_a_manifest_for_another_step_is_refused(small_config: Config, root: Path
     _manifest_path(root, 9).write_bytes(_manifest_path(root, 1).read_bytes())
     with SyncCheckpointer(small_config) as ckpt, pytest.raises(CorruptCheckpointError, match="says step 1"):
         ckpt.load(step=9)
+
+
+def test_overlapping_ranges_cannot_multiply_an_allocation(small_config: Config, root: Path) -> None:
+    _save(small_config, {"x": torch.ones(1000)})
+
+    def repeat(doc: dict[str, Any]) -> None:  # the same stored bytes, loaded 512 times
+        entry = doc["entries"][0]
+        entry["ranges"] = entry["ranges"] * 512
+        entry.update(shape=[1000 * 512], stride=[1], nbytes=4000 * 512)
+
+    _rewrite(root, repeat)
+    with SyncCheckpointer(small_config) as ckpt, pytest.raises(ManifestError, match="overlap"):
+        ckpt.load()

@@ -53,11 +53,16 @@ async def test_names_cannot_escape_the_root(tmp_path: Path, name: str) -> None:
         await storage.write(name, b"x")
 
 
-async def test_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
+async def test_symlinked_folders_in_the_root_are_followed(tmp_path: Path) -> None:
     (tmp_path / "root").mkdir()
-    (tmp_path / "root" / "link").symlink_to(tmp_path)
-    with pytest.raises(ValueError, match="leaves the storage root"):
-        await LocalStorage(tmp_path / "root").write("link/x", b"x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root" / "moved").symlink_to(tmp_path / "elsewhere")  # a folder moved to another disk
+    storage = LocalStorage(tmp_path / "root")
+    await storage.write("moved/x", b"x")
+    assert (tmp_path / "elsewhere" / "x").read_bytes() == b"x"
+    assert [o.name for o in await storage.walk()] == ["moved/x"]
+    with pytest.raises(ValueError, match="unsafe object name"):
+        await storage.write("moved/../../x", b"x")  # names themselves never leave the root
 
 
 def test_url_forms(tmp_path: Path) -> None:

@@ -185,11 +185,13 @@ def test_crash_of_a_save_to_another_root_resumes_there(
     heard: list[tuple[int, int]] = []
     with SyncCheckpointer(manual) as ckpt:
         assert ckpt.resume_report.resumed == []  # resume: false leaves it to resume_spool()
-        report = ckpt.resume_spool(progress=lambda nbytes, total: heard.append((nbytes, total)))
+        report = ckpt.resume_spool()
+        assert report.resumed == [] and len(report.skipped) == 1  # not this root's save
+        view = ckpt.at(other, keep_last=1)
+        report = view.resume_spool(progress=lambda nbytes, total: heard.append((nbytes, total)))
         assert report.resumed == [4] and report.skipped == []
         assert heard and sum(n for n, _ in heard) == heard[0][1] > 0  # every spooled byte, once
         assert ckpt.steps() == []  # not the main root
-        view = ckpt.at(other)
         assert view.steps() == [4]
         assert torch.equal(view.load()["w"], child_state()["w"])
     assert _spool_files(tmp_path / "spool") == []

@@ -189,3 +189,40 @@ async def test_a_save_cancelled_while_waiting_for_ram_returns_its_disk_budget(tm
         await session.finish()
     finally:
         spool.close()
+
+
+def test_a_journal_pointing_at_another_root_never_touches_it(crashed_spool: Crashed, tmp_path: Path) -> None:
+    import crc32c
+
+    config = _play_the_crash(crashed_spool)
+    victim = tmp_path / "victim"
+    with SyncCheckpointer(str(victim)) as other:
+        for step in (1, 2, 3):
+            other.save({"v": torch.ones(2)}, step=step).wait()
+    journal = next(Path(str(config.spool.dir)).glob(f"*/{JOURNAL}"))
+    lines = journal.read_bytes().split(b"\n")
+    begin = json.loads(lines[0].split(b" ", 1)[1])
+    begin.update(storage_url=str(victim), keep_last=1)  # a hand-edited journal, checksum recomputed
+    body = json.dumps(begin).encode()
+    lines[0] = f"{crc32c.crc32c(body):08x}".encode() + b" " + body
+    journal.write_bytes(b"\n".join(lines))
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [] and len(ckpt.resume_report.skipped) == 1
+    with SyncCheckpointer(str(victim)) as other:
+        assert other.steps() == [1, 2, 3], "nothing committed or deleted elsewhere"
+
+
+async def test_cancelled_saves_leave_no_empty_spool_folders(tmp_path: Path) -> None:
+    config = _spool_config(tmp_path / "ckpt", tmp_path / "spool")
+    store = FaultyStorage(LocalStorage(tmp_path / "ckpt"))
+    store.delay = 0.01
+    from aiosnap import Checkpointer
+
+    async with Checkpointer(config, storage=store) as ckpt:
+        for step in range(1, 21):
+            try:
+                handle = await asyncio.wait_for(ckpt.save({"w": torch.randn(100_000)}, step=step), 0.001 * step)
+                await handle
+            except TimeoutError:
+                pass
+    assert [p.name for p in (tmp_path / "spool").iterdir()] == ["LOCK"]

@@ -105,6 +105,8 @@ class AiosnapCheckpointIO(CheckpointIO):
         if view is None:
             storage = self.storage_for(key, self.config)
             view = self._locations[key] = self._root().at(key, keep_last=1, storage=storage)
+            if self.config.spool.effective_mode != "off" and self.config.spool.resume:
+                view.resume_spool()  # a save to this path that a crash left in the spool
         return view
 
     def _handles(self, key: str) -> list[SyncSaveHandle]:

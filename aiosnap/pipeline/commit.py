@@ -99,20 +99,23 @@ async def whose_commit(
     storage: Storage, step: int, save_id: str, *, write_interrupted: bool = False
 ) -> Literal["ours", "other", "unknown"]:
     """Read back ``step``'s manifest: is it this attempt's (``ours``), someone else's
-    (``other``), or undecidable (``unknown``: unreadable within :data:`READ_BACK_TIMEOUT_S`,
-    or absent right after this attempt's own manifest write was interrupted on a backend
-    where such a write may still land later)."""
+    (``other``), or undecidable (``unknown``: unreadable within :data:`READ_BACK_TIMEOUT_S`;
+    or, right after this attempt's own manifest write was interrupted on a backend where an
+    abandoned write may still land later, anything but this attempt's manifest)."""
+    may_still_land = write_interrupted and not storage.settled_writes
     try:
         async with asyncio.timeout(READ_BACK_TIMEOUT_S):
             manifest = await read_manifest(storage, step)
     except CheckpointNotFoundError:
-        return "unknown" if write_interrupted and not storage.settled_writes else "other"
+        return "unknown" if may_still_land else "other"
     except CorruptCheckpointError:
         return "unknown"
     except Exception as exc:  # storage down, timed out: undecided
         log.warning("aiosnap: cannot read back the manifest of step %d (%r)", step, exc)
         return "unknown"
-    return "ours" if manifest.save_id == save_id else "other"
+    if manifest.save_id == save_id:
+        return "ours"
+    return "unknown" if may_still_land else "other"
 
 
 async def remove_attempt(storage: Storage, step: int, save_id: str) -> None:

@@ -24,9 +24,12 @@ __all__ = ["fetch_entries"]
 
 def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
     entry = manifest.entries[index]
-    if entry.kind == "pickle":
-        return torch.empty(entry.nbytes, dtype=torch.uint8)
-    return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    try:
+        if entry.kind == "pickle":
+            return torch.empty(entry.nbytes, dtype=torch.uint8)
+        return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    except RuntimeError as exc:  # cannot allocate: refuse the checkpoint, not crash the caller
+        raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
 
 
 async def _read_range(

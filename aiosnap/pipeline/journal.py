@@ -31,7 +31,7 @@ import crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import AiosnapError
-from ..manifest import Checksums, Manifest
+from ..manifest import MAX_MANIFEST_BYTES, Checksums, Manifest
 from ..names import check_save_id
 from ..storage.base import complete_before_cancel
 
@@ -39,7 +39,7 @@ __all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_jou
 
 JOURNAL = "journal.jsonl"
 FORMAT = 2
-MAX_JOURNAL_BYTES = 2 * 1024**3
+MAX_JOURNAL_BYTES = 2 * MAX_MANIFEST_BYTES
 
 
 class JournalError(AiosnapError, ValueError):

@@ -1,25 +1,30 @@
 """Finishing the saves a crashed process left in the spool (loop thread).
 
 Every leftover journal is untrusted input: it is validated fully (see
-:mod:`aiosnap.pipeline.journal`) and must name this checkpointer's own root as its owner.
+:mod:`aiosnap.pipeline.journal`) and must name this checkpointer's own root as its owner
+and the root being resumed as its target: a save is resumed only into the root it was
+made for, with that root's own retention (never with one a journal states).
 A save is resumed only when its journal says capture finished and every chunk either
 landed in storage (checked: the object is there, with its size) or is on the spool disk
 with the crc32c it was written with; and only when its step is newer than the target's
 latest committed step (steps only move forward). Then its spooled chunks are uploaded, its
 manifest committed, retention applied. Anything else is discarded and reported; a save of
-another owner's root is left alone and reported as skipped. Saves of this process that
-are still running are never touched.
+another root is left alone and reported as skipped (resume it through a checkpointer of
+that root: ``ckpt.at(url).resume_spool()``). Saves of this process that are still running
+are never touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..catalog import apply_retention, latest_committed
+from ..events import EventBus, ScopeEmitter
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
 from .journal import JOURNAL, JournalError, JournalState, read_journal
@@ -122,13 +127,16 @@ async def resume_spooled(
     *,
     concurrency: int,
     keep_last: int | None,
+    owner_url: str | None = None,
     live: set[str] | None = None,
-    storage_for: Callable[[str], Storage] | None = None,
     progress: Progress | None = None,
+    events: EventBus | None = None,
 ) -> ResumeReport:
-    """Commit every resumable save in ``spool`` owned by ``storage``'s root, to that root
-    or (through ``storage_for``) to the other root it was meant for; discard the others.
-    ``live``: save ids of saves still running (never touched)."""
+    """Commit every resumable save in ``spool`` made for ``storage``'s root by the
+    checkpointer of ``owner_url`` (default: that same root), with retention ``keep_last``;
+    discard the broken ones, skip the others. ``live``: save ids of saves still running
+    (never touched). ``events`` hears a ``resume`` scope (start, then end or exception)
+    for each leftover save."""
     report = ResumeReport()
     states: dict[str, JournalState | _Discard] = {}
     for save_id in await asyncio.to_thread(spool.leftovers, live or set()):
@@ -139,7 +147,7 @@ async def resume_spooled(
     total = sum(
         s.manifest.objects[i].nbytes
         for s in states.values()
-        if isinstance(s, JournalState)
+        if isinstance(s, JournalState) and s.begin.storage_url == storage.url
         for i in range(len(s.manifest.objects))
         if i not in s.landed
     )
@@ -148,21 +156,20 @@ async def resume_spooled(
         if progress is not None:
             progress(nbytes, total)
 
+    owner = storage.url if owner_url is None else owner_url
     for save_id, state in states.items():
-        if isinstance(state, JournalState) and state.begin.owner_url != storage.url:
-            report.skipped.append((save_id, f"belongs to the checkpointer of {state.begin.owner_url}"))
-            continue
-        target, retention, opened = storage, keep_last, False
-        if isinstance(state, JournalState) and state.begin.storage_url != storage.url:
-            if storage_for is None:
+        if isinstance(state, JournalState):
+            if state.begin.owner_url != owner:
+                report.skipped.append((save_id, f"belongs to the checkpointer of {state.begin.owner_url}"))
+                continue
+            if state.begin.storage_url != storage.url:
                 report.skipped.append((save_id, f"belongs to {state.begin.storage_url}"))
                 continue
-            target, retention, opened = storage_for(state.begin.storage_url), state.begin.keep_last, True
-        try:
-            await _resume_one(spool, target, save_id, state, concurrency, retention, report, landed)
-        finally:
-            if opened:
-                await target.close()
+        elif owner != storage.url:
+            continue  # an unreadable leftover is judged by the checkpointer's own root only
+        step = state.manifest.step if isinstance(state, JournalState) else None
+        emit = None if events is None else events.scope("resume", step, storage.url, save_id)
+        await _resume_one(spool, storage, save_id, state, concurrency, keep_last, report, landed, emit)
     return report
 
 
@@ -175,8 +182,12 @@ async def _resume_one(
     keep_last: int | None,
     report: ResumeReport,
     landed: Callable[[int], None],
+    emit: ScopeEmitter | None,
 ) -> None:
     """Resume or discard one leftover save (see the module docstring)."""
+    started = time.perf_counter()
+    if emit is not None:
+        emit("start")
     try:
         if isinstance(state, _Discard):
             raise state
@@ -185,13 +196,19 @@ async def _resume_one(
     except _Discard as why:
         log.warning("aiosnap: discarding spooled save %s: %s", save_id, why)
         report.discarded.append((save_id, str(why)))
+        if emit is not None:
+            emit("exception", exception=why)
         await spool.discard(save_id)
         return
     except Exception as exc:  # kept for the next attempt; the caller reports it
         log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
         report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
+        if emit is not None:
+            emit("exception", exception=exc)
         return
     step = state.manifest.step
+    if emit is not None:
+        emit("end", nbytes=state.manifest.total_bytes, seconds=time.perf_counter() - started)
     if committed:
         log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
         report.resumed.append(step)

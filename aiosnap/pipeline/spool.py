@@ -362,8 +362,7 @@ class SpoolSession:
     async def finish(self) -> None:
         """The save committed or failed: its spool folder goes."""
         try:
-            if self._journal is not None or self.spooled or self.fallback:
-                await self.spool.discard(self.plan.save_id)
+            await self.spool.discard(self.plan.save_id)  # also the empty folder of a save cancelled mid-spill
         finally:
             for release in self._kept:
                 release()

@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlparse
 from ..config import Config
 from ..errors import ConfigError
 
-__all__ = ["BytesLike", "ObjectInfo", "Storage", "complete_before_cancel", "storage_from_url"]
+__all__ = ["BytesLike", "ObjectInfo", "Storage", "complete_before_cancel", "roots_overlap", "storage_from_url"]
 
 BytesLike = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -115,10 +115,18 @@ class Storage(abc.ABC):
         maintenance (``aiosnap ls --all``, ``aiosnap gc``), not by saves or loads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
 
-    async def abort_stale_uploads(self, older_than: float) -> int:
-        """Abort unfinished multipart uploads under the root started before ``older_than``
-        (epoch seconds); returns how many. Backends without multipart uploads have none."""
-        return 0
+    async def stale_uploads(self, older_than: float) -> list[tuple[str, str]]:
+        """Unfinished multipart uploads under the root started before ``older_than`` (epoch
+        seconds), as (root-relative name, upload id). Backends without them have none."""
+        return []
+
+    async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
+        """Abort one unfinished multipart upload (one already gone is not an error)."""
+
+    async def check_root(self) -> None:  # noqa: B027 - optional hook
+        """Raise FileNotFoundError / NotADirectoryError when the root cannot be a checkpoint
+        root (a local path that does not exist, or is a file); used by maintenance, where a
+        typo in a path must not look like an empty root."""
 
     async def remove_empty_folder(self, prefix: str = "") -> None:  # noqa: B027 - optional hook
         """Remove the folder ``prefix`` (the root itself when empty) if nothing is left in
@@ -126,6 +134,21 @@ class Storage(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
+
+
+def roots_overlap(a: Storage, b: Storage) -> bool:
+    """True when one root lies inside the other (or they are the same root spelled two
+    ways): what is written to one could then be read or deleted through the other."""
+    from pathlib import Path
+
+    if a.url.startswith("s3://") != b.url.startswith("s3://"):
+        return False
+    if a.url.startswith("s3://"):
+        left, right = a.url[5:].strip("/").split("/"), b.url[5:].strip("/").split("/")
+    else:
+        left, right = list(Path(a.url).resolve().parts), list(Path(b.url).resolve().parts)
+    shorter = min(len(left), len(right))
+    return left[:shorter] == right[:shorter]
 
 
 def storage_from_url(url: str, config: Config | None = None) -> Storage:

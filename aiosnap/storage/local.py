@@ -8,6 +8,8 @@ the new one, or an ignorable ``.*.tmp`` file, never a half-written object under 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
 import shutil
 import uuid
@@ -80,6 +82,75 @@ def _copy_file_sync(source: str, path: Path) -> None:
     _fsync_dir_sync(path.parent)
 
 
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(source: Path, target: Path) -> bool:
+    """Linux renameat2(RENAME_NOREPLACE): atomic, fails with FileExistsError when ``target``
+    exists. False when this kernel or file system has no such call."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(source), at_fdcwd, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(target))
+
+
+def publish_if_absent(tmp: Path, path: Path) -> None:
+    """Put the finished file ``tmp`` at ``path`` unless something is there already
+    (FileExistsError), atomically where the file system allows: a hard link (then ``tmp``
+    is removed); without hard links (vfat, gcsfuse, s3fs mounts), renameat2 with
+    RENAME_NOREPLACE; failing that, an exclusive create of ``path`` filled from ``tmp``
+    (not atomic for readers, but never an overwrite; a reader of a manifest caught half
+    written sees its checksum fail). Runs on a worker thread."""
+    try:
+        os.link(tmp, path)
+        os.remove(tmp)
+        return
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or exc.errno not in _NO_HARD_LINKS:
+            raise
+    if _rename_noreplace(tmp, path):
+        return
+    with open(path, "xb") as out, open(tmp, "rb") as source:
+        shutil.copyfileobj(source, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.remove(tmp)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder and everything in it; a symlinked folder: its target's contents and
+    the link (the data lives on the other disk)."""
+    if path.is_symlink():
+        with suppress(FileNotFoundError):
+            shutil.rmtree(path.resolve())
+        path.unlink(missing_ok=True)
+        return
+    with suppress(FileNotFoundError):
+        shutil.rmtree(path)
+
+
+def _remove_if_empty(path: Path) -> None:
+    """rmdir ``path`` if empty (a symlinked folder: the empty target, then the link)."""
+    with suppress(FileNotFoundError, NotADirectoryError):
+        if os.listdir(path):
+            return
+        with suppress(OSError):  # filled again meanwhile
+            if path.is_symlink():
+                path.resolve().rmdir()
+                path.unlink()
+            else:
+                path.rmdir()
+
+
 class LocalStorage(Storage):
     """Objects are files under ``root``; names map to relative paths."""
 
@@ -90,12 +161,18 @@ class LocalStorage(Storage):
         self.url = str(self.root)
 
     def _path(self, name: str) -> Path:
+        """Names are normalised (no ``..``, not absolute); a symlink inside the root (a step
+        moved to another disk and linked back) is followed: whoever can write the root is
+        trusted with where its folders live."""
         if name == "":
             return self.root
-        path = self.root / check_object_name(name.rstrip("/"))
-        if not path.resolve().is_relative_to(self.root.resolve()):
-            raise ValueError(f"object name {name!r} leaves the storage root")
-        return path
+        return self.root / check_object_name(name.rstrip("/"))
+
+    async def check_root(self) -> None:
+        if not await aiofiles.os.path.exists(self.root):
+            raise FileNotFoundError(f"{self.url}: no such checkpoint root")
+        if not await aiofiles.os.path.isdir(self.root):
+            raise NotADirectoryError(f"{self.url}: is a file, not a checkpoint root")
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
         await complete_before_cancel(self._write(self._path(name), data, if_absent))
@@ -109,8 +186,7 @@ class LocalStorage(Storage):
                 await f.flush()
                 await _fsync(f.fileno())
             if if_absent:
-                await aiofiles.os.link(tmp, path)  # fails if path exists: no silent overwrite
-                await aiofiles.os.remove(tmp)
+                await asyncio.to_thread(publish_if_absent, tmp, path)
             else:
                 await aiofiles.os.replace(tmp, path)
         except BaseException:
@@ -166,15 +242,22 @@ class LocalStorage(Storage):
         if await aiofiles.os.path.isfile(path):
             await self.delete(prefix)
             return
-        with suppress(FileNotFoundError):
-            await asyncio.to_thread(shutil.rmtree, path)
+        await asyncio.to_thread(_remove_tree, path)
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         return await asyncio.to_thread(self._walk_sync, self._path(prefix))
 
     def _walk_sync(self, top: Path) -> list[ObjectInfo]:
+        """Every file below ``top``, following symlinked folders once each (no loops)."""
         found = []
-        for folder, _, files in os.walk(top):
+        seen: set[tuple[int, int]] = set()
+        for folder, folders, files in os.walk(top, followlinks=True):
+            with suppress(OSError):
+                here = os.stat(folder)
+                if (here.st_dev, here.st_ino) in seen:
+                    folders.clear()
+                    continue
+                seen.add((here.st_dev, here.st_ino))
             for name in files:
                 path = Path(folder, name)
                 with suppress(FileNotFoundError):
@@ -183,8 +266,4 @@ class LocalStorage(Storage):
         return sorted(found, key=lambda o: o.name)
 
     async def remove_empty_folder(self, prefix: str = "") -> None:
-        path = self._path(prefix)
-        with suppress(FileNotFoundError, NotADirectoryError):
-            if not await aiofiles.os.listdir(path):
-                with suppress(OSError):  # filled again meanwhile
-                    await aiofiles.os.rmdir(path)
+        await asyncio.to_thread(_remove_if_empty, self._path(prefix))

@@ -468,21 +468,22 @@ class S3Storage(Storage):
             for item in page.get("Contents", [])
         ]
 
-    async def abort_stale_uploads(self, older_than: float) -> int:
+    async def stale_uploads(self, older_than: float) -> list[tuple[str, str]]:
         folder = self._folder("")
-        aborted = 0
+        found: list[tuple[str, str]] = []
         marker: dict[str, str] = {}
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder, **marker}
             page = await self._call("LIST multipart uploads", lambda c: c.list_multipart_uploads(**kwargs))  # noqa: B023
             for upload in page.get("Uploads", []):
                 if upload["Initiated"].timestamp() < older_than:
-                    key, upload_id = upload["Key"], upload["UploadId"]
-                    await self._abort_upload(f"ABORT {key}", key, upload_id)
-                    aborted += 1
+                    found.append((upload["Key"][len(folder) :], upload["UploadId"]))
             if not page.get("IsTruncated"):
-                return aborted
+                return found
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    async def abort_upload(self, name: str, upload_id: str) -> None:
+        await self._abort_upload(f"ABORT {name}", f"{self._folder('')}{name}", upload_id)
 
     async def delete(self, name: str) -> None:
         key = self._key(name)

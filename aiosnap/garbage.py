@@ -1,0 +1,178 @@
+"""Garbage collection of a checkpoint root (``aiosnap gc``): plan, then act on the plan.
+
+:func:`plan_gc` lists what a run would remove; :func:`collect_garbage` removes exactly that
+(``dry_run`` stops after the plan, so a dry run prints what a real run deletes), checking
+each item again right before removing it, because training may be writing the root:
+
+- committed steps beyond the newest ``keep_last`` (manifest first, then the attempt it
+  names) -- re-checked against a fresh listing;
+- attempt folders ``<step>/<save id>/`` that no manifest names and whose newest object is
+  older than the grace period (younger ones may be saves in progress) -- re-checked: still
+  old, still not committed;
+- temporary files a crashed manifest write left in a step folder, older than the grace;
+- multipart uploads under the root started before the grace period (S3).
+
+Nothing else is ever removed: only names aiosnap writes (see :mod:`aiosnap.names`) are
+considered; a user's ``2024/photos``, a ``notes.txt`` in a step folder, a key with ``//``
+or ``..`` stay. A step whose manifest cannot be read is left whole (never guessed about).
+Runs on whichever event loop calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from .catalog import committed_save_id, committed_steps, read_manifest, remove_step
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .maintenance import split_name
+from .names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
+from .storage.base import ObjectInfo, Storage
+
+__all__ = ["GcPlan", "GcReport", "collect_garbage", "plan_gc"]
+
+_TEMP_MANIFEST = re.compile(r"\.manifest\.json\.[0-9a-f]{8}\.tmp")
+
+
+@dataclass
+class GcPlan:
+    """What a gc run removes (each group in the order it is removed)."""
+
+    steps: list[int] = field(default_factory=list)
+    """Committed steps beyond ``keep_last``."""
+    attempts: list[str] = field(default_factory=list)
+    """Attempt folders (``<step>/<save id>``) no manifest names, older than the grace."""
+    temp_files: list[str] = field(default_factory=list)
+    uploads: list[tuple[str, str]] = field(default_factory=list)
+    """Multipart uploads (name, upload id) started before the grace period."""
+    kept_recent: list[str] = field(default_factory=list)
+    """Attempt folders younger than the grace period (possibly saves in progress)."""
+    kept_unreadable: list[int] = field(default_factory=list)
+    """Committed steps whose manifest cannot be read: left whole."""
+    nbytes: int = 0
+
+
+@dataclass
+class GcReport:
+    """What :func:`collect_garbage` removed (or would remove, with ``dry_run``)."""
+
+    deleted_steps: list[int] = field(default_factory=list)
+    removed_incomplete: list[str] = field(default_factory=list)
+    """Attempt folders and temporary files removed."""
+    kept_recent: list[str] = field(default_factory=list)
+    kept_unreadable: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Planned, but no longer garbage when re-checked (a save wrote to it meanwhile)."""
+    aborted_uploads: int = 0
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+
+def _check_arguments(keep_last: int, grace_s: float) -> None:
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last!r}")
+    if not math.isfinite(grace_s) or grace_s < 0:
+        raise ValueError(f"the grace period must be a finite number of seconds >= 0, got {grace_s!r}")
+
+
+async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: float | None = None) -> GcPlan:
+    """What a gc run would remove now (reads the root; removes nothing)."""
+    _check_arguments(keep_last, grace_s)
+    now = time.time() if now is None else now
+    cutoff = now - grace_s
+    await storage.check_root()
+    objects = await storage.walk()
+    attempts: dict[tuple[int, str], list[ObjectInfo]] = {}
+    temps: list[ObjectInfo] = []
+    committed: set[int] = set()
+    for obj in objects:
+        where = split_name(obj.name)
+        if where is None:
+            continue
+        step, save_id = where
+        if save_id is not None:
+            attempts.setdefault((step, save_id), []).append(obj)
+        elif obj.name == f"{step_dir(step)}/{MANIFEST_FILE}":
+            committed.add(step)
+        elif _TEMP_MANIFEST.fullmatch(obj.name.split("/", 1)[1]) and obj.mtime < cutoff:
+            temps.append(obj)
+    plan = GcPlan()
+    ordered = sorted(committed)
+    doomed = set(ordered[:-keep_last])
+    owners: dict[int, str] = {}
+    for step in ordered:
+        try:
+            owners[step] = (await read_manifest(storage, step)).save_id
+        except CheckpointNotFoundError:
+            doomed.discard(step)  # removed meanwhile (retention of the training job)
+        except CorruptCheckpointError:
+            plan.kept_unreadable.append(step)
+            doomed.discard(step)
+    plan.steps = sorted(doomed)
+    for (step, save_id), members in sorted(attempts.items()):
+        if step in plan.kept_unreadable or (step in owners and owners[step] == save_id):
+            if step in doomed:
+                plan.nbytes += sum(o.size for o in members)
+            continue
+        prefix = attempt_prefix(step, save_id)
+        if max(o.mtime for o in members) >= cutoff:
+            plan.kept_recent.append(prefix)
+            continue
+        plan.attempts.append(prefix)
+        plan.nbytes += sum(o.size for o in members)
+    plan.temp_files = [o.name for o in temps]
+    plan.nbytes += sum(o.size for o in temps)
+    plan.uploads = [(name, upload) for name, upload in await storage.stale_uploads(cutoff) if split_name(name)]
+    return plan
+
+
+async def _still_garbage(storage: Storage, prefix: str, cutoff: float) -> bool:
+    """Right before removing an attempt folder: still old, and no manifest names it."""
+    folder, save_id = prefix.split("/")
+    step = parse_step_dir(folder)
+    assert step is not None
+    found = await storage.walk(prefix)
+    if found and max(o.mtime for o in found) >= cutoff:
+        return False
+    return await committed_save_id(storage, step) != save_id
+
+
+async def collect_garbage(
+    storage: Storage, *, keep_last: int, grace_s: float, dry_run: bool = False, now: float | None = None
+) -> GcReport:
+    """Plan (see the module docstring), then, unless ``dry_run``, remove what was planned,
+    re-checking each item right before it goes."""
+    now = time.time() if now is None else now
+    plan = await plan_gc(storage, keep_last=keep_last, grace_s=grace_s, now=now)
+    report = GcReport(
+        kept_recent=plan.kept_recent, kept_unreadable=plan.kept_unreadable, freed_bytes=plan.nbytes, dry_run=dry_run
+    )
+    if dry_run:
+        report.deleted_steps = list(plan.steps)
+        report.removed_incomplete = plan.attempts + plan.temp_files
+        report.aborted_uploads = len(plan.uploads)
+        return report
+    for step in plan.steps:
+        fresh = await committed_steps(storage)
+        if step not in fresh[:-keep_last]:
+            report.skipped.append(step_dir(step))
+            continue
+        await remove_step(storage, step)
+        report.deleted_steps.append(step)
+    cutoff = now - grace_s
+    for prefix in plan.attempts:
+        if not await _still_garbage(storage, prefix, cutoff):
+            report.skipped.append(prefix)
+            continue
+        await storage.delete_prefix(prefix)
+        await storage.remove_empty_folder(prefix.split("/", 1)[0])
+        report.removed_incomplete.append(prefix)
+    for name in plan.temp_files:
+        await storage.delete(name)
+        report.removed_incomplete.append(name)
+    for name, upload_id in plan.uploads:
+        await storage.abort_upload(name, upload_id)
+        report.aborted_uploads += 1
+    return report
