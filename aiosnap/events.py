@@ -257,10 +257,11 @@ class EventBus:
         """An emitter with the fields every event of one save or load shares filled in."""
         return ScopeEmitter(self, op, step, url, save_id)
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Deliver what is queued, stop the dispatcher, close handlers that hold resources
         (JSON-lines files). A handler still blocked after ``timeout`` seconds is left behind
         on its daemon thread, with a warning, rather than hanging the caller."""
+        timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
         with self._start_lock:
             thread, self._thread = self._thread, None
         if thread is not None:

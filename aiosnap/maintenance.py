@@ -26,7 +26,7 @@ from .errors import (
     first_error,
 )
 from .manifest import ByteRange, Manifest
-from .names import attempt_prefix, check_save_id, parse_step_dir, step_dir
+from .names import attempt_prefix, check_object_name, check_save_id, parse_step_dir, step_dir
 from .pipeline.commit import commit_manifest
 from .pipeline.upload import crc32c_of
 from .storage.base import Storage, roots_overlap
@@ -65,6 +65,10 @@ def split_name(name: str) -> tuple[int, str | None] | None:
     parts = name.split("/")
     step = parse_step_dir(parts[0])
     if step is None or len(parts) < 2:
+        return None
+    try:
+        check_object_name(name)  # no empty, '.' or '..' parts, nothing odd
+    except ValueError:
         return None
     if len(parts) == 2:
         return step, None

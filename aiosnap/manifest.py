@@ -163,11 +163,13 @@ class Manifest(_Frozen):
             doc = json.loads(data)
         except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
-        if isinstance(doc, dict) and doc.get("format_version") != 1:  # version 1 had no checksum
-            found = doc.pop("crc32c", None)
-            cut = data.rfind(_CRC_FIELD)
-            if type(found) is not int or cut < 0 or crc32c.crc32c(data[:cut] + b"}") != found:
-                raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
+        if isinstance(doc, dict) and doc.get("format") == "aiosnap":
+            _check_version(doc.get("format_version"), where)  # a newer aiosnap's manifest: say so
+            if doc["format_version"] >= 2:  # version 1 had no checksum
+                found = doc.pop("crc32c", None)
+                cut = data.rfind(_CRC_FIELD)
+                if type(found) is not int or cut < 0 or crc32c.crc32c(data[:cut] + b"}") != found:
+                    raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
         return cls.from_document(doc, where)
 
     @classmethod
@@ -176,18 +178,21 @@ class Manifest(_Frozen):
         integrity the journal's own checksums cover)."""
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
-        version = doc.get("format_version")
-        if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
-            raise ManifestError(
-                f"{where}: format version {version!r:.40} is not supported "
-                f"(this aiosnap reads 1 to {FORMAT_VERSION}; upgrade aiosnap for newer ones)"
-            )
+        _check_version(doc.get("format_version"), where)
         try:
             return cls.model_validate(doc)
         except ValidationError as exc:
             raise ManifestError(f"{where}: invalid manifest: {_describe(exc)}") from None
         except (ValueError, TypeError, RecursionError) as exc:
             raise ManifestError(f"{where}: invalid manifest: {exc}") from None
+
+
+def _check_version(version: Any, where: str) -> None:
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: format version {version!r:.40} is not supported "
+            f"(this aiosnap reads 1 to {FORMAT_VERSION}; upgrade aiosnap for newer ones)"
+        )
 
 
 def _describe(exc: ValidationError) -> str:

@@ -22,7 +22,7 @@ __all__ = [
 
 MANIFEST_FILE = "manifest.json"
 STEP_DIGITS = 12
-_SAVE_ID = re.compile(r"[0-9a-z]{1,64}")
+_SAVE_ID = re.compile(r"[0-9a-f]{16}")
 _STEP_DIR = re.compile(r"[0-9]{12,20}")
 
 
@@ -41,8 +41,9 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def check_save_id(save_id: str) -> str:
-    """Return ``save_id`` if it is a name aiosnap could have made (lower-case letters and
-    digits, 1 to 64), else raise ValueError: it becomes a folder name."""
+    """Return ``save_id`` if it is a name aiosnap makes (16 lower-case hex digits), else
+    raise ValueError: it becomes a folder name, and anything else in a step folder is not
+    aiosnap's to touch."""
     if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
         raise ValueError(f"invalid save id {save_id!r:.80}")
     return save_id

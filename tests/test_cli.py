@@ -148,7 +148,7 @@ def test_gc_on_s3_aborts_stale_multipart_uploads(
     config = s3_config(s3_endpoint, s3_bucket)
     with SyncCheckpointer(config) as ckpt:
         ckpt.save({"w": torch.randn(1000)}, step=1).wait()
-    s3_client.create_multipart_upload(Bucket=s3_bucket, Key="run/000000000002/abandoned/rank-0/0.bin")
+    s3_client.create_multipart_upload(Bucket=s3_bucket, Key="run/000000000002/abadcafe00000000/rank-0/0.bin")
     s3_client.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/x.bin")  # outside the root
     config_file = tmp_path / "s3.yaml"
     config_file.write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint, "addressing_style": "path"}}))
