@@ -25,6 +25,7 @@ __all__ = [
     "manifest_of",
     "read_manifest",
     "remove_step",
+    "retention_victims",
     "remove_steps_after",
     "step_folders",
 ]
@@ -71,12 +72,25 @@ async def read_manifest(storage: Storage, step: int) -> Manifest:
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:
-    """The manifest of ``step``, or of the latest committed step when None."""
-    if step is None:
-        step = await latest_committed(storage)
-        if step is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
-    return await read_manifest(storage, step)
+    """The manifest of ``step``, or of the latest committed step when None. A latest step
+    whose manifest cannot be read is an error (never silently an older step), which names
+    the newest step that can be read."""
+    if step is not None:
+        return await read_manifest(storage, step)
+    latest = await latest_committed(storage)
+    if latest is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
+    try:
+        return await read_manifest(storage, latest)
+    except CorruptCheckpointError as exc:
+        older = [s for s in await committed_steps(storage) if s < latest]
+        for candidate in reversed(older):
+            if await committed_save_id(storage, candidate) is not None:
+                raise type(exc)(
+                    f"{exc} -- the newest loadable step is {candidate}: load(step={candidate}), or make it "
+                    f"the latest again with rollback({candidate})"
+                ) from exc
+        raise
 
 
 async def committed_save_id(storage: Storage, step: int) -> str | None:
@@ -98,15 +112,34 @@ async def remove_step(storage: Storage, step: int) -> None:
     await storage.remove_empty_folder(step_dir(step))
 
 
+async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -> list[int]:
+    """Committed steps retention would delete: the readable ones older than the newest
+    ``keep_last`` readable steps, never those in ``spare``. A step whose manifest cannot be
+    read (damaged, or written by a newer aiosnap) neither counts as kept nor is deleted: so a
+    damaged newest step never makes retention delete the last loadable one."""
+    victims: list[int] = []
+    readable = 0
+    for step in reversed(await committed_steps(storage)):
+        try:
+            await read_manifest(storage, step)
+        except CorruptCheckpointError:
+            continue
+        except CheckpointNotFoundError:
+            continue  # removed meanwhile
+        readable += 1
+        if readable > keep_last and step not in spare:
+            victims.append(step)
+    return sorted(victims)
+
+
 async def apply_retention(
     storage: Storage, keep_last: int | None, just_committed: int, in_flight_steps: set[int]
 ) -> list[int]:
-    """Delete committed steps beyond the newest ``keep_last``; never ``just_committed`` and
-    never a step with a save in flight. Returns the steps deleted."""
+    """Delete what :func:`retention_victims` names; never ``just_committed`` and never a
+    step with a save in flight. Returns the steps deleted."""
     if keep_last is None:
         return []
-    steps = await committed_steps(storage)
-    doomed = [s for s in steps[:-keep_last] if s != just_committed and s not in in_flight_steps]
+    doomed = await retention_victims(storage, keep_last, {just_committed, *in_flight_steps})
     for step in doomed:
         await remove_step(storage, step)
     return doomed

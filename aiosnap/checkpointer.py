@@ -12,9 +12,8 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -23,9 +22,10 @@ from typing import Any, TypeVar
 
 from .config import Config
 from .engine import Engine, ResumeReport, SaveResult, slab_bytes_for
-from .errors import CheckpointerClosedError, ConfigError
+from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .failures import FailureLedger
+from .lifecycle import close_when_forgotten
 from .loop import LoopThread
 from .manifest import Manifest
 from .pipeline.capture import CudaOrder
@@ -52,6 +52,15 @@ class SaveHandle:
         self.step = step
         self._durable = durable
         self._failures = failures
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        """In a child made by ``os.fork()`` a save still running in the parent never
+        finishes here: say so instead of waiting forever."""
+        if os.getpid() != self._pid and not self._durable.done():
+            raise ForkedProcessError(
+                f"the save of step {self.step} runs in the process that forked this one; it cannot be waited for here"
+            )
 
     def _observed(self) -> None:
         """The caller is about to receive the save's failure."""
@@ -78,6 +87,7 @@ class SaveHandle:
 
     async def wait(self, timeout: float | None = None) -> SaveResult:
         """Wait until committed; TimeoutError after ``timeout`` s (the save goes on)."""
+        self._check_process()
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._durable)), timeout)
         except BaseException:
@@ -96,6 +106,7 @@ class SyncSaveHandle(SaveHandle):
 
     def wait(self, timeout: float | None = None) -> SaveResult:  # type: ignore[override]
         """Block until committed; TimeoutError after ``timeout`` s (the save goes on)."""
+        self._check_process()
         try:
             return self._durable.result(timeout)
         except BaseException:
@@ -139,33 +150,6 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
         except OSError as exc:
             raise ConfigError(f"events.jsonl: cannot open {config.events.jsonl}: {exc.strerror or exc}") from exc
     return handlers + list(extra)
-
-
-def _close_abandoned(loop: LoopThread, engine: Engine, url: str) -> None:
-    """A checkpointer nobody closed was collected, or is still open as the interpreter exits
-    (``weakref.finalize``): let its saves finish, then free its thread, slabs, spool lock and
-    connections. Runs on whichever thread collected it, or at exit."""
-    if loop.forked():
-        return  # a forked child: nothing of it runs here
-    if loop.in_loop_thread():  # collected by the loop thread itself: it cannot wait for itself
-        loop.loop.call_soon(loop.loop.stop)
-        return
-    pending = len(engine._jobs)
-    if pending:
-        log.warning("aiosnap: %s was not closed; waiting for %d save(s) to finish", url, pending)
-    try:
-        loop.run(engine.drain(None))
-    except BaseException as exc:
-        log.warning("aiosnap: %s: saves of an unclosed checkpointer did not finish: %r", url, exc)
-    finally:
-        try:
-            loop.run(engine.shutdown())
-        finally:
-            loop.stop()
-            engine.events.close()
-    for failure in engine.failures.take_all():
-        log.error("aiosnap: %s: a save of an unclosed checkpointer failed: %r", url, failure)
-    warnings.warn(f"aiosnap: a checkpointer for {url} was not closed (closed for you)", ResourceWarning, stacklevel=1)
 
 
 class _Core:
@@ -215,7 +199,7 @@ class _Core:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()
         # Forgotten (collected, or still open at interpreter exit): finish what it accepted.
-        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, self._engine, storage.url)
+        self._finalizer = close_when_forgotten(self, self._loop, self._engine, storage.url)
 
     def _view(self, url: str, keep_last: int | None, storage: Storage | None) -> Any:
         """A checkpointer of the same class for another storage root, sharing this one's
@@ -248,6 +232,7 @@ class _Core:
         """Block until every event emitted so far has reached the handlers (they run on
         their own thread; ``close()`` flushes too), at most ``timeout`` seconds; returns
         whether they all did."""
+        self._check_open()
         return self._engine.events.flush(timeout)
 
     @property

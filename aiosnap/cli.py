@@ -388,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except (AiosnapError, OSError, NotImplementedError, ValueError) as exc:
-        print(f"aiosnap: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # one line, whatever failed (no traceback for an operator)
+        known = isinstance(exc, (AiosnapError, OSError, NotImplementedError, ValueError))
+        message = str(exc) if known else f"{type(exc).__name__}: {exc}"
+        print(f"aiosnap: error: {message}", file=sys.stderr)
         if "--json" in (argv if argv is not None else sys.argv[1:]):  # scripts parse stdout
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+            print(json.dumps({"error": message, "type": type(exc).__name__}))
         return 1
     return 0
 

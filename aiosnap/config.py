@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from .errors import ConfigError
 
@@ -234,6 +234,8 @@ class Config(BaseSettings):
             return
         except ValidationError as exc:
             problem = describe(exc)
+        except SettingsError as exc:  # an AIOSNAP_* variable whose JSON cannot be parsed
+            problem = f"environment: {str(exc).split(':', 1)[0]}"
         raise ConfigError(problem)  # outside the handler: no chained error holding the input
 
     @classmethod
@@ -326,17 +328,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """A YAML loader that refuses a key given twice in one mapping."""
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping (the message names the key and both lines)."""
+
+
 def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # '<<: *defaults' merges; keys given here override it
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice (lines {seen[key]} and {line})", key_node.start_mark
-            )
-        seen[key] = line
+        try:
+            first = seen.setdefault(key, line)
+        except TypeError:
+            raise _DuplicateKey(f"line {line}: a mapping key must be a plain value") from None
+        if first != line:
+            raise _DuplicateKey(f"key {key!r} is given twice (lines {first} and {line})")
     return loader.construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where and what, never the offending line itself (it may hold a secret)."""
+    if isinstance(exc, _DuplicateKey):
+        return str(exc)
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return where + " ".join(part for part in (exc.context, exc.problem) if part)
+    return type(exc).__name__
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
@@ -353,7 +373,7 @@ def load_config(path: str | Path) -> Config:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
         problem = None
     except yaml.YAMLError as exc:
-        problem = f"{path}: invalid YAML: {exc}"
+        problem = f"{path}: invalid YAML: {_yaml_problem(exc)}"
     if problem is not None:
         raise ConfigError(problem)
     if data is None:

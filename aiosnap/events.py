@@ -226,6 +226,7 @@ class EventBus:
             event = self._queue.get()
             try:
                 if event is None:
+                    self._close_handlers()
                     return
                 for handler in list(self.handlers):
                     try:
@@ -238,6 +239,11 @@ class EventBus:
                             )
             finally:
                 self._queue.task_done()
+
+    def on_dispatcher_thread(self) -> bool:
+        """True when called by a handler, on the dispatcher thread itself."""
+        thread = self._thread
+        return thread is not None and threading.current_thread() is thread
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every event emitted so far has been handled (at most ``timeout``
@@ -266,11 +272,17 @@ class EventBus:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
+            if thread is threading.current_thread():  # a handler closing: it cannot wait for itself
+                return
             thread.join(timeout)
             if thread.is_alive():
                 log.warning(
                     "aiosnap: an event handler is still blocked after %.0f s; later events are dropped", timeout
                 )
+        self._close_handlers()
+
+    def _close_handlers(self) -> None:
+        """Close the handlers that hold resources (JSON-lines files); idempotent."""
         for handler in self.handlers:
             if isinstance(handler, JsonlHandler):
                 handler.close()

@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .catalog import committed_save_id, committed_steps, read_manifest, remove_step
+from .catalog import committed_save_id, read_manifest, remove_step, retention_victims
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .maintenance import split_name
 from .names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
@@ -33,7 +33,7 @@ from .storage.base import ObjectInfo, Storage
 
 __all__ = ["GcPlan", "GcReport", "collect_garbage", "plan_gc"]
 
-_TEMP_MANIFEST = re.compile(r"\.manifest\.json\.[0-9a-f]{8}\.tmp")
+_TEMP_MANIFEST = re.compile(r"\.manifest\.json\.([0-9a-f]{8}\.tmp|lock)")
 
 
 @dataclass
@@ -51,7 +51,12 @@ class GcPlan:
     """Attempt folders younger than the grace period (possibly saves in progress)."""
     kept_unreadable: list[int] = field(default_factory=list)
     """Committed steps whose manifest cannot be read: left whole."""
-    nbytes: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Bytes each planned item holds (steps by their folder name)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
 
 
 @dataclass
@@ -99,31 +104,30 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
         elif _TEMP_MANIFEST.fullmatch(obj.name.split("/", 1)[1]) and obj.mtime < cutoff:
             temps.append(obj)
     plan = GcPlan()
-    ordered = sorted(committed)
-    doomed = set(ordered[:-keep_last])
     owners: dict[int, str] = {}
-    for step in ordered:
+    for step in sorted(committed):
         try:
             owners[step] = (await read_manifest(storage, step)).save_id
         except CheckpointNotFoundError:
-            doomed.discard(step)  # removed meanwhile (retention of the training job)
+            continue  # removed meanwhile (retention of the training job)
         except CorruptCheckpointError:
-            plan.kept_unreadable.append(step)
-            doomed.discard(step)
+            plan.kept_unreadable.append(step)  # never guessed about, never counted as kept
+    readable = sorted(owners)
+    doomed = set(readable[:-keep_last])
     plan.steps = sorted(doomed)
     for (step, save_id), members in sorted(attempts.items()):
         if step in plan.kept_unreadable or (step in owners and owners[step] == save_id):
             if step in doomed:
-                plan.nbytes += sum(o.size for o in members)
+                plan.sizes[step_dir(step)] = plan.sizes.get(step_dir(step), 0) + sum(o.size for o in members)
             continue
         prefix = attempt_prefix(step, save_id)
         if max(o.mtime for o in members) >= cutoff:
             plan.kept_recent.append(prefix)
             continue
         plan.attempts.append(prefix)
-        plan.nbytes += sum(o.size for o in members)
+        plan.sizes[prefix] = sum(o.size for o in members)
     plan.temp_files = [o.name for o in temps]
-    plan.nbytes += sum(o.size for o in temps)
+    plan.sizes.update({o.name: o.size for o in temps})
     plan.uploads = [(name, upload) for name, upload in await storage.stale_uploads(cutoff) if split_name(name)]
     return plan
 
@@ -154,9 +158,9 @@ async def collect_garbage(
         report.removed_incomplete = plan.attempts + plan.temp_files
         report.aborted_uploads = len(plan.uploads)
         return report
+    still_victims = set(await retention_victims(storage, keep_last, set())) if plan.steps else set()
     for step in plan.steps:
-        fresh = await committed_steps(storage)
-        if step not in fresh[:-keep_last]:
+        if step not in still_victims:  # a rollback or removal since the plan: no longer beyond keep_last
             report.skipped.append(step_dir(step))
             continue
         await remove_step(storage, step)
@@ -175,4 +179,5 @@ async def collect_garbage(
     for name, upload_id in plan.uploads:
         await storage.abort_upload(name, upload_id)
         report.aborted_uploads += 1
+    report.freed_bytes -= sum(plan.sizes.get(item, 0) for item in report.skipped)
     return report

@@ -25,7 +25,7 @@ from .errors import (
     TruncatedObjectError,
     first_error,
 )
-from .manifest import ByteRange, Manifest
+from .manifest import ByteRange, Manifest, manifest_name
 from .names import attempt_prefix, check_object_name, check_save_id, parse_step_dir, step_dir
 from .pipeline.commit import commit_manifest
 from .pipeline.upload import crc32c_of
@@ -194,6 +194,11 @@ async def copy_step(
         raise AiosnapError(
             f"{dest.url} already holds step {manifest.step} from another save ({present}); not replacing it"
         )
+    if await dest.exists(manifest_name(manifest.step)):
+        raise AiosnapError(
+            f"{dest.url} holds a manifest for step {manifest.step} that cannot be read; not touching that step "
+            f"(`aiosnap ls {dest.url}` says why)"
+        )
     ranges: dict[str, list[ByteRange]] = {}
     for entry in manifest.entries:
         for r in entry.ranges:
@@ -236,7 +241,10 @@ async def copy_step(
 
 
 async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
-    """Undo a failed copy: the objects this run wrote, then their folders if empty."""
+    """Undo a failed copy: the objects this run wrote, then their folders if empty -- unless
+    another run of the same copy committed meanwhile (the objects are then that copy's)."""
+    if await committed_save_id(dest, step) == save_id:
+        return
     folders = {name.rsplit("/", 1)[0] for name in names} | {attempt_prefix(step, save_id), step_dir(step)}
     try:
         for name in names:

@@ -434,3 +434,169 @@ def test_resumed_commits_emit_events(crashed_spool: Crashed) -> None:
         assert ckpt.resume_report.resumed == [4]
         ckpt.flush_events()
     assert [(e.op, e.kind, e.step) for e in seen] == [("resume", "start", 4), ("resume", "end", 4)]
+
+
+# -- found by review
+
+
+def test_a_script_that_exits_without_close_still_commits(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    script = (
+        "import torch, aiosnap\n"
+        f"ckpt = aiosnap.SyncCheckpointer({str(root)!r})\n"
+        "ckpt.save({'w': torch.full((4_000_000,), 7.0)}, step=7)\n"
+        "print('returned', flush=True)\n"  # ... and the script ends: no wait(), no close()
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and "returned" in run.stdout, run.stderr
+    assert "not closed" in run.stderr  # said, not silent
+    with SyncCheckpointer(str(root)) as ckpt:
+        assert ckpt.steps() == [7] and torch.equal(ckpt.load()["w"], torch.full((4_000_000,), 7.0))
+
+
+def test_an_unclosed_checkpointer_collected_on_its_loop_thread_finishes_its_save(
+    small_config: Config, faulty: FaultyStorage
+) -> None:
+    gc.collect()
+    threads_before = threading.active_count()
+    faulty.delay = 0.2
+    ckpt = SyncCheckpointer(small_config, storage=faulty)
+    view = ckpt.at(str(Path(faulty.url) / "other"))  # owner <-> view: a reference cycle
+    handle = view.save({"x": torch.ones(3)}, step=3)
+    loop = ckpt._loop.loop
+    del ckpt, view
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        loop.call_soon_threadsafe(gc.collect)  # the cyclic collector runs on the loop thread
+        assert handle.wait(30).step == 3
+        deadline = time.monotonic() + 10
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert threading.active_count() <= threads_before
+
+
+def test_a_download_that_fails_never_deletes_a_copy_committed_meanwhile(tmp_path: Path) -> None:
+    from aiosnap.catalog import read_manifest
+
+    source, dest = tmp_path / "src", tmp_path / "dest"
+    _fill(source, (5,))
+
+    class BreaksAfterTheOtherCopy(LocalStorage):
+        async def read_into(self, name: str, offset: int, dest_view: memoryview) -> int:
+            await copy_step(LocalStorage(source), LocalStorage(dest), manifest)  # run A commits meanwhile
+            raise ConnectionResetError("source connection reset (injected)")
+
+    async def both() -> None:
+        nonlocal manifest
+        manifest = await read_manifest(LocalStorage(source), 5)
+        with pytest.raises(ConnectionResetError):
+            await copy_step(BreaksAfterTheOtherCopy(source), LocalStorage(dest), manifest)  # run B
+
+    manifest: Any = None
+    asyncio.run(both())
+    with SyncCheckpointer(str(dest)) as ckpt:
+        assert torch.equal(ckpt.load()["w"], torch.full((1000,), 5.0)), "run A's copy is whole"
+
+
+def test_download_refuses_a_dest_whose_manifest_is_unreadable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, dest = tmp_path / "src", tmp_path / "dest"
+    _fill(source, (5,))
+    shutil.copytree(source, dest)
+    (dest / step_dir(5) / "manifest.json").write_text("{torn")
+    before = sorted(p.name for p in dest.rglob("*.bin"))
+    code, _, err = _cli(capsys, "download", str(source), str(dest))
+    assert code == 1 and "cannot be read" in err
+    assert sorted(p.name for p in dest.rglob("*.bin")) == before
+
+
+def test_retention_never_counts_an_unreadable_step_as_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    _fill(root, (1, 2, 3))
+    (root / step_dir(3) / "manifest.json").write_text("{torn")
+    code, out, _ = _cli(capsys, "gc", str(root), "--keep-last", "1", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["deleted_steps"] == [1] and report["kept_unreadable"] == [3]
+    with SyncCheckpointer(Config(storage={"url": str(root)}, retention={"keep_last": 1})) as ckpt:
+        assert torch.equal(ckpt.load(step=2)["w"], torch.full((1000,), 2.0)), "the last loadable step stays"
+        ckpt.save({"w": torch.zeros(3)}, step=4).wait()
+        assert 3 in ckpt.steps(), "an unreadable step is never deleted by retention either"
+
+
+def test_yaml_errors_never_show_the_offending_line(tmp_path: Path) -> None:
+    from aiosnap import load_config
+
+    secret = "TOPSECRETvalue123"
+    for text in (
+        f"s3:\n  secret_access_key: {secret}\n  secret_access_key: {secret}\n",
+        f"s3:\n  secret_access_key: `{secret}\n",
+        f's3:\n  secret_access_key: "{secret}\\q"\n',
+        "upload: {[1, 2]: 3}\n",
+    ):
+        path = tmp_path / "job.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert secret not in str(info.value) and "\n" not in str(info.value), str(info.value)
+    path.write_text("base: &b {concurrency: 2}\nupload:\n  <<: *b\n  concurrency: 3\n")  # merge keys still work
+    with pytest.raises(ConfigError, match="base"):  # ('base' itself is no setting)
+        load_config(path)
+
+
+def test_a_forked_child_never_waits_for_the_parents_save(small_config: Config, faulty: FaultyStorage) -> None:
+    faulty.hold()
+    ckpt = SyncCheckpointer(small_config, storage=faulty)
+    handle = ckpt.save({"x": torch.ones(1)}, step=1)
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            outcomes = []
+            for call in (handle.wait, ckpt.flush_events):
+                try:
+                    call()
+                    outcomes.append("returned")
+                except ForkedProcessError:
+                    outcomes.append("refused")
+            os.write(write, ",".join(outcomes).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        assert time.monotonic() < deadline, "the child hung"
+        time.sleep(0.05)
+    assert os.read(read, 100) == b"refused,refused"
+    os.close(read)
+    faulty.release(ckpt._loop.loop)
+    handle.wait(10)
+    ckpt.close()
+
+
+def test_the_cli_without_s3_credentials_is_one_line(s3_endpoint: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config_file = tmp_path / "s3.yaml"
+    config_file.write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint, "addressing_style": "path"}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "aiosnap", "ls", "s3://bucket/run", "--config", str(config_file), "--json"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and "credentials" in run.stderr.lower()
+    assert json.loads(run.stdout)["type"] == "StorageError"
+
+
+def test_a_url_naming_no_folder_is_refused() -> None:
+    for url in ("", "file://", "file://localhost", "file:///"):
+        with pytest.raises(ConfigError, match="names no folder|empty"):
+            storage_from_url(url)

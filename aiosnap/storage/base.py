@@ -157,6 +157,8 @@ def storage_from_url(url: str, config: Config | None = None) -> Storage:
     is imported only then). A ``?`` or ``#`` in a URL is refused rather than silently cut
     off (two different URLs are never one root)."""
     parsed = urlparse(url)
+    if not url.strip():
+        raise ConfigError("storage.url: empty; name a folder (a path, file:///abs/path) or s3://bucket/prefix")
     if parsed.scheme == "" or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
         from .local import LocalStorage
 
@@ -171,6 +173,8 @@ def storage_from_url(url: str, config: Config | None = None) -> Storage:
 
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
+        if not parsed.path.strip("/"):
+            raise ConfigError(f"storage.url: {url!r} names no folder (use file:///abs/path)")
         return LocalStorage(unquote(parsed.path))
     if parsed.scheme == "s3":
         if not parsed.netloc:

@@ -105,9 +105,8 @@ def _rename_noreplace(source: Path, target: Path) -> bool:
 
 def publish_if_absent(tmp: Path, path: Path) -> None:
     """Put the finished file ``tmp`` at ``path`` unless something is there already
-    (FileExistsError), atomically where the file system allows: a hard link (then ``tmp``
-    is removed); without hard links (vfat, gcsfuse, s3fs mounts), renameat2 with
-    RENAME_NOREPLACE; failing that, an exclusive create of ``path`` filled from ``tmp``
+    (FileExistsError), atomically: a hard link (then ``tmp`` is removed); without hard links
+    (vfat, gcsfuse, s3fs mounts), renameat2 with
     (not atomic for readers, but never an overwrite; a reader of a manifest caught half
     written sees its checksum fail). Runs on a worker thread."""
     try:
@@ -119,11 +118,20 @@ def publish_if_absent(tmp: Path, path: Path) -> None:
             raise
     if _rename_noreplace(tmp, path):
         return
-    with open(path, "xb") as out, open(tmp, "rb") as source:
-        shutil.copyfileobj(source, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.remove(tmp)
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path}: another writer is publishing it (or {lock.name} was left by a crash: remove it)"
+        ) from None
+    try:
+        if path.exists():
+            raise FileExistsError(f"{path} exists")
+        os.rename(tmp, path)
+    finally:
+        os.close(fd)
+        os.remove(lock)
 
 
 def _remove_tree(path: Path) -> None:

@@ -32,7 +32,7 @@ try:
     import aiobotocore.session
     import aiohttp
     from aiobotocore.config import AioConfig
-    from botocore.exceptions import ClientError, HTTPClientError, ResponseStreamingError
+    from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, ResponseStreamingError
     from botocore.exceptions import ConnectionError as BotoConnectionError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("s3:// storage needs aiobotocore: pip install 'aiosnap[s3]'") from exc
@@ -281,6 +281,8 @@ class S3Storage(Storage):
                 return FileExistsError(f"{self.url}: {what}: the object already exists")
             message = exc.response.get("Error", {}).get("Message", "")
             return StorageError(f"{self.url}: {what}: {code or status}: {message}")
+        if isinstance(exc, BotoCoreError):  # no credentials, a bad endpoint, ...: not worth a retry
+            return StorageError(f"{self.url}: {what}: {type(exc).__name__}: {exc}")
         return exc
 
     # -- the protocol ---------------------------------------------------------------------

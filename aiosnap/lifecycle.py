@@ -1,0 +1,102 @@
+"""Checkpointers nobody closed: closed for the user, their accepted saves finished first.
+
+A checkpointer is registered here when it starts. If it is garbage collected without
+``close()``, or is still open when the interpreter exits normally, its pending saves are
+waited for and its thread, slabs, spool lock and connections are released, with a
+``ResourceWarning``. At exit this runs from a ``threading`` exit hook, which comes before
+``concurrent.futures`` shuts its thread pools down (an ``atexit`` hook would come after, when
+no file I/O can be scheduled any more). When the collection happens on aiosnap's own loop or
+event thread, which cannot wait for themselves, the closing moves to a new thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .loop import LoopThread
+
+__all__ = ["close_when_forgotten"]
+
+log = logging.getLogger("aiosnap")
+
+_live: set[weakref.finalize] = set()  # type: ignore[type-arg]
+_lock = threading.Lock()
+_hooked = False
+
+
+def _close_all_at_exit() -> None:
+    """Runs as the interpreter exits (main thread), before thread pools shut down."""
+    with _lock:
+        pending = list(_live)
+    for finalizer in pending:
+        finalizer()
+
+
+def _hook_exit() -> None:
+    global _hooked
+    with _lock:
+        if _hooked:
+            return
+        _hooked = True
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading exit hooks")
+        register(_close_all_at_exit)
+    except RuntimeError:  # too late (already shutting down) or not available: the plain atexit
+        import atexit
+
+        atexit.register(_close_all_at_exit)
+
+
+def close_when_forgotten(owner: Any, loop: LoopThread, engine: Engine, url: str) -> weakref.finalize:  # type: ignore[type-arg]
+    """Arrange for ``owner``'s loop and engine to be closed if ``owner`` is collected or the
+    interpreter exits while it is open. ``detach()`` the returned finalizer on close()."""
+    _hook_exit()
+
+    def forget() -> None:
+        with _lock:
+            _live.discard(finalizer)
+
+    finalizer = weakref.finalize(owner, _close_abandoned, loop, engine, url, forget)
+    finalizer.atexit = False  # the threading exit hook above runs it, earlier
+    with _lock:
+        _live.add(finalizer)
+    return finalizer
+
+
+def _close_abandoned(loop: LoopThread, engine: Engine, url: str, forget: Any) -> None:
+    """The finalizer: close on this thread, or on a new one when this thread is one the
+    closing must wait for (the loop thread, the event dispatcher)."""
+    forget()
+    if loop.forked():
+        return  # a forked child: nothing of it runs here
+    if loop.in_loop_thread() or engine.events.on_dispatcher_thread():
+        threading.Thread(target=_close_now, args=(loop, engine, url), name="aiosnap-close").start()
+        return
+    _close_now(loop, engine, url)
+
+
+def _close_now(loop: LoopThread, engine: Engine, url: str) -> None:
+    pending = len(engine._jobs)
+    if pending:
+        log.warning("aiosnap: %s was not closed; waiting for %d save(s) to finish", url, pending)
+    try:
+        loop.run(engine.drain(None))
+    except BaseException as exc:
+        log.warning("aiosnap: %s: saves of an unclosed checkpointer did not finish: %r", url, exc)
+    finally:
+        try:
+            loop.run(engine.shutdown())
+        finally:
+            loop.stop()
+            engine.events.close()
+    for failure in engine.failures.take_all():
+        log.error("aiosnap: %s: a save of an unclosed checkpointer failed: %r", url, failure)
+    warnings.warn(f"aiosnap: a checkpointer for {url} was not closed (closed for you)", ResourceWarning, stacklevel=1)
