@@ -38,11 +38,11 @@ soak: install
 		--soak-rounds 300 --soak-kills 20 --fuzz-cases 50000 --timeout 3000
 
 bench: install
-	$(PY) -m aiosnap.bench
-	$(PY) -m aiosnap.bench_s3
-	$(PY) -m aiosnap.bench_s3 --cap-mb-s 50
-	$(PY) -m aiosnap.bench_spool
-	$(PY) -m aiosnap.bench_lightning
+	$(PY) -m aiosnap.bench local
+	$(PY) -m aiosnap.bench s3
+	$(PY) -m aiosnap.bench s3 --cap-mb-s 50
+	$(PY) -m aiosnap.bench spool
+	$(PY) -m aiosnap.bench lightning
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -26,7 +26,7 @@ from .errors import (
     WrongThreadError,
 )
 from .events import Event, JsonlHandler, LoggingHandler
-from .manifest import Manifest
+from .format.manifest import Manifest
 from .rng import RNGState
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """Checkpointer (async) and SyncCheckpointer: two thin shims over one engine.
 
 Both plan a save on the caller's thread (``state_dict()`` calls, flattening, chunk layout)
-and hand the rest to :class:`~aiosnap.engine.Engine` on aiosnap's background loop thread.
+and hand the rest to :class:`~aiosnap.service.Engine` on aiosnap's background loop thread.
 ``save()`` returns once every byte of the state is captured; the handle it returns
 resolves when the checkpoint is committed.
 """
@@ -21,18 +21,19 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
-from .engine import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .failures import FailureLedger
+from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
+from .load.apply import apply_state, decode_tree
 from .loop import LoopThread
-from .manifest import Manifest
-from .pipeline.capture import CudaOrder
-from .pipeline.spool import Spool
-from .plan import SavePlan, make_plan
-from .restore import apply_state, decode_tree
-from .storage.base import Storage, storage_from_url
+from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
+from .storage.base import Storage
+from .storage.registry import storage_from_url
+from .trainer.capture import CudaOrder
+from .trainer.plan import SavePlan, make_plan
+from .trainer.spool import Spool
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "SyncCheckpointer", "SyncSaveHandle"]
 

@@ -29,15 +29,17 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .catalog import committed_steps, manifest_of, remove_steps_after
+from .catalog.garbage import collect_garbage
+from .catalog.maintenance import list_steps, verify_step
+from .catalog.steps import committed_steps, manifest_of, remove_steps_after
 from .checkpointer import SyncCheckpointer
 from .config import Config, load_config
-from .engine import ResumeReport
 from .errors import AiosnapError, CheckpointNotFoundError
-from .garbage import collect_garbage
-from .maintenance import copy_step, list_steps, verify_step
-from .manifest import Manifest
-from .storage.base import Storage, storage_from_url
+from .format.manifest import Manifest
+from .service import ResumeReport
+from .storage.base import Storage
+from .storage.registry import storage_from_url
+from .transfer.copy import copy_step
 
 __all__ = ["app", "main"]
 
@@ -358,14 +360,6 @@ def gc_command(
     out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
 
 
-BENCHES = {
-    "local": "aiosnap.bench",
-    "s3": "aiosnap.bench_s3",
-    "spool": "aiosnap.bench_spool",
-    "lightning": "aiosnap.bench_lightning",
-}
-
-
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_command(
     ctx: typer.Context,
@@ -374,11 +368,11 @@ def bench_command(
     ] = "local",
 ) -> None:
     """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""
-    import importlib
+    from .bench import BENCHMARKS, run
 
-    if which not in BENCHES:
-        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHES)}", param_hint="WHICH")
-    importlib.import_module(BENCHES[which]).main(list(ctx.args))
+    if which not in BENCHMARKS:
+        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="WHICH")
+    run(which, list(ctx.args))
 
 
 def main(argv: list[str] | None = None) -> int:

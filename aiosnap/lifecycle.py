@@ -18,8 +18,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .loop import LoopThread
+    from .service import Engine
 
 __all__ = ["close_when_forgotten"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap.pipeline.journal import JOURNAL
+from aiosnap.format.journal import JOURNAL
 from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap.bench import PeakRSS
+from aiosnap.bench.local import PeakRSS
 
 MiB = 1024 * 1024
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aiosnap.storage.base import storage_from_url
 from aiosnap.storage.local import LocalStorage
+from aiosnap.storage.registry import storage_from_url
 
 
 async def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
@@ -71,11 +71,11 @@ def test_url_forms(tmp_path: Path) -> None:
 
 
 async def test_new_parent_folders_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiosnap.storage import local
+    from aiosnap import durable
 
     synced: list[Path] = []
-    real = local._fsync_dir_sync
-    monkeypatch.setattr(local, "_fsync_dir_sync", lambda path: (synced.append(Path(path)), real(path))[1])
+    real = durable.fsync_dir
+    monkeypatch.setattr(durable, "fsync_dir", lambda path: (synced.append(Path(path)), real(path))[1])
     storage = LocalStorage(tmp_path / "root")
     await storage.write("000000000001/abc/rank-0/0.bin", b"data")
     for created in ("root", "root/000000000001", "root/000000000001/abc", "root/000000000001/abc/rank-0"):

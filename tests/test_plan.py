@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from aiosnap.plan import ALIGN, make_plan
+from aiosnap.trainer.plan import ALIGN, make_plan
 
 
 def test_small_tensors_are_batched_and_aligned() -> None:
@@ -32,7 +32,7 @@ def test_stateful_objects_are_flattened_through_state_dict() -> None:
     model = torch.nn.Linear(3, 2)
     plan = make_plan({"model": model}, step=0, chunk_bytes=4096)
     assert sorted(e.path for e in plan.entries) == ["model/bias", "model/weight"]
-    assert plan.tree["items"][0][1]["t"] == "stateful"
+    assert plan.spec.tree["items"][0][1]["t"] == "stateful"
 
 
 @pytest.mark.parametrize("bad", [{"step": -1}, {"step": 1.5}, {"step": True}])

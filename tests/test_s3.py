@@ -219,7 +219,7 @@ def test_missing_aiobotocore_gives_an_install_hint() -> None:
 
     code = (
         "import sys; sys.modules['aiobotocore'] = None\n"
-        "from aiosnap.storage.base import storage_from_url\n"
+        "from aiosnap.storage.registry import storage_from_url\n"
         "try:\n    storage_from_url('s3://bucket/prefix')\n"
         "except ImportError as exc:\n    print(exc)\n"
     )

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer
-from aiosnap.pipeline import spool as spool_module
+from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer, durable
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, s3_config
 from tests.spool_child import state as child_state
@@ -107,7 +106,7 @@ def test_disk_budget_is_respected_on_disk(tmp_path: Path) -> None:
 def test_disk_full_falls_back_to_ram(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real_write = spool_module._write_durably
+    real_write = durable.write_file
     written = 0
 
     def fill_up(path: Path, data: memoryview | bytes) -> None:
@@ -119,7 +118,7 @@ def test_disk_full_falls_back_to_ram(
         written += len(data)
         real_write(path, data)
 
-    monkeypatch.setattr(spool_module, "_write_durably", fill_up)
+    monkeypatch.setattr(durable, "write_file", fill_up)
     config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
     state = {"w": torch.randn(2_000_000)}  # 8 chunks of 1 MiB
     with SyncCheckpointer(config) as ckpt:
@@ -151,7 +150,7 @@ def test_two_checkpointers_never_share_a_spool(tmp_path: Path) -> None:
 
 
 def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write = spool_module._write_durably
+    real_write = durable.write_file
 
     def write_then_rot(path: Path, data: memoryview | bytes) -> None:
         real_write(path, data)
@@ -162,7 +161,7 @@ def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.
                 f.seek(100)
                 f.write(bytes([byte[0] ^ 0xFF]))
 
-    monkeypatch.setattr(spool_module, "_write_durably", write_then_rot)
+    monkeypatch.setattr(durable, "write_file", write_then_rot)
     config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
     ckpt = SyncCheckpointer(config)
     with pytest.raises(ChecksumMismatchError, match="spool file .*1.bin is corrupt"):

@@ -21,12 +21,12 @@ import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.budget import ByteBudget
+from aiosnap.format.journal import JOURNAL
 from aiosnap.names import step_dir
-from aiosnap.pipeline.capture import BufferPool
-from aiosnap.pipeline.journal import JOURNAL
-from aiosnap.pipeline.spool import Spool, SpoolSession
-from aiosnap.plan import make_plan
 from aiosnap.storage.local import LocalStorage
+from aiosnap.trainer.capture import BufferPool
+from aiosnap.trainer.plan import make_plan
+from aiosnap.trainer.spool import Spool, SpoolSession
 from tests.conftest import FaultyStorage, assert_same
 from tests.spool_child import state as child_state
 

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config, ConfigError, ForkedProcessError, SyncCheckpointer
+from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.cli import main
 from aiosnap.events import Event, JsonlHandler, LoggingHandler
-from aiosnap.garbage import collect_garbage
-from aiosnap.maintenance import copy_step
 from aiosnap.names import step_dir
-from aiosnap.storage.base import storage_from_url
 from aiosnap.storage.local import LocalStorage
+from aiosnap.storage.registry import storage_from_url
+from aiosnap.transfer.copy import copy_step
 from tests.conftest import FaultyStorage
 
 Crashed = tuple[Path, Path, Config, dict[str, Any]]
@@ -87,7 +87,7 @@ def test_a_failed_download_keeps_what_dest_already_had(tmp_path: Path) -> None:
 
     async def download() -> None:
         src, dst = LocalStorage(source), LocalStorage(dest)
-        from aiosnap.catalog import read_manifest
+        from aiosnap.catalog.steps import read_manifest
 
         with pytest.raises(Exception, match="checksum mismatch"):
             await copy_step(src, dst, await read_manifest(src, 7))
@@ -391,16 +391,16 @@ def test_cli_errors_on_odd_roots_and_manifests(tmp_path: Path, capsys: pytest.Ca
 def test_commit_without_hard_links(small_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from aiosnap.storage import local
+    from aiosnap import durable
 
     def no_links(source: object, target: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted (vfat)")
 
-    monkeypatch.setattr(local.os, "link", no_links)
+    monkeypatch.setattr(durable.os, "link", no_links)
     with SyncCheckpointer(small_config) as ckpt:
         ckpt.save({"x": torch.ones(3)}, step=1).wait()
         assert ckpt.steps() == [1]
-    monkeypatch.setattr(local, "_rename_noreplace", lambda source, target: False)  # nor renameat2
+    monkeypatch.setattr(durable, "_rename_noreplace", lambda source, target: False)  # nor renameat2
     with SyncCheckpointer(small_config) as ckpt:
         ckpt.save({"x": torch.ones(3) * 2}, step=2).wait()
         assert torch.equal(ckpt.load()["x"], torch.ones(3) * 2)
@@ -479,7 +479,7 @@ def test_an_unclosed_checkpointer_collected_on_its_loop_thread_finishes_its_save
 
 
 def test_a_download_that_fails_never_deletes_a_copy_committed_meanwhile(tmp_path: Path) -> None:
-    from aiosnap.catalog import read_manifest
+    from aiosnap.catalog.steps import read_manifest
 
     source, dest = tmp_path / "src", tmp_path / "dest"
     _fill(source, (5,))

@@ -43,7 +43,8 @@ from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..errors import CheckpointNotFoundError
 from ..events import EventHandler
-from ..storage.base import Storage, storage_from_url
+from ..storage.base import Storage
+from ..storage.registry import storage_from_url
 
 __all__ = ["AiosnapCheckpointIO"]
 

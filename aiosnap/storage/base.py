@@ -1,4 +1,4 @@
-"""The storage protocol and the URL -> backend factory.
+"""The storage protocol (backends: :mod:`.local`, :mod:`.s3`; chosen by URL in :mod:`.registry`).
 
 A backend is a small async interface over named objects (``/``-separated names relative
 to the storage root). Every method runs on aiosnap's background loop thread. Conventions
@@ -16,36 +16,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
-from urllib.parse import unquote, urlparse
 
-from ..config import Config
-from ..errors import ConfigError
-
-__all__ = ["BytesLike", "ObjectInfo", "Storage", "complete_before_cancel", "roots_overlap", "storage_from_url"]
+__all__ = ["BytesLike", "ObjectInfo", "Storage"]
 
 BytesLike = bytes | bytearray | memoryview
-T = TypeVar("T")
 
 
 def _read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
-
-
-async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
-    """Await ``operation``; if the caller is cancelled meanwhile, let the operation run to
-    its end first (no buffer still in use by a thread, no file left open), then re-raise."""
-    task = asyncio.ensure_future(operation)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # mark retrieved: the cancellation is what the caller reports
-        raise
 
 
 @dataclass(frozen=True)
@@ -134,53 +114,3 @@ class Storage(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
-
-
-def roots_overlap(a: Storage, b: Storage) -> bool:
-    """True when one root lies inside the other (or they are the same root spelled two
-    ways): what is written to one could then be read or deleted through the other."""
-    from pathlib import Path
-
-    if a.url.startswith("s3://") != b.url.startswith("s3://"):
-        return False
-    if a.url.startswith("s3://"):
-        left, right = a.url[5:].strip("/").split("/"), b.url[5:].strip("/").split("/")
-    else:
-        left, right = list(Path(a.url).resolve().parts), list(Path(b.url).resolve().parts)
-    shorter = min(len(left), len(right))
-    return left[:shorter] == right[:shorter]
-
-
-def storage_from_url(url: str, config: Config | None = None) -> Storage:
-    """A backend for ``url``: a plain path (taken literally) or ``file://`` (local; the path
-    percent-decoded), ``s3://bucket/prefix`` (S3, configured by ``config.s3``; aiobotocore
-    is imported only then). A ``?`` or ``#`` in a URL is refused rather than silently cut
-    off (two different URLs are never one root)."""
-    parsed = urlparse(url)
-    if not url.strip():
-        raise ConfigError("storage.url: empty; name a folder (a path, file:///abs/path) or s3://bucket/prefix")
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
-        from .local import LocalStorage
-
-        return LocalStorage(url)
-    if parsed.query or parsed.fragment or url.endswith(("?", "#")):
-        raise ConfigError(
-            f"storage.url: {url!r} has a '?' or '#', which a URL does not keep as part of the path; "
-            "percent-encode it (%3F, %23) in a file:// URL, or give the folder as a plain path"
-        )
-    if parsed.scheme == "file":
-        from .local import LocalStorage
-
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
-        if not parsed.path.strip("/"):
-            raise ConfigError(f"storage.url: {url!r} names no folder (use file:///abs/path)")
-        return LocalStorage(unquote(parsed.path))
-    if parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise ConfigError(f"storage.url: {url!r} names no bucket (use s3://bucket/prefix)")
-        from .s3 import S3Storage
-
-        config = config or Config()
-        return S3Storage(parsed.netloc, parsed.path.strip("/"), config.s3, concurrency=config.upload.concurrency)
-    raise ConfigError(f"storage.url: unsupported scheme {parsed.scheme!r} in {url!r} (use a path, file:// or s3://)")

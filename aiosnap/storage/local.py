@@ -8,155 +8,29 @@ the new one, or an ignorable ``.*.tmp`` file, never a half-written object under 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import errno
 import os
-import shutil
-import uuid
 from contextlib import suppress
 from pathlib import Path
 
 import aiofiles
 import aiofiles.os
 
+from ..aio import complete_before_cancel
+from ..durable import (
+    copy_file_atomically,
+    fsync_dir,
+    makedirs_durably,
+    publish_if_absent,
+    remove_if_empty,
+    remove_tree,
+    temp_name,
+)
 from ..names import check_object_name
-from .base import BytesLike, ObjectInfo, Storage, complete_before_cancel
+from .base import BytesLike, ObjectInfo, Storage
 
 __all__ = ["LocalStorage"]
 
 _fsync = aiofiles.os.wrap(os.fsync)
-
-
-def _fsync_dir_sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def makedirs_durably(folder: Path, attempts: int = 5) -> None:
-    """``mkdir -p folder``, fsyncing the parent of every folder it creates, so that a new
-    object's path survives a power loss, not only its bytes. An empty parent removed
-    meanwhile by a concurrent cleanup (:meth:`LocalStorage.remove_empty_folder`) is made
-    again."""
-    for attempt in range(attempts):
-        missing: list[Path] = []
-        probe = folder
-        while not probe.is_dir():
-            missing.append(probe)
-            if probe.parent == probe:
-                break
-            probe = probe.parent
-        try:
-            for created in reversed(missing):
-                try:
-                    created.mkdir()
-                except FileExistsError:
-                    if not created.is_dir():
-                        raise
-                    continue
-                _fsync_dir_sync(created.parent)
-            return
-        except FileNotFoundError:
-            if attempt == attempts - 1:
-                raise
-
-
-def _copy_file_sync(source: str, path: Path) -> None:
-    """Copy (kernel-side where possible), fsync, rename into place, fsync the directory."""
-    makedirs_durably(path.parent)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        shutil.copyfile(source, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir_sync(path.parent)
-
-
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
-_RENAME_NOREPLACE = 1
-
-
-def _rename_noreplace(source: Path, target: Path) -> bool:
-    """Linux renameat2(RENAME_NOREPLACE): atomic, fails with FileExistsError when ``target``
-    exists. False when this kernel or file system has no such call."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(source), at_fdcwd, os.fsencode(target), _RENAME_NOREPLACE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), str(target))
-
-
-def publish_if_absent(tmp: Path, path: Path) -> None:
-    """Put the finished file ``tmp`` at ``path`` unless something is there already
-    (FileExistsError), atomically: a hard link (then ``tmp`` is removed); without hard links
-    (vfat, gcsfuse, s3fs mounts), renameat2 with
-    (not atomic for readers, but never an overwrite; a reader of a manifest caught half
-    written sees its checksum fail). Runs on a worker thread."""
-    try:
-        os.link(tmp, path)
-        os.remove(tmp)
-        return
-    except OSError as exc:
-        if isinstance(exc, FileExistsError) or exc.errno not in _NO_HARD_LINKS:
-            raise
-    if _rename_noreplace(tmp, path):
-        return
-    lock = path.with_name(f".{path.name}.lock")
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        raise FileExistsError(
-            f"{path}: another writer is publishing it (or {lock.name} was left by a crash: remove it)"
-        ) from None
-    try:
-        if path.exists():
-            raise FileExistsError(f"{path} exists")
-        os.rename(tmp, path)
-    finally:
-        os.close(fd)
-        os.remove(lock)
-
-
-def _remove_tree(path: Path) -> None:
-    """Delete a folder and everything in it; a symlinked folder: its target's contents and
-    the link (the data lives on the other disk)."""
-    if path.is_symlink():
-        with suppress(FileNotFoundError):
-            shutil.rmtree(path.resolve())
-        path.unlink(missing_ok=True)
-        return
-    with suppress(FileNotFoundError):
-        shutil.rmtree(path)
-
-
-def _remove_if_empty(path: Path) -> None:
-    """rmdir ``path`` if empty (a symlinked folder: the empty target, then the link)."""
-    with suppress(FileNotFoundError, NotADirectoryError):
-        if os.listdir(path):
-            return
-        with suppress(OSError):  # filled again meanwhile
-            if path.is_symlink():
-                path.resolve().rmdir()
-                path.unlink()
-            else:
-                path.rmdir()
 
 
 class LocalStorage(Storage):
@@ -187,7 +61,7 @@ class LocalStorage(Storage):
 
     async def _write(self, path: Path, data: BytesLike, if_absent: bool) -> None:
         await asyncio.to_thread(makedirs_durably, path.parent)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = temp_name(path)
         try:
             async with aiofiles.open(tmp, "wb") as f:
                 await f.write(data)
@@ -201,10 +75,10 @@ class LocalStorage(Storage):
             with suppress(OSError):
                 await aiofiles.os.remove(tmp)
             raise
-        await asyncio.to_thread(_fsync_dir_sync, path.parent)
+        await asyncio.to_thread(fsync_dir, path.parent)
 
     async def write_file(self, name: str, path: str) -> None:
-        await complete_before_cancel(asyncio.to_thread(_copy_file_sync, path, self._path(name)))
+        await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name)))
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:
@@ -250,7 +124,7 @@ class LocalStorage(Storage):
         if await aiofiles.os.path.isfile(path):
             await self.delete(prefix)
             return
-        await asyncio.to_thread(_remove_tree, path)
+        await asyncio.to_thread(remove_tree, path)
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         return await asyncio.to_thread(self._walk_sync, self._path(prefix))
@@ -274,4 +148,4 @@ class LocalStorage(Storage):
         return sorted(found, key=lambda o: o.name)
 
     async def remove_empty_folder(self, prefix: str = "") -> None:
-        await asyncio.to_thread(_remove_if_empty, self._path(prefix))
+        await asyncio.to_thread(remove_if_empty, self._path(prefix))

@@ -16,7 +16,6 @@ multipart upload is aborted. Each PUT and part carries its CRC32C for the server
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import logging
 import math
@@ -25,8 +24,6 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any, TypeVar
-
-import crc32c
 
 try:
     import aiobotocore.session
@@ -37,6 +34,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("s3:// storage needs aiobotocore: pip install 'aiosnap[s3]'") from exc
 
+from ..checksums import crc32c_b64, crc32c_of, file_crc32c
 from ..config import S3Config
 from ..errors import StorageError, StorageUnavailableError, first_error
 from ..names import check_object_name
@@ -63,10 +61,6 @@ RETRYABLE_ERRORS = (
 def part_size_for(size: int, wanted: int) -> int:
     """A part size within S3's limits: at least 5 MiB and at most 10,000 parts."""
     return max(wanted, MIN_PART, math.ceil(size / MAX_PARTS))
-
-
-def _b64_crc32c(data: memoryview) -> str:
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode("ascii")
 
 
 def _status(exc: ClientError) -> int:
@@ -172,7 +166,7 @@ class _MemorySource:
         return _BufferReader(self.view[start:end])
 
     def checksum(self, start: int, end: int) -> str:
-        return _b64_crc32c(self.view[start:end])
+        return crc32c_b64(crc32c_of(self.view[start:end]))
 
 
 class _FileSource:
@@ -186,11 +180,7 @@ class _FileSource:
         return _FileWindow(self.path, start, end)
 
     def checksum(self, start: int, end: int) -> str:
-        crc = 0
-        with _FileWindow(self.path, start, end) as window:
-            while block := window.read(8 * 1024 * 1024):
-                crc = crc32c.crc32c(block, crc)
-        return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+        return crc32c_b64(file_crc32c(self.path, start, end))
 
 
 _Source = _MemorySource | _FileSource

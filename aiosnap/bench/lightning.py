@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .bench import PeakRSS, make_state
+from .local import PeakRSS, make_state
 
 MiB = 1024 * 1024
 
@@ -77,7 +77,7 @@ def run_plugin(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
 
-    from .integrations.lightning import AiosnapCheckpointIO
+    from ..integrations.lightning import AiosnapCheckpointIO
 
     parser = argparse.ArgumentParser(prog="aiosnap bench lightning", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=300, help="checkpoint size (default 300)")

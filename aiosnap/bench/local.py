@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m aiosnap.bench`` (or ``make bench``) prints JSON figures.
+"""Benchmark: ``aiosnap bench local`` (or ``make bench``) prints JSON figures.
 
 Saves a model + Adam state (~500 MB by default) to a local directory, cold then warm
 (with a training step mutating every tensor in between), and measures in the same run:
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import Config, SyncCheckpointer
+from .. import Config, SyncCheckpointer
 
 MiB = 1024 * 1024
 
@@ -122,7 +122,7 @@ def aiosnap_run(model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m aiosnap.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="aiosnap bench local", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=500, help="state size (default 500)")
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     parser.add_argument("--small-budget-mib", type=int, default=128)

@@ -1,7 +1,7 @@
 """Finishing the saves a crashed process left in the spool (loop thread).
 
 Every leftover journal is untrusted input: it is validated fully (see
-:mod:`aiosnap.pipeline.journal`) and must name this checkpointer's own root as its owner
+:mod:`aiosnap.format.journal`) and must name this checkpointer's own root as its owner
 and the root being resumed as its target: a save is resumed only into the root it was
 made for, with that root's own retention (never with one a journal states).
 A save is resumed only when its journal says capture finished and every chunk either
@@ -23,12 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..catalog import apply_retention, latest_committed
+from ..catalog.steps import apply_retention, latest_committed
+from ..checksums import file_crc32c_with_pieces
 from ..events import EventBus, ScopeEmitter
+from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
+from ..format.manifest import build_manifest
 from ..storage.base import Storage
+from ..trainer.spool import Spool
 from .commit import commit_manifest, whose_commit
-from .journal import JOURNAL, JournalError, JournalState, read_journal
-from .spool import Spool, file_crc32c_with_pieces
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -58,7 +60,7 @@ def _journal_of(spool: Spool, save_id: str) -> JournalState:
     if not path.exists():
         legacy = spool.save_dir(save_id) / "journal.json"
         if legacy.exists():
-            raise _Discard("its journal is of an older aiosnap (format 1), which this one does not resume")
+            raise _Discard("its journal is of an older aiosnap (journal.json), which this one does not resume")
         raise _Discard("no journal: the process stopped before anything was spooled")
     try:
         return read_journal(path, save_id)
@@ -117,7 +119,7 @@ async def _finish(
         progress(obj.nbytes)
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
-    await commit_manifest(storage, manifest.with_checksums(state.checksums()), replace=False)
+    await commit_manifest(storage, build_manifest(state.spec, state.checksums()), replace=False)
     return True
 
 

@@ -5,7 +5,7 @@ with ``asyncio.run``); it talks to a :class:`~aiosnap.storage.base.Storage` dire
 never holds more than ``concurrency`` byte ranges in memory at once. It reads a root that
 training may be writing at the same time: a step removed between listing and reading is
 skipped, and one step whose manifest cannot be read is shown as such, never failing the
-whole listing. Garbage collection lives in :mod:`aiosnap.garbage`.
+whole listing. Garbage collection lives in :mod:`aiosnap.catalog.garbage`.
 """
 
 from __future__ import annotations
@@ -16,22 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .catalog import committed_save_id, committed_steps, read_manifest
-from .errors import (
-    AiosnapError,
+from ..checksums import crc32c_of
+from ..errors import (
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     CorruptCheckpointError,
-    TruncatedObjectError,
     first_error,
 )
-from .manifest import ByteRange, Manifest, manifest_name
-from .names import attempt_prefix, check_object_name, check_save_id, parse_step_dir, step_dir
-from .pipeline.commit import commit_manifest
-from .pipeline.upload import crc32c_of
-from .storage.base import Storage, roots_overlap
+from ..format.manifest import ByteRange, Manifest
+from ..names import check_object_name, check_save_id, parse_step_dir
+from ..storage.base import Storage
+from .steps import committed_steps, read_manifest
 
-__all__ = ["StepInfo", "copy_step", "list_steps", "verify_step"]
+__all__ = ["StepInfo", "list_steps", "split_name", "verify_step"]
 
 log = logging.getLogger("aiosnap")
 Progress = Callable[[int], None]
@@ -169,87 +165,3 @@ async def verify_step(
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
     return sorted(f"{where}: {p}" for p in problems)
-
-
-async def copy_step(
-    source: Storage, dest: Storage, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None
-) -> bool:
-    """Copy one committed step to another root (``aiosnap download``): each data object is
-    read whole, every range's crc32c checked, then written; the manifest goes last, so the
-    copy is committed only once complete. Returns False when ``dest`` already holds this
-    very save (nothing to do).
-
-    A copy never removes anything it did not write in this run: a failure deletes the
-    objects this run wrote (nothing else) and raises
-    (:class:`~aiosnap.errors.CorruptCheckpointError` for bad data). Refused: roots that
-    overlap (the same root spelled twice, or one inside the other), and a ``dest`` holding
-    the same step from another save. Holds at most ``concurrency`` objects in memory."""
-    if roots_overlap(source, dest):
-        raise AiosnapError(f"{dest.url} and {source.url} overlap: copy a step to a root outside its own")
-    where = f"{source.url} step {manifest.step}"
-    present = await committed_save_id(dest, manifest.step)
-    if present == manifest.save_id:
-        return False
-    if present is not None:
-        raise AiosnapError(
-            f"{dest.url} already holds step {manifest.step} from another save ({present}); not replacing it"
-        )
-    if await dest.exists(manifest_name(manifest.step)):
-        raise AiosnapError(
-            f"{dest.url} holds a manifest for step {manifest.step} that cannot be read; not touching that step "
-            f"(`aiosnap ls {dest.url}` says why)"
-        )
-    ranges: dict[str, list[ByteRange]] = {}
-    for entry in manifest.entries:
-        for r in entry.ranges:
-            ranges.setdefault(r.object, []).append(r)
-    limit = asyncio.Semaphore(concurrency)
-    written: list[str] = []
-
-    async def copy(name: str, nbytes: int) -> None:
-        async with limit:
-            buffer = memoryview(bytearray(nbytes))
-            try:
-                got = await source.read_into(name, 0, buffer)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{where}: data object {name!r} is missing") from exc
-            if got < nbytes:
-                raise TruncatedObjectError(f"{where}: {name!r} is truncated ({got} of {nbytes} bytes)")
-            for r in ranges.get(name, []):
-                crc = await asyncio.to_thread(crc32c_of, buffer[r.offset : r.offset + r.nbytes])
-                if crc != r.crc32c:
-                    raise ChecksumMismatchError(
-                        f"{where}: checksum mismatch in {name!r} at offset {r.offset} "
-                        f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x}); not copied"
-                    )
-            written.append(name)  # before the write: a write cut short may have left it
-            await dest.write(name, buffer)
-        if progress is not None:
-            progress(nbytes)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for obj in manifest.objects:
-                group.create_task(copy(obj.name, obj.nbytes))
-        await commit_manifest(dest, manifest, replace=False)
-    except BaseException as failure:
-        await asyncio.shield(_remove_written(dest, written, manifest.step, manifest.save_id))
-        if isinstance(failure, BaseExceptionGroup):
-            raise (leaf := first_error(failure)) from leaf.__cause__
-        raise
-    return True
-
-
-async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
-    """Undo a failed copy: the objects this run wrote, then their folders if empty -- unless
-    another run of the same copy committed meanwhile (the objects are then that copy's)."""
-    if await committed_save_id(dest, step) == save_id:
-        return
-    folders = {name.rsplit("/", 1)[0] for name in names} | {attempt_prefix(step, save_id), step_dir(step)}
-    try:
-        for name in names:
-            await dest.delete(name)
-        for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
-            await dest.remove_empty_folder(folder)
-    except Exception as exc:
-        log.warning("aiosnap: %s: could not remove what a failed copy wrote: %r", dest.url, exc)

@@ -1,4 +1,4 @@
-"""S3 benchmark: ``python -m aiosnap.bench_s3`` (part of ``make bench``) prints JSON.
+"""S3 benchmark: ``aiosnap bench s3`` (part of ``make bench``) prints JSON.
 
 Against a local S3 protocol server (moto, started here unless ``--endpoint`` is given),
 optionally throttled by a fault proxy (``--cap-mb-s``), measures in one run:
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from . import Config, SyncCheckpointer
-from .bench import make_state, state_tensors
+from .. import Config, SyncCheckpointer
+from .local import make_state, state_tensors
 
 MiB = 1024 * 1024
 
@@ -34,13 +34,13 @@ MiB = 1024 * 1024
 def _endpoint(url: str | None, cap_mb_s: float | None) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
         if url is None:
-            from .testing.s3server import TEST_ENV, moto_server
+            from ..testing.s3server import TEST_ENV, moto_server
 
             for key, value in TEST_ENV.items():
                 os.environ.setdefault(key, value)
             url = stack.enter_context(moto_server())
         if cap_mb_s:
-            from .testing.faultproxy import FaultProxy
+            from ..testing.faultproxy import FaultProxy
 
             proxy = FaultProxy(int(url.rsplit(":", 1)[1]))
             stack.callback(proxy.close)
@@ -78,7 +78,7 @@ async def _baseline(url: str, bucket: str, state: dict[str, Any]) -> tuple[float
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m aiosnap.bench_s3", description=__doc__)
+    parser = argparse.ArgumentParser(prog="aiosnap bench s3", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=200, help="state size (default 200)")
     parser.add_argument("--endpoint", help="an S3 endpoint URL (default: start a local moto server)")
     parser.add_argument("--bucket", help="bucket to use (default: a new one)")

@@ -7,7 +7,7 @@ touched by the loop thread alone (the :class:`~aiosnap.failures.FailureLedger` e
 A save: wait for a pending-save slot (backpressure) -> look at the root (preflight, in
 parallel with the copy) -> capture every chunk into RAM slabs (``save()`` returns here) ->
 upload workers write and checksum chunks, releasing slabs -> manifest (commit) ->
-retention. The commit protocol (:mod:`aiosnap.pipeline.commit`) decides what a failure
+retention. The commit protocol (:mod:`aiosnap.transfer.commit`) decides what a failure
 may remove. Cancelling ``save()`` before it returned aborts that save; afterwards the
 save lives on its own. A failure is reported once (:mod:`aiosnap.failures`).
 """
@@ -24,23 +24,24 @@ from typing import Any
 
 import torch
 
+from .aio import complete_before_cancel
 from .budget import ByteBudget
-from .catalog import apply_retention, committed_steps, manifest_of, remove_everything, remove_steps_after
+from .catalog.steps import apply_retention, committed_steps, manifest_of, remove_everything, remove_steps_after
 from .config import Config
 from .errors import StepOrderError, first_error
 from .events import EventBus, ScopeEmitter
 from .failures import FailureLedger
-from .manifest import Checksums, Manifest, build_manifest
-from .pipeline.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
-from .pipeline.commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
-from .pipeline.fetch import fetch_entries
-from .pipeline.resume import Progress as ResumeProgress
-from .pipeline.resume import ResumeReport, resume_spooled
-from .pipeline.spool import Bounce, Spool, SpoolSession
-from .pipeline.upload import upload_worker
-from .plan import ALIGN, SavePlan
-from .restore import check_pickles
-from .storage.base import Storage, complete_before_cancel
+from .format.manifest import Checksums, Manifest, build_manifest
+from .load.apply import check_pickles
+from .load.fetch import fetch_entries
+from .storage.base import Storage
+from .trainer.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
+from .trainer.plan import ALIGN, SavePlan
+from .trainer.spool import Bounce, Spool, SpoolSession
+from .transfer.commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
+from .transfer.resume import Progress as ResumeProgress
+from .transfer.resume import ResumeReport, resume_spooled
+from .transfer.upload import upload_worker
 
 __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
@@ -274,7 +275,7 @@ class Engine:
                 decided = await look
                 decided.check(storage.url)
                 commit_started = time.perf_counter()
-                manifest = build_manifest(plan).with_checksums(crcs)
+                manifest = build_manifest(plan.spec, crcs)
                 job.commit_started = True
                 manifest_bytes = await commit_manifest(storage, manifest, replace=decided.replaces)
             finally:  # committed or failed, the save's spool folder has served

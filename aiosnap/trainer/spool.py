@@ -25,47 +25,23 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import crc32c
 import torch
 
+from .. import durable
+from ..aio import complete_before_cancel
 from ..budget import ByteBudget
+from ..checksums import crc32c_of
 from ..config import SpoolConfig
 from ..errors import SpoolBusyError
-from ..manifest import build_manifest
-from ..plan import Chunk, SavePlan
-from ..storage.base import complete_before_cancel
-from ..tensorio import bytes_view
+from ..format.journal import JOURNAL, JournalWriter
 from .capture import BufferPool, StagedChunk
-from .journal import JOURNAL, JournalWriter
+from .plan import Chunk, SavePlan
+from .tensorio import bytes_view
 
-__all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession", "file_crc32c", "file_crc32c_with_pieces"]
+__all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession"]
 
 log = logging.getLogger("aiosnap")
 LOCK = "LOCK"
-
-
-def file_crc32c(path: str | Path) -> int:
-    """crc32c of a whole file, read in 8 MiB blocks (runs on the calling thread)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(8 * 1024 * 1024):
-            crc = crc32c.crc32c(block, crc)
-    return int(crc)
-
-
-def file_crc32c_with_pieces(path: str | Path, pieces: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """crc32c of a whole file and of each ``(offset, nbytes)`` piece of it, reading the file
-    once (calling thread). The file is a spooled chunk: at most one slab in size."""
-    with open(path, "rb") as f:
-        data = memoryview(f.read())
-    return int(crc32c.crc32c(data)), [int(crc32c.crc32c(data[o : o + n])) for o, n in pieces]
-
-
-def _write_durably(path: Path, data: memoryview | bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class Spool:
@@ -129,9 +105,8 @@ class Spool:
 
         def write() -> tuple[int, list[int]]:
             directory.mkdir(exist_ok=True)
-            _write_durably(path, data)
-            pieces = [int(crc32c.crc32c(data[offset : offset + nbytes])) for offset, nbytes in ranges]
-            return int(crc32c.crc32c(data)), pieces
+            durable.write_file(path, data)
+            return crc32c_of(data), [crc32c_of(data[offset : offset + nbytes]) for offset, nbytes in ranges]
 
         try:
             # run to the end even if cancelled: the thread reads a slab that is reused
@@ -313,13 +288,13 @@ class SpoolSession:
     def _begin(self) -> dict[str, object]:
         return {
             "kind": "begin",
-            "format": 2,
+            "format": 3,
             "save_id": self.plan.save_id,
             "step": self.plan.step,
             "storage_url": self.storage_url,
             "owner_url": self.owner_url,
             "keep_last": self.keep_last,
-            "manifest": build_manifest(self.plan).model_dump(mode="json"),
+            "spec": self.plan.spec.to_document(),
         }
 
     async def captured(self) -> None:

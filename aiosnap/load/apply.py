@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .errors import PickleNotAllowedError, StateMismatchError
-from .manifest import Manifest
-from .plan import is_stateful
-from .tree import TreeDecoder
+from ..errors import PickleNotAllowedError, StateMismatchError
+from ..format.manifest import Manifest
+from ..format.tree import TreeDecoder
+from ..stateful import is_stateful
 
 __all__ = ["apply_state", "check_pickles", "decode_tree"]
 

@@ -12,12 +12,12 @@ import asyncio
 
 import torch
 
+from ..checksums import crc32c_of
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from ..manifest import ByteRange, Manifest
+from ..format.manifest import ByteRange, Manifest
+from ..format.tree import dtype_from_name
 from ..storage.base import Storage
-from ..tensorio import bytes_view
-from ..tree import dtype_from_name
-from .upload import crc32c_of
+from ..trainer.tensorio import bytes_view
 
 __all__ = ["fetch_entries"]
 

@@ -23,9 +23,9 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from ..catalog import committed_save_id, latest_committed, read_manifest
+from ..catalog.steps import committed_save_id, latest_committed, read_manifest
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
-from ..manifest import Manifest
+from ..format.manifest import Manifest
 from ..names import attempt_prefix, manifest_name, step_dir
 from ..storage.base import Storage
 

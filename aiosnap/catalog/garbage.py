@@ -25,11 +25,11 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .catalog import committed_save_id, read_manifest, remove_step, retention_victims
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
+from ..storage.base import ObjectInfo, Storage
 from .maintenance import split_name
-from .names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
-from .storage.base import ObjectInfo, Storage
+from .steps import committed_save_id, read_manifest, remove_step, retention_victims
 
 __all__ = ["GcPlan", "GcReport", "collect_garbage", "plan_gc"]
 

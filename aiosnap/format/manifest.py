@@ -4,7 +4,7 @@ It maps the state's tree to byte ranges of data objects, each with a crc32c. A m
 is read back from storage other people may write, so :meth:`Manifest.from_json` checks
 all of it before anything acts on it: strict types (``true`` is not a number), the format
 version, every object named inside the save's own attempt folder, every byte range inside
-its object, shapes that match byte counts, and the tree (see :mod:`aiosnap.tree`). Every
+its object, shapes that match byte counts, and the tree (see :mod:`aiosnap.format.tree`). Every
 problem is a :class:`~aiosnap.errors.ManifestError` naming the file.
 """
 
@@ -16,12 +16,12 @@ import math
 import time
 from typing import Any, Literal
 
-import crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ManifestError
-from .names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
-from .plan import SavePlan
+from ..checksums import crc32c_of
+from ..errors import ManifestError
+from ..names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
+from .spec import SaveSpec
 from .tree import check_tree, dtype_from_name
 
 __all__ = [
@@ -139,20 +139,10 @@ class Manifest(_Frozen):
     def total_bytes(self) -> int:
         return sum(o.nbytes for o in self.objects)
 
-    def with_checksums(self, crcs: Checksums) -> Manifest:
-        """A copy with every range's crc32c taken from ``crcs`` (KeyError if one is missing)."""
-        entries = [
-            e.model_copy(
-                update={"ranges": [r.model_copy(update={"crc32c": crcs[(r.object, r.offset)]}) for r in e.ranges]}
-            )
-            for e in self.entries
-        ]
-        return self.model_copy(update={"entries": entries, "created_at": time.time()})
-
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""
         body = self.model_dump_json().encode("utf-8")
-        return body[:-1] + _CRC_FIELD + b"%d}" % crc32c.crc32c(body)
+        return body[:-1] + _CRC_FIELD + b"%d}" % crc32c_of(body)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -168,7 +158,7 @@ class Manifest(_Frozen):
             if doc["format_version"] >= 2:  # version 1 had no checksum
                 found = doc.pop("crc32c", None)
                 cut = data.rfind(_CRC_FIELD)
-                if type(found) is not int or cut < 0 or crc32c.crc32c(data[:cut] + b"}") != found:
+                if type(found) is not int or cut < 0 or crc32c_of(data[:cut] + b"}") != found:
                     raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
         return cls.from_document(doc, where)
 
@@ -204,37 +194,37 @@ Checksums = dict[tuple[str, int], int]
 """crc32c of each byte range, keyed by (object name, offset in the object)."""
 
 
-def build_manifest(plan: SavePlan) -> Manifest:
-    """The manifest of ``plan`` with every crc32c still 0: fill them with
-    :meth:`Manifest.with_checksums` once the chunks are checksummed. Pure, JSON-able, so a
-    spool journal can carry it across a crash."""
-    ranges: dict[int, list[ByteRange]] = {e.index: [] for e in plan.entries}
-    for chunk in plan.chunks:
+def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
+    """The manifest of ``spec``, every range's crc32c taken from ``crcs`` (KeyError if one is
+    missing; all 0 when ``crcs`` is None). Validated like any manifest read back."""
+    ranges: list[list[ByteRange]] = [[] for _ in spec.entries]
+    for chunk in spec.chunks:
         for piece in chunk.pieces:
+            crc = 0 if crcs is None else crcs[(chunk.object_name, piece.dst_offset)]
             ranges[piece.entry].append(
-                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=0)
+                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
             )
     entries = [
         EntryRecord(
             path=e.path,
             kind=e.kind,  # type: ignore[arg-type]
-            dtype=str(e.tensor.dtype).removeprefix("torch."),
-            shape=list(e.tensor.shape),
-            stride=list(e.tensor.stride()),
-            device=str(e.tensor.device),
+            dtype=e.dtype,
+            shape=list(e.shape),
+            stride=list(e.stride),
+            device=e.device,
             nbytes=e.nbytes,
-            ranges=ranges[e.index],
+            ranges=ranges[index],
         )
-        for e in plan.entries
+        for index, e in enumerate(spec.entries)
     ]
     return Manifest(
         format_version=FORMAT_VERSION,
-        step=plan.step,
-        save_id=plan.save_id,
+        step=spec.step,
+        save_id=spec.save_id,
         created_at=time.time(),
-        world_size=plan.world_size,
-        objects=[DataObject(name=c.object_name, rank=plan.rank, nbytes=c.nbytes) for c in plan.chunks],
+        world_size=spec.world_size,
+        objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
         entries=entries,
-        tree=plan.tree,
-        metadata=plan.metadata,
+        tree=spec.tree,
+        metadata=spec.metadata,
     )

@@ -1,4 +1,4 @@
-"""Spool benchmark: ``python -m aiosnap.bench_spool`` (part of ``make bench``) prints JSON.
+"""Spool benchmark: ``aiosnap bench spool`` (part of ``make bench``) prints JSON.
 
 The headline scenario: a ~512 MB model + Adam state, a 64 MiB RAM budget, an S3 target
 (local moto server) throttled to 100 MB/s by a proxy, the spool on local disk. For spool
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from . import Config, SyncCheckpointer
-from .bench import make_state, state_tensors
-from .bench_s3 import _create_bucket, _endpoint
+from .. import Config, SyncCheckpointer
+from .local import make_state, state_tensors
+from .s3 import _create_bucket, _endpoint
 
 MiB = 1024 * 1024
 
@@ -72,7 +72,7 @@ def run_mode(url: str, bucket: str, mode: str, spool_dir: Path, model: Any, opti
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m aiosnap.bench_spool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="aiosnap bench spool", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--ram-budget-mib", type=int, default=64)
     parser.add_argument("--cap-mb-s", type=float, default=100.0)

@@ -3,7 +3,7 @@
 ``<spool>/<save id>/journal.jsonl`` holds lines ``<crc32c, 8 hex digits> <JSON>``:
 
 - ``begin``: the save (id, step, target root, the checkpointer's own root, retention) and
-  its manifest with every crc32c still 0;
+  its :class:`~aiosnap.format.spec.SaveSpec` (the manifest to commit, crc32c aside);
 - ``spooled``: chunk N's file is on the spool disk, fsynced, with its crc32c and those of
   its pieces;
 - ``landed``: chunk N is in storage, with the crc32c of its pieces (written *before* the
@@ -11,8 +11,9 @@
 - ``captured``: every byte was captured (written before ``save()`` returns).
 
 A crash can tear only the last line, which a reader ignores. Everything else is untrusted
-input when read back: :func:`read_journal` validates every record, the manifest fully, and
-that the pieces match the manifest's ranges, before resume acts on any of it.
+input when read back: :func:`read_journal` validates every record, the manifest the spec
+makes fully, and that the pieces match the manifest's ranges, before resume acts on any of
+it.
 
 :class:`JournalWriter` runs its file I/O on a worker thread and completes each append even
 if cancelled (no record can land after the save's cleanup).
@@ -22,23 +23,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .. import durable
+from ..aio import complete_before_cancel
+from ..checksums import crc32c_of
 from ..errors import AiosnapError
-from ..manifest import MAX_MANIFEST_BYTES, Checksums, Manifest
 from ..names import check_save_id
-from ..storage.base import complete_before_cancel
+from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest
+from .spec import SaveSpec
 
 __all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_journal"]
 
 JOURNAL = "journal.jsonl"
-FORMAT = 2
+FORMAT = 3
 MAX_JOURNAL_BYTES = 2 * MAX_MANIFEST_BYTES
 
 
@@ -52,13 +54,13 @@ class _Record(BaseModel):
 
 class Begin(_Record):
     kind: Literal["begin"]
-    format: Literal[2]
+    format: Literal[3]
     save_id: str
     step: int = Field(ge=0)
     storage_url: str = Field(min_length=1, max_length=4096)
     owner_url: str = Field(min_length=1, max_length=4096)
     keep_last: int | None = Field(ge=1)
-    manifest: dict[str, Any]
+    spec: dict[str, Any]
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -88,20 +90,7 @@ _KINDS: dict[str, type[_Record]] = {"begin": Begin, "spooled": Spooled, "landed"
 
 def _line(record: dict[str, Any]) -> bytes:
     body = json.dumps(record, separators=(",", ":")).encode("utf-8")
-    return f"{crc32c.crc32c(body):08x} ".encode() + body + b"\n"
-
-
-def _append_sync(path: Path, data: bytes, create: bool) -> None:
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if create:  # the journal's name itself must survive a crash
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    return f"{crc32c_of(body):08x} ".encode() + body + b"\n"
 
 
 class JournalWriter:
@@ -114,7 +103,7 @@ class JournalWriter:
     async def append(self, *records: dict[str, Any]) -> None:
         data = b"".join(_line(r) for r in records)
         create = not self._created
-        await complete_before_cancel(asyncio.to_thread(_append_sync, self.path, data, create))
+        await complete_before_cancel(asyncio.to_thread(durable.append, self.path, data, new_name=create))
         self._created = True
 
 
@@ -123,7 +112,9 @@ class JournalState:
     """What a journal says about its save."""
 
     begin: Begin
+    spec: SaveSpec
     manifest: Manifest
+    """The manifest the spec makes, every crc32c still 0."""
     captured: bool = False
     spooled: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     """Chunk -> (crc32c of its spool file, crc32c of its pieces)."""
@@ -159,7 +150,7 @@ def _piece_ranges(manifest: Manifest) -> list[list[tuple[int, int]]]:
 
 def _parse_line(line: bytes) -> dict[str, Any]:
     head, _, body = line.partition(b" ")
-    if len(head) != 8 or f"{crc32c.crc32c(body):08x}".encode() != head:
+    if len(head) != 8 or f"{crc32c_of(body):08x}".encode() != head:
         raise ValueError("checksum mismatch")
     doc = json.loads(body)
     if not isinstance(doc, dict):
@@ -198,12 +189,13 @@ def read_journal(path: Path, save_id: str) -> JournalState:
     if begin.save_id != save_id:
         raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
     try:
-        manifest = Manifest.from_document(begin.manifest, where="the journal's manifest")
-    except AiosnapError as exc:
-        raise JournalError(str(exc)) from None
+        spec = SaveSpec.from_document(begin.spec)
+        manifest = build_manifest(spec)  # validated like any manifest read back
+    except (ValueError, TypeError, RecursionError, AiosnapError) as exc:
+        raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:
         raise JournalError("its manifest belongs to another save")
-    state = JournalState(begin, manifest)
+    state = JournalState(begin, spec, manifest)
     offsets = _piece_ranges(manifest)
     for record in records[1:]:
         if isinstance(record, Begin):

@@ -10,26 +10,18 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import crc32c
-
+from ..checksums import crc32c_of, file_crc32c
 from ..errors import ChecksumMismatchError
-from ..manifest import Checksums
+from ..format.manifest import Checksums
 from ..storage.base import Storage
-from .capture import StagedChunk
-from .spool import file_crc32c
+from ..trainer.capture import StagedChunk
 
-__all__ = ["UploadClock", "crc32c_of", "upload_worker"]
+__all__ = ["UploadClock", "upload_worker"]
 
 
 class UploadClock(Protocol):
     def began(self) -> None: ...
     def landed(self) -> None: ...
-
-
-def crc32c_of(data: memoryview, previous: int = 0) -> int:
-    """CRC32C (Castagnoli) of ``data``, continuing ``previous`` (the crc of the bytes before
-    it); runs on whichever thread calls it."""
-    return int(crc32c.crc32c(data, previous))
 
 
 def _range_checksums(staged: StagedChunk) -> list[int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError, PickleNotAllowedError
+from ..errors import ManifestError, PickleNotAllowedError
 
 __all__ = ["MAX_TREE_DEPTH", "TreeDecoder", "check_tree", "dtype_from_name"]
 
@@ -229,7 +229,7 @@ class TreeDecoder:
                     f"{self.where} holds a pickled object ({self.paths[index]!r}); loading it can execute "
                     "arbitrary code: pass allow_pickle=True only if you trust this checkpoint"
                 )
-            from .tensorio import bytes_view
+            from ..trainer.tensorio import bytes_view
 
             blob = bytes(bytes_view(self.tensor_of(index)))
             return pickle.loads(blob)  # noqa: S301 - the caller opted in

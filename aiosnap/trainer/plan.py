@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedStateError
-from .names import object_prefix, step_dir
-from .tree import MAX_TREE_DEPTH
+from ..errors import UnsupportedStateError
+from ..format.spec import ChunkSpec, EntrySpec, PieceSpec, SaveSpec
+from ..format.tree import MAX_TREE_DEPTH
+from ..names import object_prefix
+from ..stateful import is_stateful
 
-__all__ = ["Chunk", "Entry", "Piece", "SavePlan", "is_stateful", "make_plan", "object_prefix", "step_dir"]
+__all__ = ["ALIGN", "Chunk", "Entry", "Piece", "SavePlan", "make_plan"]
 
 ALIGN = 64
 """Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
@@ -65,25 +67,24 @@ class Chunk:
 
 @dataclass
 class SavePlan:
-    """Everything the background pipeline needs; holds references, copies nothing."""
+    """Everything the capture needs (the source tensors, where each piece goes) and the
+    save's :class:`SaveSpec` (plain data, for the transfer side); copies nothing."""
 
-    step: int
-    save_id: str
-    rank: int
-    world_size: int
-    tree: Any
+    spec: SaveSpec
     entries: list[Entry]
     chunks: list[Chunk]
-    metadata: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.spec.step
+
+    @property
+    def save_id(self) -> str:
+        return self.spec.save_id
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
-
-def is_stateful(value: Any) -> bool:
-    """True for objects with callable ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+        return self.spec.total_bytes
 
 
 def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
@@ -242,13 +243,32 @@ def make_plan(
     tree = flattener.encode(state, "")
     save_id = uuid.uuid4().hex[:16]
     chunks = layout_chunks(flattener.entries, chunk_bytes, object_prefix(step, save_id, rank))
-    return SavePlan(
+    spec = SaveSpec(
         step=step,
         save_id=save_id,
         rank=rank,
         world_size=world_size,
         tree=tree,
-        entries=flattener.entries,
-        chunks=chunks,
         metadata=dict(metadata or {}),
+        entries=tuple(_entry_spec(e) for e in flattener.entries),
+        chunks=tuple(
+            ChunkSpec(c.object_name, c.nbytes, tuple(PieceSpec(p.entry, p.nbytes, p.dst_offset) for p in c.pieces))
+            for c in chunks
+        ),
+    )
+    return SavePlan(spec=spec, entries=flattener.entries, chunks=chunks)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _entry_spec(entry: Entry) -> EntrySpec:
+    """The entry's layout as it is now, on the caller's thread (a later resize_ of the
+    tensor cannot change what this save records)."""
+    tensor = entry.tensor
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+    return EntrySpec(
+        entry.path, entry.kind, dtype, tuple(tensor.shape), tuple(tensor.stride()), str(tensor.device), entry.nbytes
     )

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .manifest import MAX_MANIFEST_BYTES, Manifest
-from .names import attempt_prefix, manifest_name, parse_step_dir, step_dir
-from .storage.base import Storage
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..names import attempt_prefix, manifest_name, parse_step_dir, step_dir
+from ..storage.base import Storage
 
 __all__ = [
     "apply_retention",

@@ -1,1 +1,0 @@
-"""The background stages of a save: capture -> upload -> commit, joined by bounded queues."""
