@@ -1,11 +1,12 @@
 """aiosnap: asyncio checkpoint service for PyTorch training.
 
 ``save()`` returns once the state is captured; the checkpoint becomes durable and
-committed in the background, within enforced RAM budgets.
+committed in the background, within enforced RAM budgets. Importing the package is cheap
+(no torch): the public names are imported on first use.
 """
 
-from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
-from .config import Config, load_config
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AiosnapError,
     CheckpointerClosedError,
@@ -25,9 +26,40 @@ from .errors import (
     UnsupportedStateError,
     WrongThreadError,
 )
-from .events import Event, JsonlHandler, LoggingHandler
-from .format.manifest import Manifest
-from .rng import RNGState
+
+if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does not import torch
+    from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
+    from .config import Config, load_config
+    from .events import Event, JsonlHandler, LoggingHandler
+    from .format.manifest import Manifest
+    from .rng import RNGState
+
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "SaveHandle": "checkpointer",
+    "SaveResult": "checkpointer",
+    "SyncCheckpointer": "checkpointer",
+    "SyncSaveHandle": "checkpointer",
+    "Config": "config",
+    "load_config": "config",
+    "Event": "events",
+    "JsonlHandler": "events",
+    "LoggingHandler": "events",
+    "Manifest": "format.manifest",
+    "RNGState": "rng",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiosnap' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -81,7 +81,7 @@ def test_a_tensor_leaf_relabelled_as_pickle_runs_no_code(small_config: Config, r
 
 
 def test_the_decoder_itself_enforces_the_opt_in() -> None:
-    from aiosnap.format.tree import TreeDecoder
+    from aiosnap.load.decode import TreeDecoder
 
     decode = TreeDecoder(lambda i: torch.zeros(1, dtype=torch.uint8), ["pickle"], ["p"], allow_pickle=False, where="x")
     with pytest.raises(PickleNotAllowedError):

@@ -44,3 +44,21 @@ def test_step_must_be_a_non_negative_int(bad: dict[str, object]) -> None:
 def test_state_must_be_a_dict() -> None:
     with pytest.raises(TypeError, match="dict"):
         make_plan([torch.ones(1)], step=1, chunk_bytes=4096)  # type: ignore[arg-type]
+
+
+def test_the_dtype_table_is_torchs() -> None:
+    from aiosnap.format.dtypes import DTYPE_ITEMSIZE
+
+    canonical = {
+        str(d).removeprefix("torch."): d.itemsize
+        for d in (getattr(torch, n) for n in dir(torch))
+        if isinstance(d, torch.dtype)
+    }
+    assert canonical == DTYPE_ITEMSIZE
+
+
+def test_every_device_type_a_tree_may_name_is_torchs() -> None:
+    from aiosnap.format.tree import DEVICE_TYPES
+
+    for name in DEVICE_TYPES:
+        assert torch.device(f"{name}:0").type == name

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..checksums import crc32c_of
 from ..errors import ManifestError
 from ..names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
+from .dtypes import dtype_itemsize
 from .spec import SaveSpec
-from .tree import check_tree, dtype_from_name
+from .tree import check_tree
 
 __all__ = [
     "FORMAT_VERSION",
@@ -81,12 +82,12 @@ class EntryRecord(_Frozen):
     def _consistent(self) -> EntryRecord:
         if sum(r.nbytes for r in self.ranges) != self.nbytes:
             raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
-        dtype = dtype_from_name(self.dtype)
+        itemsize = dtype_itemsize(self.dtype)
         if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > 64:
             raise ValueError(f"{self.path}: invalid shape {self.shape}")
         if len(self.stride) != len(self.shape):
             raise ValueError(f"{self.path}: stride {self.stride} does not match shape {self.shape}")
-        expected = math.prod(self.shape) * dtype.itemsize
+        expected = math.prod(self.shape) * itemsize
         if expected != self.nbytes:
             raise ValueError(f"{self.path}: shape {self.shape} of {self.dtype} is {expected} bytes, not {self.nbytes}")
         if self.kind == "pickle" and (self.dtype != "uint8" or len(self.shape) != 1):

@@ -6,9 +6,9 @@ nodes ``{"t": TAG, ...}`` for everything else. ``{"t": "tensor", "id": N}`` and
 
 A manifest is read back from storage that other people may write, so :func:`check_tree`
 validates every node (tags, field types, entry references whose kind must match the tag,
-nesting depth, hashable dict keys) before anything acts on it, and :class:`TreeDecoder`
-enforces the pickle opt-in itself: a tree that names a pickle is refused unless the caller
-allowed pickles, whatever the entry table says. Pure code; runs on whichever thread calls.
+nesting depth, hashable dict keys) before anything acts on it; the decoder
+(:mod:`aiosnap.load.decode`) enforces the pickle opt-in itself. Pure code, no torch; runs
+on whichever thread calls.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import pickle
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from typing import Any
 
-import torch
+from .dtypes import dtype_itemsize
 
-from ..errors import ManifestError, PickleNotAllowedError
-
-__all__ = ["MAX_TREE_DEPTH", "TreeDecoder", "check_tree", "dtype_from_name"]
+__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text"]
 
 MAX_TREE_DEPTH = 100
 """Deepest nesting of containers a tree may have (saving a deeper state is refused)."""
@@ -35,12 +32,11 @@ _HASHABLE_TAGS = {"float", "complex", "bytes", "dtype", "device", "size", "tenso
 _MAX_DIM = 2**62
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; ValueError for anything that is not a dtype."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
+DEVICE_TYPES = (
+    "cpu", "cuda", "mps", "xpu", "xla", "meta", "hpu", "mtia", "hip", "ipu", "maia", "privateuseone", "lazy", "ve",
+    "vulkan", "fpga", "opengl", "opencl", "ideep",
+)  # fmt: skip
+_DEVICE = re.compile(rf"({'|'.join(DEVICE_TYPES)})(:[0-9]{{1,4}})?")
 
 
 def _fields(node: dict[str, Any], *names: str) -> None:
@@ -59,7 +55,7 @@ def _items(node: dict[str, Any]) -> list[Any]:
     return items
 
 
-def _float_text(value: Any) -> float:
+def float_text(value: Any) -> float:
     if not isinstance(value, str) or len(value) > 64:
         raise ValueError(f"expected a float as text, got {value!r:.40}")
     return float(value)
@@ -70,14 +66,14 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
     tag = node["t"]
     if tag == "float":
         _fields(node, "v")
-        _float_text(node["v"])
+        float_text(node["v"])
     elif tag == "complex":
         _fields(node, "v")
         parts = node["v"]
         if not isinstance(parts, list) or len(parts) != 2:
             raise ValueError("complex node: v must be [real, imag]")
         for part in parts:
-            _float_text(part)
+            float_text(part)
     elif tag == "bytes":
         _fields(node, "v")
         if not isinstance(node["v"], str):
@@ -88,15 +84,11 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
             raise ValueError(f"bytes node: invalid base64 ({exc})") from None
     elif tag == "dtype":
         _fields(node, "v")
-        dtype_from_name(node["v"])
+        dtype_itemsize(node["v"])
     elif tag == "device":
         _fields(node, "v")
-        if not isinstance(node["v"], str) or len(node["v"]) > 64:
-            raise ValueError("device node: v must be a device name")
-        try:
-            torch.device(node["v"])
-        except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"device node: {exc}") from None
+        if not isinstance(node["v"], str) or not _DEVICE.fullmatch(node["v"]):
+            raise ValueError(f"device node: {node['v']!r:.40} is not a device name")
     elif tag == "size":
         _fields(node, "items")
         if not all(type(d) is int and 0 <= d < _MAX_DIM for d in _items(node)):
@@ -178,85 +170,3 @@ def check_tree(tree: Any, entry_kinds: Sequence[str]) -> None:
         checker.check(tree, "", 0)
     except RecursionError:  # pragma: no cover - the depth bound is far below the stack limit
         raise ValueError("tree nested too deeply") from None
-
-
-class TreeDecoder:
-    """Turns a checked tree back into Python values. ``tensor_of(index)`` gives an entry's
-    tensor; pickle nodes are unpickled only when ``allow_pickle`` is true (else
-    :class:`PickleNotAllowedError`), and only for entries of kind ``pickle``."""
-
-    def __init__(
-        self,
-        tensor_of: Callable[[int], torch.Tensor],
-        entry_kinds: Sequence[str],
-        entry_paths: Sequence[str],
-        *,
-        allow_pickle: bool,
-        where: str,
-    ) -> None:
-        self.tensor_of = tensor_of
-        self.kinds = entry_kinds
-        self.paths = entry_paths
-        self.allow_pickle = allow_pickle
-        self.where = where
-
-    def __call__(self, node: Any) -> Any:
-        try:
-            return self._decode(node)
-        except (PickleNotAllowedError, ManifestError):
-            raise
-        except (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError, RecursionError) as exc:
-            raise ManifestError(f"{self.where}: malformed tree: {type(exc).__name__}: {exc}") from exc
-
-    def _entry(self, node: dict[str, Any], kind: str) -> int:
-        index = node["id"]
-        if type(index) is not int or not 0 <= index < len(self.kinds) or self.kinds[index] != kind:
-            raise ManifestError(f"{self.where}: a {kind} node names entry {index!r:.20}, which is not a {kind}")
-        return index
-
-    def _decode(self, node: Any) -> Any:
-        if node is None or type(node) in (bool, int, float, str):
-            return node
-        if not isinstance(node, dict) or "t" not in node:
-            raise ManifestError(f"{self.where}: malformed tree node {node!r:.80}")
-        tag = node["t"]
-        if tag == "tensor":
-            return self.tensor_of(self._entry(node, "tensor"))
-        if tag == "pickle":
-            index = self._entry(node, "pickle")
-            if not self.allow_pickle:
-                raise PickleNotAllowedError(
-                    f"{self.where} holds a pickled object ({self.paths[index]!r}); loading it can execute "
-                    "arbitrary code: pass allow_pickle=True only if you trust this checkpoint"
-                )
-            from ..trainer.tensorio import bytes_view
-
-            blob = bytes(bytes_view(self.tensor_of(index)))
-            return pickle.loads(blob)  # noqa: S301 - the caller opted in
-        if tag in ("dict", "odict"):
-            items = [(self._decode(k), self._decode(v)) for k, v in node["items"]]
-            if tag == "dict":
-                return dict(items)
-            ordered: OrderedDict[Any, Any] = OrderedDict(items)
-            if "meta" in node:  # a module's state dict carries its version metadata
-                ordered._metadata = self._decode(node["meta"])  # type: ignore[attr-defined]
-            return ordered
-        if tag == "list":
-            return [self._decode(v) for v in node["items"]]
-        if tag == "tuple":
-            return tuple(self._decode(v) for v in node["items"])
-        if tag == "stateful":
-            return self._decode(node["v"])
-        if tag == "float":
-            return _float_text(node["v"])
-        if tag == "size":
-            return torch.Size(node["items"])
-        if tag == "dtype":
-            return dtype_from_name(node["v"])
-        if tag == "device":
-            return torch.device(node["v"])
-        if tag == "bytes":
-            return base64.b64decode(node["v"], validate=True)
-        if tag == "complex":
-            return complex(_float_text(node["v"][0]), _float_text(node["v"][1]))
-        raise ManifestError(f"{self.where}: unknown tree node type {tag!r:.40}")

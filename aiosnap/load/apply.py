@@ -12,8 +12,8 @@ import torch
 
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
-from ..format.tree import TreeDecoder
 from ..stateful import is_stateful
+from .decode import TreeDecoder
 
 __all__ = ["apply_state", "check_pickles", "decode_tree"]
 

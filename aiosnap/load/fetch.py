@@ -15,9 +15,9 @@ import torch
 from ..checksums import crc32c_of
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import ByteRange, Manifest
-from ..format.tree import dtype_from_name
 from ..storage.base import Storage
-from ..trainer.tensorio import bytes_view
+from ..tensorio import bytes_view
+from .decode import torch_dtype
 
 __all__ = ["fetch_entries"]
 
@@ -27,7 +27,7 @@ def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
     try:
         if entry.kind == "pickle":
             return torch.empty(entry.nbytes, dtype=torch.uint8)
-        return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+        return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     except RuntimeError as exc:  # cannot allocate: refuse the checkpoint, not crash the caller
         raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..budget import ByteBudget
+from ..tensorio import bytes_view, copy_range_into
 from .plan import Chunk, SavePlan
-from .tensorio import bytes_view, copy_range_into
 
 if TYPE_CHECKING:
     from .spool import SpoolSession

@@ -34,9 +34,9 @@ from ..checksums import crc32c_of
 from ..config import SpoolConfig
 from ..errors import SpoolBusyError
 from ..format.journal import JOURNAL, JournalWriter
+from ..tensorio import bytes_view
 from .capture import BufferPool, StagedChunk
 from .plan import Chunk, SavePlan
-from .tensorio import bytes_view
 
 __all__ = ["JOURNAL", "Bounce", "Spool", "SpoolSession"]
 
