@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["complete_before_cancel"]
+__all__ = ["complete_before_cancel", "finish_despite_cancel"]
 
 T = TypeVar("T")
 
@@ -22,3 +22,19 @@ async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
         if not task.cancelled():
             task.exception()  # mark retrieved: the cancellation is what the caller reports
         raise
+
+
+async def finish_despite_cancel(operation: Coroutine[Any, Any, T]) -> T:
+    """Await ``operation`` to its end and return its result, however often the caller is
+    cancelled meanwhile (the cancellations are absorbed: use it where an outcome must be
+    reported whatever happens, such as settling a failed save)."""
+    task = asyncio.ensure_future(operation)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # absorbed: nothing above is told to stop
+            if task.done():
+                return task.result()

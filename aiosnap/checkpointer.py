@@ -29,11 +29,11 @@ from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
+from .spooldir import Spool
 from .storage.base import Storage
 from .storage.registry import storage_from_url
 from .trainer.capture import CudaOrder
 from .trainer.plan import SavePlan, make_plan
-from .trainer.spool import Spool
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "SyncCheckpointer", "SyncSaveHandle"]
 

@@ -1,47 +1,49 @@
-"""The engine: every save and load as it runs on the background loop thread.
+"""The engine: every save and load as it runs on the trainer's background loop thread.
 
-The public :class:`~aiosnap.Checkpointer` and :class:`~aiosnap.SyncCheckpointer` only plan
-on the caller's thread and hand coroutines of this class to the loop; all state below is
-touched by the loop thread alone (the :class:`~aiosnap.failures.FailureLedger` excepted).
-
-A save: wait for a pending-save slot (backpressure) -> look at the root (preflight, in
-parallel with the copy) -> capture every chunk into RAM slabs (``save()`` returns here) ->
-upload workers write and checksum chunks, releasing slabs -> manifest (commit) ->
-retention. The commit protocol (:mod:`aiosnap.transfer.commit`) decides what a failure
-may remove. Cancelling ``save()`` before it returned aborts that save; afterwards the
-save lives on its own. A failure is reported once (:mod:`aiosnap.failures`).
+The public :class:`~aiosnap.Checkpointer` and :class:`~aiosnap.SyncCheckpointer` plan on the
+caller's thread and hand coroutines of this class to the loop. A save here is the trainer
+side: wait for a pending-save slot (backpressure), copy every chunk into the staging arena
+(or the spool) and hand each on, as a descriptor, to the transfer side
+(:mod:`aiosnap.transfer`: upload, commit, retention), which runs on this same loop
+(``upload.executor: thread``) or in the upload process (``process``). ``save()`` returns
+once every byte is captured and the step order is checked; the handle resolves when the
+transfer side reports the outcome. Cancelling ``save()`` before it returned aborts that
+save; afterwards the save lives on its own. A failure is reported once
+(:mod:`aiosnap.failures`). Loads, listings and removals run here, on this process's own
+storage. All state below is touched by the loop thread alone (the ledger excepted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from .aio import complete_before_cancel
+from .aio import finish_despite_cancel
+from .arena import Arena
 from .budget import ByteBudget
-from .catalog.steps import apply_retention, committed_steps, manifest_of, remove_everything, remove_steps_after
+from .catalog.steps import committed_steps, manifest_of, remove_everything, remove_steps_after
 from .config import Config
-from .errors import StepOrderError, first_error
+from .errors import StepOrderError
 from .events import EventBus, ScopeEmitter
 from .failures import FailureLedger
-from .format.manifest import Checksums, Manifest, build_manifest
+from .format.manifest import Manifest
 from .load.apply import check_pickles
 from .load.fetch import fetch_entries
+from .spooldir import Spool
+from .staging import SlabChunk, Staged, Transfer, TransferOutcome
 from .storage.base import Storage
-from .trainer.capture import BufferPool, Copier, CudaOrder, StagedChunk, capture_chunks
+from .trainer.capture import Copier, CudaOrder, capture_chunks
 from .trainer.plan import ALIGN, SavePlan
-from .trainer.spool import Bounce, Spool, SpoolSession
-from .transfer.commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
+from .trainer.slabs import SlabPool
+from .trainer.spool import Bounce, SpoolSession
+from .transfer.commit import Preflight
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
-from .transfer.upload import upload_worker
 
 __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
@@ -50,8 +52,6 @@ log = logging.getLogger("aiosnap")
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
 slower store lets save() return and the step order is checked before the commit."""
-CLEANUP_WAIT_S = 10.0
-"""How long close() lets the removal of failed attempts run before leaving them to gc."""
 
 
 def slab_bytes_for(config: Config, ram_budget: int) -> int:
@@ -88,25 +88,6 @@ class SaveResult:
         return self.nbytes / self.durable_s if self.durable_s > 0 else 0.0
 
 
-class _StageClock:
-    """When the upload stage ran: first chunk taken to last chunk landed. Loop thread."""
-
-    def __init__(self) -> None:
-        self.first: float | None = None
-        self.last: float | None = None
-
-    def began(self) -> None:
-        if self.first is None:
-            self.first = time.perf_counter()
-
-    def landed(self) -> None:
-        self.last = time.perf_counter()
-
-    @property
-    def seconds(self) -> float:
-        return 0.0 if self.first is None or self.last is None else self.last - self.first
-
-
 @dataclass(eq=False)
 class _SaveJob:
     """One save attempt in flight (loop thread)."""
@@ -119,52 +100,62 @@ class _SaveJob:
     captured: asyncio.Future[float]
     durable: concurrent.futures.Future[SaveResult]
     emit: ScopeEmitter
+    preflight: asyncio.Future[Preflight]
+    outcome: asyncio.Future[TransferOutcome]
     task: asyncio.Task[None] | None = None
+    capture: asyncio.Task[None] | None = None
     session: SpoolSession | None = None
     blocked: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
-    commit_started: bool = False
-    result: SaveResult | None = None
-    """Set once the manifest is written (retention may still follow)."""
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Done callback: mark a side task's outcome as seen (its failure is reported elsewhere)."""
-    if not task.cancelled():
-        task.exception()
+    lent: dict[int, Staged] = field(default_factory=dict)
+    """Chunks with the transfer side, by index (their slabs come back with done_with)."""
+    journalling: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class Engine:
-    """Owns storage, the RAM budget and its slabs, and the saves in flight. Loop thread only."""
+    """Owns the staging arena and its slabs, the spool, the transfer side and the saves in
+    flight. Loop thread only; also the transfer side's listener."""
 
     def __init__(
-        self, config: Config, storage: Storage, ram_budget: int, events: EventBus, spool: Spool | None = None
+        self,
+        config: Config,
+        storage: Storage,
+        ram_budget: int,
+        events: EventBus,
+        spool: Spool | None = None,
     ) -> None:
         self.config = config
         self.storage = storage
         self.events = events
-        self.budget = ByteBudget(ram_budget, "ram_budget")
-        self.slab_bytes = slab_bytes_for(config, ram_budget)
         self.spool = spool
         self.failures = FailureLedger()
+        self.slab_bytes = slab_bytes_for(config, ram_budget)
+        self.arena = Arena(self.slab_bytes, max(1, ram_budget // self.slab_bytes), shared=False)
+        self.arena.prewarm()  # pages resident before the first save needs them
+        self.budget = ByteBudget(self.arena.size, "ram_budget")
+        self.pool: SlabPool | None = None  # made on the loop (it holds an asyncio queue)
         self._bounce: Bounce | None = None
-        if spool is not None and spool.mode == "overflow":
-            # one slab of the RAM budget is set aside to spill through when the rest is taken
-            if not self.budget.try_acquire(self.slab_bytes):
-                raise AssertionError("a fresh budget always has room for one slab")
-            self._bounce = Bounce(self.slab_bytes)
-        self._pool: BufferPool | None = None
         self._pending: asyncio.Semaphore | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
         self._copier = Copier()
         self._jobs: dict[str, _SaveJob] = {}  # save id -> the save in flight
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self.transfer: Transfer | None = None
 
-    def _pool_for(self, plan: SavePlan) -> BufferPool:
-        if self._pool is None:
-            cuda = any(e.tensor.device.type == "cuda" for e in plan.entries)
-            self._pool = BufferPool(self.budget, self.slab_bytes, pin_memory=cuda and torch.cuda.is_available())
-        return self._pool
+    def _ready(self) -> tuple[SlabPool, Transfer]:
+        """The pool and the transfer side, made on first use (on the loop)."""
+        if self.pool is None:
+            self.pool = SlabPool(self.arena, self.budget)
+            if self.spool is not None and self.spool.mode == "overflow":
+                if self.arena.count < 2:
+                    log.warning("aiosnap: the RAM budget holds one slab: no bounce slab, spooling is off")
+                else:  # one slab of the budget is set aside to spill through when the rest is lent
+                    self._bounce = Bounce(self.pool)
+        if self.transfer is None:
+            from .transfer.local import LocalTransfer
+
+            self.transfer = LocalTransfer(self.config, self.arena, self)
+            self.transfer.open_root(self.storage.url, self.storage)
+        return self.pool, self.transfer
 
     def raise_unobserved(self) -> None:
         """Raise the oldest background failure nobody has been told about (once)."""
@@ -181,6 +172,8 @@ class Engine:
                     f"step {step} is {what}, whose save to {storage.url} is still in flight: "
                     "steps only move forward; wait for that save's handle first"
                 )
+
+    # -- a save, trainer side -------------------------------------------------------------
 
     async def save(
         self,
@@ -201,6 +194,10 @@ class Engine:
         try:
             self.raise_unobserved()  # a save that failed while we waited
             self._check_order(plan.step, storage)
+            pool, transfer = self._ready()
+            if order is not None:
+                pool.pin()
+            transfer.open_root(storage.url, storage)
         except BaseException:
             self._pending.release()
             raise
@@ -209,12 +206,14 @@ class Engine:
         durable.set_running_or_notify_cancel()  # nobody may cancel it from outside
         job = _SaveJob(
             plan, order, started, storage, keep_last, loop.create_future(), durable,
-            self.events.scope("save", plan.step, storage.url, plan.save_id),
+            self.events.scope("save", plan.step, storage.url, plan.save_id), loop.create_future(),
+            loop.create_future(),
         )  # fmt: skip
         self._jobs[plan.save_id] = job
         job.emit("start")
+        transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
         job.task = loop.create_task(self._run(job))
-        job.task.add_done_callback(lambda task: self._forget(job, task))
+        job.task.add_done_callback(lambda task: self._forget(job))
         try:
             await asyncio.shield(job.captured)
         except asyncio.CancelledError:
@@ -223,18 +222,22 @@ class Engine:
         return durable
 
     def abort(self, save_id: str) -> None:
-        """The caller gave up on ``save()`` before receiving its handle: cancel that save
+        """The caller gave up on ``save()`` before receiving its handle: abort that save
         unless its commit has begun (then it stands). Loop thread."""
         job = self._jobs.get(save_id)
-        if job is not None and job.task is not None and not job.commit_started:
+        if job is None or job.task is None:
+            return
+        if not job.captured.done():
             job.task.cancel()
+        elif self.transfer is not None:
+            self.transfer.abort(save_id)
 
     def _saves_to(self, storage: Storage) -> list[_SaveJob]:
         """Saves in flight to the root of ``storage`` (compared by URL: two backends opened
         on one root are one root)."""
         return [job for job in self._jobs.values() if job.storage.url == storage.url]
 
-    def _forget(self, job: _SaveJob, task: asyncio.Task[None]) -> None:
+    def _forget(self, job: _SaveJob) -> None:
         """Done callback of a save's task, however it ended (cancelled before its first
         step included): free its slot and its name, and settle whatever is not settled."""
         assert self._pending is not None
@@ -247,52 +250,89 @@ class Engine:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {job.plan.step} was cancelled"))
 
     async def _run(self, job: _SaveJob) -> None:
+        assert self.transfer is not None
+        failure: BaseException | None = None
+        job.capture = asyncio.ensure_future(self._capture(job))
         try:
-            result = await self._save(job)
+            await job.capture
+        except asyncio.CancelledError as exc:
+            if not job.capture.done():  # the caller (or close) cancelled this save
+                job.capture.cancel()
+                await asyncio.wait([job.capture])
+            failure = exc if not job.outcome.done() else None  # else: the transfer side failed first
         except BaseException as exc:
-            # Settling runs to its end even if cancelled again (close(timeout) running out):
-            # the handle always resolves and the failure is always reported.
-            committed = await complete_before_cancel(self._after_failure(job, exc))
-            if committed is None:
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                return
-            result = committed
-        job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
-        if not job.captured.done():
-            job.captured.set_result(result.blocked_s)
-        job.durable.set_result(result)
+            failure = exc
+        if failure is not None or not job.captured.done():
+            self.transfer.abort(job.plan.save_id)
+        outcome = await self._outcome(job)  # every chunk is back before this
+        await finish_despite_cancel(self._end_session(job))
+        if outcome.committed:
+            self._succeed(job, outcome)
+        else:
+            self._fail(job, failure if failure is not None else (outcome.error or asyncio.CancelledError()))
 
-    async def _save(self, job: _SaveJob) -> SaveResult:
-        """Capture, upload, commit, retention: the happy path of one save."""
-        plan, storage = job.plan, job.storage
-        look = asyncio.ensure_future(preflight(storage, plan.step))
-        look.add_done_callback(_retrieve)
-        try:
-            job.session = self._spool_session(plan, storage, job.keep_last)
+    async def _outcome(self, job: _SaveJob) -> TransferOutcome:
+        """Wait for the transfer side's outcome; cancelled meanwhile (close(timeout)), ask
+        it to abort and wait on: it always reports, and every slab must come back first."""
+        assert self.transfer is not None
+        while True:
             try:
-                crcs = await self._stage(job, look)
-                decided = await look
-                decided.check(storage.url)
-                commit_started = time.perf_counter()
-                manifest = build_manifest(plan.spec, crcs)
-                job.commit_started = True
-                manifest_bytes = await commit_manifest(storage, manifest, replace=decided.replaces)
-            finally:  # committed or failed, the save's spool folder has served
-                if job.session is not None:
-                    await complete_before_cancel(job.session.finish())
-        finally:
-            look.cancel()
-        job.stages["commit"] = time.perf_counter() - commit_started
-        job.result = self._result(job, deleted=())
-        job.emit("end", stage="commit", nbytes=manifest_bytes, seconds=job.stages["commit"])
-        deleted = await self._retention(plan.step, storage, job.keep_last)
-        job.result = dataclasses.replace(job.result, deleted_steps=tuple(deleted))
-        return job.result
+                return await asyncio.shield(job.outcome)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                self.transfer.abort(job.plan.save_id, even_committing=True)
 
-    def _result(self, job: _SaveJob, deleted: tuple[int, ...]) -> SaveResult:
+    async def _capture(self, job: _SaveJob) -> None:
+        """Copy every chunk, check the step order, and let save() return."""
+        pool, transfer = self._ready()
+        plan = job.plan
+        job.session = self._spool_session(plan, job.storage, job.keep_last)
+        capture_started = time.perf_counter()
+        await capture_chunks(
+            plan, pool, self._executor, self._copier, job.order,
+            stage=lambda chunk: self._stage(job, chunk),
+            may_upload=lambda: transfer.may_upload(plan.save_id),
+            spool=job.session,
+        )  # fmt: skip
+        if job.session is not None:
+            await job.session.captured()  # the journal says so before save() returns
+        capture_done = time.perf_counter()
+        await self._check_preflight(job)
+        job.blocked = time.perf_counter() - job.started
+        job.stages["capture"] = capture_done - capture_started
+        job.captured.set_result(job.blocked)
+        job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
+        if job.session is not None and job.session.spooled:
+            job.stages["spool"] = job.session.spool_seconds
+            job.emit("end", stage="spool", nbytes=job.session.spooled_bytes, seconds=job.session.spool_seconds)
+        transfer.captured(plan.save_id)
+
+    def _stage(self, job: _SaveJob, chunk: Staged) -> None:
+        assert self.transfer is not None
+        job.lent[chunk.index] = chunk
+        self.transfer.staged(chunk)
+
+    @staticmethod
+    async def _check_preflight(job: _SaveJob) -> None:
+        """Refuse the step in save() itself when the look at the root is back in time;
+        otherwise (a slow store, or one that failed: a background failure like any other)
+        it is checked before the commit, on the transfer side."""
+        if not job.preflight.done():
+            await asyncio.wait([job.preflight], timeout=PREFLIGHT_GRACE_S)
+        if job.preflight.done() and job.preflight.exception() is None:
+            job.preflight.result().check(job.storage.url)
+
+    async def _end_session(self, job: _SaveJob) -> None:
+        if job.journalling:
+            await asyncio.wait(set(job.journalling))
+        if job.session is not None:
+            await job.session.finish()
+
+    def _succeed(self, job: _SaveJob, outcome: TransferOutcome) -> None:
         session = job.session
-        return SaveResult(
+        result = SaveResult(
             step=job.plan.step,
             save_id=job.plan.save_id,
             nbytes=job.plan.total_bytes,
@@ -300,124 +340,80 @@ class Engine:
             blocked_s=job.blocked,
             durable_s=time.perf_counter() - job.started,
             ram_high_water=self.budget.high_water,
-            deleted_steps=deleted,
+            deleted_steps=outcome.deleted_steps,
             spooled_chunks=0 if session is None else session.spooled,
             spool_fallback=None if session is None else session.fallback,
-            stage_seconds=dict(job.stages),
+            stage_seconds={**job.stages, **outcome.stage_seconds},
             spool_high_water=None if self.spool is None else self.spool.budget.high_water,
         )
+        job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
+        if not job.captured.done():
+            job.captured.set_result(result.blocked_s)
+        job.durable.set_result(result)
 
-    async def _after_failure(self, job: _SaveJob, exc: BaseException) -> SaveResult | None:
-        """Settle a save that raised ``exc``: its result if it committed after all, else
-        None once the failure is reported and the attempt's removal is scheduled (or left
-        to gc when the commit's outcome cannot be read back)."""
-        plan, storage = job.plan, job.storage
-        if job.result is not None:  # committed; only retention was interrupted
-            return job.result
-        remove = True
-        if job.commit_started:
-            # a refusal (another writer's manifest is there) is definite; anything else may
-            # have been a request abandoned mid-way, which on an object store can still land
-            interrupted = not isinstance(exc, FileExistsError)
-            verdict = await whose_commit(storage, plan.step, plan.save_id, write_interrupted=interrupted)
-            if verdict == "ours":
-                log.info("aiosnap: step %d committed although its save reported %r", plan.step, exc)
-                job.result = self._result(job, deleted=())
-                return job.result
-            remove = verdict == "other"
-            if not remove:
-                log.warning(
-                    "aiosnap: the commit of step %d may or may not have landed (%r); its data is left "
-                    "in place for `aiosnap gc`", plan.step, exc,
-                )  # fmt: skip
-        job.emit("exception", exception=exc)
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        if not job.captured.done():  # save() itself raises it (or was cancelled): reported there
+    def _fail(self, job: _SaveJob, failure: BaseException) -> None:
+        """Report ``failure`` once: by save() itself when it has not returned yet, else to
+        whoever waits for the handle, else by the next save() or close()."""
+        step = job.plan.step
+        job.emit("exception", exception=failure)
+        cancelled = isinstance(failure, asyncio.CancelledError)
+        if not job.captured.done():
             if cancelled:
                 job.captured.cancel()
             else:
-                job.captured.set_exception(exc)
+                job.captured.set_exception(failure)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
         elif not cancelled:
-            self.failures.record(exc)  # before the handle can hand it out: see FailureLedger
+            self.failures.record(failure)  # before the handle can hand it out: see FailureLedger
         if cancelled:
-            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {plan.step} was cancelled"))
+            job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {step} was cancelled"))
         else:
-            job.durable.set_exception(exc)
-        if remove:
-            cleanup = asyncio.get_running_loop().create_task(remove_attempt(storage, plan.step, plan.save_id))
-            self._cleanups.add(cleanup)
-            cleanup.add_done_callback(self._cleanups.discard)
-        return None
+            job.durable.set_exception(failure)
 
     def _spool_session(self, plan: SavePlan, storage: Storage, keep_last: int | None) -> SpoolSession | None:
-        if self.spool is None:
+        if self.spool is None or self.pool is None:
             return None
-        pool = self._pool_for(plan)
-        return SpoolSession(self.spool, plan, storage.url, self.storage.url, pool, self._bounce, keep_last)
+        return SpoolSession(self.spool, plan, storage.url, self.storage.url, self.pool, self._bounce, keep_last)
 
-    async def _stage(self, job: _SaveJob, look: asyncio.Future[Preflight]) -> Checksums:
-        """Capture and upload concurrently; returns the crc32c of every piece. Resolves
-        ``job.captured`` (save() returns) once every byte is captured and the step order
-        is checked; fills ``job.stages`` and emits each stage's end event."""
-        plan, session = job.plan, job.session
-        pool = self._pool_for(plan)
-        crcs: Checksums = {}
-        workers = min(self.config.upload.concurrency, max(1, len(plan.chunks)))
-        # Room for every chunk: what bounds the chunks in flight is the slab pool (RAM budget).
-        queue: asyncio.Queue[StagedChunk | None] = asyncio.Queue(maxsize=len(plan.chunks) + 1)
-        may_start = asyncio.Event()
-        clock = _StageClock()
-        landed = None if session is None else session.landed
-        try:
-            async with asyncio.TaskGroup() as group:
-                for _ in range(workers):
-                    group.create_task(upload_worker(queue, job.storage, crcs, may_start, landed, clock))
-                capture_started = time.perf_counter()
-                await capture_chunks(plan, pool, queue, self._executor, self._copier, job.order, may_start, session)
-                if session is not None:
-                    await session.captured()  # the journal says so before save() returns
-                capture_done = time.perf_counter()
-                await self._check_preflight(job, look)
-                now = time.perf_counter()
-                job.blocked = now - job.started
-                job.stages["capture"] = capture_done - capture_started
-                job.captured.set_result(job.blocked)
-                may_start.set()
-                job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
-                if session is not None and session.spooled:
-                    job.stages["spool"] = session.spool_seconds
-                    job.emit("end", stage="spool", nbytes=session.spooled_bytes, seconds=session.spool_seconds)
-                for _ in range(workers):
-                    await queue.put(None)
-        except BaseExceptionGroup as group_error:
-            raise (leaf := first_error(group_error)) from leaf.__cause__
-        finally:
-            while not queue.empty():
-                staged = queue.get_nowait()
-                if staged is not None:
-                    staged.release()
-        job.stages["upload"] = clock.seconds
-        job.emit("end", stage="upload", nbytes=plan.total_bytes, seconds=clock.seconds)
-        return crcs
+    # -- what the transfer side tells (TransferListener) ------------------------------------
 
-    @staticmethod
-    async def _check_preflight(job: _SaveJob, look: asyncio.Future[Preflight]) -> None:
-        """Refuse the step in save() itself when the look at the root is back in time;
-        otherwise (a slow store, or one that failed: a background failure like any other)
-        it is checked before the commit."""
-        if not look.done():
-            await asyncio.wait([look], timeout=PREFLIGHT_GRACE_S)
-        if look.done() and look.exception() is None:
-            look.result().check(job.storage.url)
+    def preflight(self, save_id: str, latest: int | None, error: BaseException | None) -> None:
+        job = self._jobs.get(save_id)
+        if job is None or job.preflight.done():
+            return
+        if error is not None:
+            job.preflight.set_exception(error)
+            job.preflight.exception()  # the transfer side reports it, if it matters
+        else:
+            job.preflight.set_result(Preflight(job.plan.step, latest))
 
-    async def _retention(self, step: int, storage: Storage, keep_last: int | None) -> list[int]:
-        busy = {job.plan.step for job in self._saves_to(storage)}
-        try:
-            return await apply_retention(storage, keep_last, step, busy)
-        except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
-            log.warning("aiosnap: retention after step %d failed: %r", step, exc)
-            return []
+    def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
+        job = self._jobs.get(save_id)
+        if job is None:
+            return
+        chunk = job.lent.pop(index, None)
+        if isinstance(chunk, SlabChunk) and self.pool is not None:
+            self.pool.release(chunk.slab)
+        if job.session is not None and (chunk is not None or pieces is not None):
+            task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
+            job.journalling.add(task)
+            task.add_done_callback(job.journalling.discard)
+
+    def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
+        job = self._jobs.get(save_id)
+        if job is not None:
+            job.stages[stage] = seconds
+            job.emit("end", stage=stage, nbytes=nbytes, seconds=seconds)
+
+    def finished(self, save_id: str, outcome: TransferOutcome) -> None:
+        job = self._jobs.get(save_id)
+        if job is None or job.outcome.done():
+            return
+        job.outcome.set_result(outcome)
+        if job.capture is not None and not job.capture.done():
+            job.capture.cancel()  # the transfer side failed while capture went on: stop it
+
+    # -- loads, listings, removals (this process's own storage) -----------------------------
 
     async def steps(self, storage: Storage) -> list[int]:
         """Committed steps, ascending."""
@@ -463,7 +459,7 @@ class Engine:
         self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None
     ) -> ResumeReport:
         """Finish the spooled saves an earlier process left behind for ``storage`` (this
-        engine's own root by default), with retention ``keep_last`` (see pipeline.resume)."""
+        engine's own root by default), with retention ``keep_last`` (see transfer.resume)."""
         if self.spool is None:
             return ResumeReport()
         target = self.storage if storage is None else storage
@@ -479,18 +475,15 @@ class Engine:
         )
 
     async def shutdown(self) -> None:
-        """Free slabs, the spool lock and connections (after drain). Removals of failed
-        attempts get :data:`CLEANUP_WAIT_S` to finish; the rest is left to ``aiosnap gc``."""
-        if self._cleanups:
-            _, late = await asyncio.wait(set(self._cleanups), timeout=CLEANUP_WAIT_S)
-            for task in late:
-                task.cancel()
-            if late:
-                log.warning("aiosnap: %d failed attempt(s) not removed by close(); `aiosnap gc` will", len(late))
-                await asyncio.wait(late)
-        if self._pool is not None:
-            self._pool.trim()
+        """Free the transfer side (removals of failed attempts get a bounded wait; the rest
+        is left to ``aiosnap gc``), the arena, the spool lock and connections (after drain)."""
+        if self.transfer is not None:
+            await self.transfer.close()
+        if self.pool is not None:
+            self.pool.close()
         if self.spool is not None:
             self.spool.close()
         self._executor.shutdown(wait=True)
         await self.storage.close()
+        self.pool = None
+        self.arena.close()

@@ -25,8 +25,8 @@ from aiosnap import AiosnapError, Config, CorruptCheckpointError, SyncCheckpoint
 from aiosnap.format.journal import JOURNAL
 from aiosnap.load import fetch
 from aiosnap.names import MANIFEST_FILE, step_dir
+from aiosnap.spooldir import Spool
 from aiosnap.storage.local import LocalStorage
-from aiosnap.trainer.spool import Spool
 from aiosnap.transfer.resume import resume_spooled
 from tests.conftest import assert_same
 from tests.fuzzing import mutate_bytes, mutate_document, mutated_text, sign_manifest

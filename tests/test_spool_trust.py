@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap.arena import Arena
 from aiosnap.budget import ByteBudget
 from aiosnap.format.journal import JOURNAL
 from aiosnap.names import step_dir
+from aiosnap.spooldir import Spool
 from aiosnap.storage.local import LocalStorage
-from aiosnap.trainer.capture import BufferPool
 from aiosnap.trainer.plan import make_plan
-from aiosnap.trainer.spool import Spool, SpoolSession
+from aiosnap.trainer.slabs import SlabPool
+from aiosnap.trainer.spool import SpoolSession
 from tests.conftest import FaultyStorage, assert_same
 from tests.spool_child import state as child_state
 
@@ -169,8 +171,8 @@ async def test_a_save_cancelled_while_waiting_for_ram_returns_its_disk_budget(tm
     spool = Spool.open(config.spool, min_bytes=64 * 1024)
     assert spool is not None
     try:
-        budget = ByteBudget(64 * 1024, "ram_budget")
-        pool = BufferPool(budget, 64 * 1024)
+        arena = Arena(64 * 1024, 1, shared=False)
+        pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
         slab = await pool.acquire()  # RAM is exhausted: the next slab must wait
         plan = make_plan({"w": torch.randn(1000)}, step=1, chunk_bytes=64 * 1024)
         session = SpoolSession(spool, plan, str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), pool, None, None)
@@ -187,6 +189,9 @@ async def test_a_save_cancelled_while_waiting_for_ram_returns_its_disk_budget(tm
         assert spool.budget.used == 0, "the disk budget came back"
         pool.release(slab)
         await session.finish()
+        pool.close()
+        del pool
+        arena.close()
     finally:
         spool.close()
 

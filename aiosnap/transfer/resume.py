@@ -28,8 +28,8 @@ from ..checksums import file_crc32c_with_pieces
 from ..events import EventBus, ScopeEmitter
 from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
 from ..format.manifest import build_manifest
+from ..spooldir import Spool
 from ..storage.base import Storage
-from ..trainer.spool import Spool
 from .commit import commit_manifest, whose_commit
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]

@@ -1,78 +1,46 @@
-"""Upload stage: write staged chunks to storage, checksum them, free their RAM.
+"""Uploading one staged chunk: write it to storage and return the crc32c of its byte ranges.
 
-Workers run on the background loop thread; checksums run in the default executor
-(the crc32c package releases the GIL) so the loop stays responsive.
+Runs on the transfer side's loop; checksums run on worker threads (the crc32c package
+releases the GIL). A slab's bytes go to storage as a memoryview of the arena (no copy in
+Python); a spooled chunk streams from its file after its crc32c is checked against the one
+it was written with.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Protocol
 
+from ..arena import Arena
 from ..checksums import crc32c_of, file_crc32c
 from ..errors import ChecksumMismatchError
-from ..format.manifest import Checksums
+from ..format.spec import ChunkSpec
+from ..staging import FileChunk, SlabChunk, Staged
 from ..storage.base import Storage
-from ..trainer.capture import StagedChunk
 
-__all__ = ["UploadClock", "upload_worker"]
-
-
-class UploadClock(Protocol):
-    def began(self) -> None: ...
-    def landed(self) -> None: ...
+__all__ = ["upload_chunk"]
 
 
-def _range_checksums(staged: StagedChunk) -> list[int]:
-    return [crc32c_of(staged.data[offset : offset + nbytes]) for offset, nbytes in staged.ranges]
+def _range_checksums(data: memoryview, chunk: ChunkSpec) -> list[int]:
+    return [crc32c_of(data[p.dst_offset : p.dst_offset + p.nbytes]) for p in chunk.pieces]
 
 
-async def _upload_spooled(storage: Storage, staged: StagedChunk) -> list[int]:
-    """Upload a chunk from its spool file after checking the file's crc32c."""
-    assert staged.spool_path is not None
-    assert staged.piece_crcs is not None
-    found = await asyncio.to_thread(file_crc32c, staged.spool_path)
-    if found != staged.chunk_crc:
+async def _upload_file(storage: Storage, staged: FileChunk, chunk: ChunkSpec) -> list[int]:
+    found = await asyncio.to_thread(file_crc32c, staged.path)
+    if found != staged.crc:
         raise ChecksumMismatchError(
-            f"spool file {staged.spool_path} is corrupt (crc32c {found:#010x}, written {staged.chunk_crc:#010x}); "
-            f"not committing {staged.object_name}"
+            f"spool file {staged.path} is corrupt (crc32c {found:#010x}, written {staged.crc:#010x}); "
+            f"not committing {chunk.object_name}"
         )
-    await storage.write_file(staged.object_name, staged.spool_path)
-    return staged.piece_crcs
+    await storage.write_file(chunk.object_name, staged.path)
+    return list(staged.pieces)
 
 
-async def upload_worker(
-    queue: asyncio.Queue[StagedChunk | None],
-    storage: Storage,
-    crcs: Checksums,
-    may_start: asyncio.Event,
-    on_landed: Callable[[StagedChunk, list[int]], Awaitable[None]] | None = None,
-    clock: UploadClock | None = None,
-) -> None:
-    """Take chunks off ``queue`` until a ``None`` arrives; each chunk's RAM (or spool disk)
-    is released in finally, after ``on_landed`` (the spool journal) has run.
-
-    Starts only once ``may_start`` is set (capture has priority while RAM lasts). ``clock``
-    hears when the first chunk is taken and when each one has landed."""
-    await may_start.wait()
-    while True:
-        staged = await queue.get()
-        if staged is None:
-            return
-        if clock is not None:
-            clock.began()
-        try:
-            if staged.spool_path is not None:
-                checksums = await _upload_spooled(storage, staged)
-            else:
-                checksums = await asyncio.to_thread(_range_checksums, staged)
-                await storage.write(staged.object_name, staged.data)
-            for (offset, _), crc in zip(staged.ranges, checksums, strict=True):
-                crcs[(staged.object_name, offset)] = crc
-            if on_landed is not None:
-                await on_landed(staged, checksums)
-            if clock is not None:
-                clock.landed()
-        finally:
-            staged.release()
+async def upload_chunk(storage: Storage, arena: Arena, staged: Staged, chunk: ChunkSpec) -> list[int]:
+    """Write ``staged`` (chunk ``chunk`` of its save) to storage; the crc32c of each piece."""
+    if isinstance(staged, FileChunk):
+        return await _upload_file(storage, staged, chunk)
+    assert isinstance(staged, SlabChunk)
+    data = arena.view(staged.slab, staged.nbytes)
+    checksums = await asyncio.to_thread(_range_checksums, data, chunk)
+    await storage.write(chunk.object_name, data)
+    return checksums

@@ -1,0 +1,108 @@
+"""The staging arena: one memory region, allocated once, cut into equal slabs.
+
+Captured chunks are copied into slabs of the arena; the transfer side reads them from
+there. In ``upload.executor: process`` mode the region is a memfd that both processes map
+(one file descriptor, one mapping, whatever the number of tensors); in thread mode it is
+anonymous memory. The whole arena is counted in the RAM budget (it is the RAM budget) and
+its pages are touched in the background when it is made, so the first save copies into
+memory that is already there. No torch here: the upload process maps it without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+
+__all__ = ["Arena"]
+
+log = logging.getLogger("aiosnap")
+
+_PREWARM_STEP = 64 * 1024 * 1024
+
+
+class Arena:
+    """``count`` slabs of ``slab_bytes`` each, contiguous, in one mapping."""
+
+    def __init__(self, slab_bytes: int, count: int, *, shared: bool, fd: int | None = None) -> None:
+        if slab_bytes <= 0 or count <= 0:
+            raise ValueError(f"an arena needs slabs: {count} x {slab_bytes} bytes")
+        self.slab_bytes = slab_bytes
+        self.count = count
+        self.size = slab_bytes * count
+        self.shared = shared
+        self._fd: int | None = None
+        if fd is not None:  # the upload process attaching to the trainer's arena
+            self._map = mmap.mmap(fd, self.size)
+            os.close(fd)
+        elif shared:
+            self._fd = os.memfd_create("aiosnap-staging", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, self.size)
+            self._map = mmap.mmap(self._fd, self.size)
+        else:
+            self._map = mmap.mmap(-1, self.size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:  # fewer page faults where the kernel allows (anonymous memory, usually)
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.buffer = memoryview(self._map)
+        self._prewarm: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def fd(self) -> int:
+        """The memfd to hand to the upload process (shared arenas only)."""
+        if self._fd is None:
+            raise ValueError("this arena is not shared")
+        return self._fd
+
+    def view(self, slab: int, nbytes: int | None = None) -> memoryview:
+        """The first ``nbytes`` (all by default) of slab ``slab``, without a copy."""
+        if not 0 <= slab < self.count:
+            raise IndexError(f"slab {slab} is not in this arena of {self.count}")
+        start = slab * self.slab_bytes
+        return self.buffer[start : start + (self.slab_bytes if nbytes is None else nbytes)]
+
+    def prewarm(self) -> None:
+        """Touch every page on a background thread (the pages become resident now rather
+        than inside the first save); returns at once."""
+
+        def touch() -> None:
+            populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
+            try:
+                for start in range(0, self.size, _PREWARM_STEP):
+                    if self._stop.is_set():
+                        return
+                    length = min(_PREWARM_STEP, self.size - start)
+                    if populate is not None:
+                        try:
+                            self._map.madvise(populate, start, length)
+                            continue
+                        except OSError:
+                            populate = None
+                    for page in range(start, start + length, mmap.PAGESIZE):
+                        self.buffer[page] = 0
+            except (ValueError, OSError):  # closed meanwhile
+                pass
+
+        self._prewarm = threading.Thread(target=touch, name="aiosnap-prewarm", daemon=True)
+        self._prewarm.start()
+
+    def close(self) -> None:
+        """Unmap (and close the memfd); idempotent. Views must not be used afterwards."""
+        if self._prewarm is not None:
+            self._stop.set()  # at most one more step of touching
+            self._prewarm.join()
+            self._prewarm = None
+        if self._map.closed:
+            return
+        self.buffer.release()
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive (a torch tensor over it): leave it to the GC
+            log.debug("aiosnap: staging arena still referenced; it is freed when collected")
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,269 @@
+"""The transfer side of saves: upload staged chunks, commit, retention, settle failures.
+
+:class:`LocalTransfer` runs on one event loop: the trainer's loop thread (``upload.executor:
+thread``) or the upload process's own (``process``, driven by :mod:`.helper`); the same
+code either way. It knows a save as its :class:`~aiosnap.format.spec.SaveSpec` and the
+chunks the trainer side stages (descriptors), and tells the trainer side what happened
+through a :class:`~aiosnap.staging.TransferListener`: the root's latest step (preflight),
+each chunk it is done with, each stage, the outcome. The commit protocol is in
+:mod:`.commit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ..aio import finish_despite_cancel
+from ..arena import Arena
+from ..catalog.steps import apply_retention
+from ..config import Config
+from ..errors import first_error
+from ..format.manifest import Checksums, build_manifest
+from ..format.spec import SaveSpec
+from ..staging import Staged, TransferListener, TransferOutcome
+from ..storage.base import Storage
+from ..storage.registry import storage_from_url
+from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
+from .upload import upload_chunk
+
+__all__ = ["CLEANUP_WAIT_S", "LocalTransfer"]
+
+log = logging.getLogger("aiosnap")
+
+CLEANUP_WAIT_S = 10.0
+"""How long closing lets the removal of failed attempts run before leaving them to gc."""
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Done callback: mark a side task's outcome as seen (its failure is reported elsewhere)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class LocalTransfer:
+    """Every save's transfer side, on the loop that calls it (all methods: that loop's
+    thread). ``listener`` hears about each save; ``arena`` holds the staged slabs."""
+
+    def __init__(self, config: Config, arena: Arena, listener: TransferListener) -> None:
+        self.config = config
+        self.arena = arena
+        self.listener = listener
+        self._roots: dict[str, Storage] = {}
+        self._saves: dict[str, _Upload] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    def open_root(self, url: str, storage: Storage | None = None) -> None:
+        """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
+        if url not in self._roots:
+            self._roots[url] = storage if storage is not None else storage_from_url(url, self.config)
+
+    def begin(self, save_id: str, url: str, keep_last: int | None, spec: SaveSpec) -> None:
+        """A save starts: look at its root (preflight) and wait for its chunks."""
+        self.open_root(url)
+        upload = _Upload(self, save_id, self._roots[url], keep_last, spec)
+        self._saves[save_id] = upload
+        upload.task = asyncio.get_running_loop().create_task(upload.run())
+
+    def staged(self, chunk: Staged) -> None:
+        """A captured chunk, to upload (or to hand straight back if its save is over)."""
+        upload = self._saves.get(chunk.save_id)
+        if upload is None or not upload.accepting:
+            self.listener.done_with(chunk.save_id, chunk.index, None)
+            return
+        upload.put(chunk)
+
+    def may_upload(self, save_id: str) -> None:
+        """Capture would wait for RAM or spool disk: uploads may start before it is done."""
+        upload = self._saves.get(save_id)
+        if upload is not None:
+            upload.may_start.set()
+
+    def captured(self, save_id: str) -> None:
+        """Every chunk of the save is staged."""
+        upload = self._saves.get(save_id)
+        if upload is not None:
+            upload.all_staged()
+
+    def abort(self, save_id: str, *, even_committing: bool = False) -> None:
+        """The trainer side gave the save up (cancelled, or capture failed): stop it, unless
+        its commit has begun (then it stands) -- or even then, for ``close(timeout)``: the
+        interrupted commit's outcome is read back."""
+        upload = self._saves.get(save_id)
+        if upload is not None and upload.task is not None and (even_committing or not upload.commit_started):
+            upload.task.cancel()
+
+    def busy_steps(self, storage: Storage) -> set[int]:
+        """Steps with a save in flight to the root of ``storage``."""
+        return {u.spec.step for u in self._saves.values() if u.storage.url == storage.url}
+
+    def forget(self, upload: _Upload) -> None:
+        self._saves.pop(upload.save_id, None)
+
+    def clean_up_later(self, storage: Storage, step: int, save_id: str) -> None:
+        """Remove a failed attempt's folder in the background (close waits, bounded)."""
+        cleanup = asyncio.get_running_loop().create_task(remove_attempt(storage, step, save_id))
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+
+    async def close(self) -> None:
+        """Cancel what still runs, give removals of failed attempts :data:`CLEANUP_WAIT_S`
+        (the rest is left to ``aiosnap gc``), close the storages."""
+        running = [u.task for u in self._saves.values() if u.task is not None]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+        if self._cleanups:
+            _, late = await asyncio.wait(set(self._cleanups), timeout=CLEANUP_WAIT_S)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning("aiosnap: %d failed attempt(s) not removed by close(); `aiosnap gc` will", len(late))
+                await asyncio.wait(late)
+        for storage in self._roots.values():
+            await storage.close()
+        self._roots.clear()
+
+
+class _StageClock:
+    """When the upload stage ran: first chunk taken to last chunk landed."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def began(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def landed(self) -> None:
+        self.last = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.first is None or self.last is None else self.last - self.first
+
+
+class _Upload:
+    """One save on the transfer side."""
+
+    def __init__(self, owner: LocalTransfer, save_id: str, storage: Storage, keep_last: int | None, spec: SaveSpec):
+        self.owner = owner
+        self.save_id = save_id
+        self.storage = storage
+        self.keep_last = keep_last
+        self.spec = spec
+        self.task: asyncio.Task[None] | None = None
+        self.accepting = True
+        self.commit_started = False
+        self.may_start = asyncio.Event()
+        self._queue: asyncio.Queue[Staged | None] = asyncio.Queue()
+        self._outstanding: set[int] = set()
+        self._workers = min(owner.config.upload.concurrency, max(1, len(spec.chunks)))
+        self._stages: dict[str, float] = {}
+
+    def put(self, chunk: Staged) -> None:
+        self._outstanding.add(chunk.index)
+        self._queue.put_nowait(chunk)
+
+    def all_staged(self) -> None:
+        for _ in range(self._workers):
+            self._queue.put_nowait(None)
+        self.may_start.set()
+
+    def _done(self, index: int, pieces: list[int] | None) -> None:
+        if index in self._outstanding:
+            self._outstanding.discard(index)
+            self.owner.listener.done_with(self.save_id, index, pieces)
+
+    async def run(self) -> None:
+        listener = self.owner.listener
+        look = asyncio.ensure_future(preflight(self.storage, self.spec.step))
+        look.add_done_callback(self._tell_preflight)
+        try:
+            try:
+                outcome = await self._save(look)
+            except BaseException as exc:
+                outcome = await finish_despite_cancel(self._settle(exc))
+        finally:
+            self.accepting = False
+            look.cancel()
+            for index in sorted(self._outstanding):
+                self._done(index, None)
+            self.owner.forget(self)
+        listener.finished(self.save_id, outcome)  # always: the trainer side waits for it
+
+    def _tell_preflight(self, look: asyncio.Future[Preflight]) -> None:
+        if look.cancelled():
+            return
+        error = look.exception()
+        self.owner.listener.preflight(self.save_id, None if error else look.result().latest, error)
+
+    async def _save(self, look: asyncio.Future[Preflight]) -> TransferOutcome:
+        """Upload, commit, retention: the happy path."""
+        crcs: Checksums = {}
+        clock = _StageClock()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(self._workers):
+                    group.create_task(self._worker(crcs, clock))
+        except BaseExceptionGroup as group_error:
+            raise (leaf := first_error(group_error)) from leaf.__cause__
+        self._stages["upload"] = clock.seconds
+        self.owner.listener.stage_ended(self.save_id, "upload", self.spec.total_bytes, clock.seconds)
+        decided = await look
+        decided.check(self.storage.url)
+        started = time.perf_counter()
+        manifest = build_manifest(self.spec, crcs)
+        self.commit_started = True
+        manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
+        self._stages["commit"] = time.perf_counter() - started
+        self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
+        deleted = await self._retention()
+        return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
+
+    async def _worker(self, crcs: Checksums, clock: _StageClock) -> None:
+        await self.may_start.wait()
+        while True:
+            staged = await self._queue.get()
+            if staged is None:
+                return
+            clock.began()
+            chunk = self.spec.chunks[staged.index]
+            pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
+            for piece, crc in zip(chunk.pieces, pieces, strict=True):
+                crcs[(chunk.object_name, piece.dst_offset)] = crc
+            clock.landed()
+            self._done(staged.index, pieces)
+
+    async def _retention(self) -> list[int]:
+        busy = self.owner.busy_steps(self.storage) - {self.spec.step}
+        try:
+            return await apply_retention(self.storage, self.keep_last, self.spec.step, busy)
+        except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
+            log.warning("aiosnap: retention after step %d failed: %r", self.spec.step, exc)
+            return []
+
+    async def _settle(self, exc: BaseException) -> TransferOutcome:
+        """A save that raised ``exc``: committed after all, or failed (its attempt removed in
+        the background, or left for gc when the commit's outcome cannot be read back)."""
+        step = self.spec.step
+        if self.commit_started:
+            # a refusal (another writer's manifest is there) is definite; anything else may
+            # have been a request abandoned mid-way, which on an object store can still land
+            interrupted = not isinstance(exc, FileExistsError)
+            verdict = await whose_commit(self.storage, step, self.save_id, write_interrupted=interrupted)
+            if verdict == "ours":
+                log.info("aiosnap: step %d committed although its save reported %r", step, exc)
+                return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
+            if verdict == "unknown":
+                log.warning(
+                    "aiosnap: the commit of step %d may or may not have landed (%r); its data is left "
+                    "in place for `aiosnap gc`", step, exc,
+                )  # fmt: skip
+                return TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
+        self.owner.clean_up_later(self.storage, step, self.save_id)
+        return TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
