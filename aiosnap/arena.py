@@ -42,11 +42,6 @@ class Arena:
             self._map = mmap.mmap(self._fd, self.size)
         else:
             self._map = mmap.mmap(-1, self.size)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:  # fewer page faults where the kernel allows (anonymous memory, usually)
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
         self.buffer = memoryview(self._map)
         self._prewarm: threading.Thread | None = None
         self._stop = threading.Event()
