@@ -24,6 +24,7 @@ from .errors import (
     StorageUnavailableError,
     TruncatedObjectError,
     UnsupportedStateError,
+    UploadProcessError,
     WrongThreadError,
 )
 
@@ -91,6 +92,7 @@ __all__ = [
     "SyncSaveHandle",
     "TruncatedObjectError",
     "UnsupportedStateError",
+    "UploadProcessError",
     "WrongThreadError",
     "load_config",
 ]

@@ -196,6 +196,7 @@ class _Core:
             undo.callback(self._loop.stop)
             self._engine = Engine(self.config, storage, ram_budget, events, spool)
             undo.callback(lambda: self._loop.run(self._engine.shutdown()))
+            self._loop.run(self._engine.start())
             if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()

@@ -123,6 +123,10 @@ class UploadConfig(_Section):
     chunk_size: ChunkSize = 64 * 1024 * 1024
     """Largest data object; large tensors are split, small ones batched, up to this size.
     Capped at a quarter of the RAM budget so capture and upload overlap."""
+    executor: Literal["thread", "process"] = "thread"
+    """Where uploads, checksums, commit and retention run: on a thread of the training
+    process, or in a helper process (started with the checkpointer, sharing the staging
+    memory) so that their Python work never takes the trainer's GIL."""
 
 
 class SpoolConfig(_Section):

@@ -12,6 +12,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
     ├── StateMismatchError           load(state): the checkpoint does not fit the given state
+    ├── UploadProcessError           the upload process (upload.executor: process) died
     ├── StorageError                 a remote store refused or failed a request (botocore chained)
     │   └── StorageUnavailableError  retries (throttling, 5xx, resets, timeouts) ran out of time
     ├── CorruptCheckpointError       a checkpoint exists but must not be trusted
@@ -44,6 +45,7 @@ __all__ = [
     "StorageUnavailableError",
     "TruncatedObjectError",
     "UnsupportedStateError",
+    "UploadProcessError",
     "WrongThreadError",
 ]
 
@@ -89,6 +91,11 @@ class CheckpointNotFoundError(AiosnapError, LookupError):
 class StateMismatchError(AiosnapError, ValueError):
     """``load(state)``: a key of ``state`` is not in the checkpoint, or a tensor's shape or a
     value's kind differs; the message names the path."""
+
+
+class UploadProcessError(AiosnapError, RuntimeError):
+    """The upload process (``upload.executor: process``) died or stopped answering: the saves
+    it had are failed (their spooled chunks stay for resume); the next save starts a new one."""
 
 
 class StorageError(AiosnapError):

@@ -130,7 +130,9 @@ class Engine:
         self.spool = spool
         self.failures = FailureLedger()
         self.slab_bytes = slab_bytes_for(config, ram_budget)
-        self.arena = Arena(self.slab_bytes, max(1, ram_budget // self.slab_bytes), shared=False)
+        self.in_process = config.upload.executor == "process"
+        count = max(1, ram_budget // self.slab_bytes)
+        self.arena = Arena(self.slab_bytes, count, shared=self.in_process)
         self.arena.prewarm()  # pages resident before the first save needs them
         self.budget = ByteBudget(self.arena.size, "ram_budget")
         self.pool: SlabPool | None = None  # made on the loop (it holds an asyncio queue)
@@ -141,8 +143,13 @@ class Engine:
         self._jobs: dict[str, _SaveJob] = {}  # save id -> the save in flight
         self.transfer: Transfer | None = None
 
+    async def start(self) -> None:
+        """Make the slab pool and the transfer side (starting the upload process in
+        ``process`` mode) as the checkpointer starts; loop thread."""
+        self._ready()
+
     def _ready(self) -> tuple[SlabPool, Transfer]:
-        """The pool and the transfer side, made on first use (on the loop)."""
+        """The pool and the transfer side (a new upload process if the last one died)."""
         if self.pool is None:
             self.pool = SlabPool(self.arena, self.budget)
             if self.spool is not None and self.spool.mode == "overflow":
@@ -150,10 +157,15 @@ class Engine:
                     log.warning("aiosnap: the RAM budget holds one slab: no bounce slab, spooling is off")
                 else:  # one slab of the budget is set aside to spill through when the rest is lent
                     self._bounce = Bounce(self.pool)
-        if self.transfer is None:
-            from .transfer.local import LocalTransfer
+        if self.transfer is None or getattr(self.transfer, "dead", None) is not None:
+            if self.in_process:
+                from .transfer.process import ProcessTransfer
 
-            self.transfer = LocalTransfer(self.config, self.arena, self)
+                self.transfer = ProcessTransfer(self.config, self.arena, self)
+            else:
+                from .transfer.local import LocalTransfer
+
+                self.transfer = LocalTransfer(self.config, self.arena, self)
             self.transfer.open_root(self.storage.url, self.storage)
         return self.pool, self.transfer
 
@@ -288,6 +300,8 @@ class Engine:
         """Copy every chunk, check the step order, and let save() return."""
         pool, transfer = self._ready()
         plan = job.plan
+        if job.outcome.done():  # refused by the transfer side before anything was copied
+            return
         job.session = self._spool_session(plan, job.storage, job.keep_last)
         capture_started = time.perf_counter()
         await capture_chunks(
@@ -299,6 +313,8 @@ class Engine:
         if job.session is not None:
             await job.session.captured()  # the journal says so before save() returns
         capture_done = time.perf_counter()
+        if job.outcome.done():  # the transfer side failed meanwhile: save() reports it
+            return
         await self._check_preflight(job)
         job.blocked = time.perf_counter() - job.started
         job.stages["capture"] = capture_done - capture_started
@@ -412,6 +428,19 @@ class Engine:
         job.outcome.set_result(outcome)
         if job.capture is not None and not job.capture.done():
             job.capture.cancel()  # the transfer side failed while capture went on: stop it
+
+    def transfer_lost(self, error: BaseException) -> None:
+        """The upload process died: every save it had fails with ``error``; their slabs come
+        back (nobody reads them any more), their spool folders stay for a later resume."""
+        for job in list(self._jobs.values()):
+            for index in list(job.lent):
+                self.done_with(job.plan.save_id, index, None)
+            if job.session is not None:
+                job.session.keep = True
+            if not job.preflight.done():
+                job.preflight.set_exception(error)
+                job.preflight.exception()
+            self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
 
     # -- loads, listings, removals (this process's own storage) -----------------------------
 

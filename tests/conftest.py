@@ -127,13 +127,15 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def small_config(root: Path) -> Config:
+def small_config(root: Path, upload_executor: str) -> Config:
     """Small chunks and budget so that every test crosses chunk boundaries."""
     return Config(storage={"url": str(root)}, ram_budget="1MiB", upload={"chunk_size": "64KiB", "concurrency": 4})
 
 
 @pytest.fixture
-def faulty(root: Path) -> FaultyStorage:
+def faulty(root: Path, upload_executor: str) -> FaultyStorage:
+    if upload_executor == "process":
+        pytest.skip("storage wrappers that fail on cue live in the trainer's process (thread executor only)")
     return FaultyStorage(LocalStorage(root))
 
 
@@ -178,7 +180,7 @@ def crashed_spool(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
     config = Config(
         storage={"url": str(root)},
         ram_budget="1MiB",
-        upload={"chunk_size": "64KiB", "concurrency": 2},
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread"},  # its storage wrapper
         spool={"dir": str(spool_dir), "mode": "always", "resume": False},
         retention={"keep_last": 1},
     )
@@ -265,3 +267,21 @@ def s3_config(endpoint: str, bucket: str, prefix: str = "run", **s3: Any) -> Con
         upload={"chunk_size": "12MiB", "concurrency": 4},
         s3=settings,
     )
+
+
+# --- both executors: modules marked `both_executors` run each test with upload.executor
+#     thread and process (an AIOSNAP_* variable, so every Config of the test takes it)
+
+
+@pytest.fixture(autouse=True)
+def upload_executor(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    mode = str(getattr(request, "param", "thread"))
+    if mode == "process":
+        monkeypatch.setenv("AIOSNAP_UPLOAD__EXECUTOR", "process")
+    return mode
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "upload_executor" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_executors"):
+        thread_only = metafunc.definition.get_closest_marker("thread_only") is not None
+        metafunc.parametrize("upload_executor", ["thread"] if thread_only else ["thread", "process"], indirect=True)

@@ -42,6 +42,7 @@ def test_public_names_are_locked() -> None:
         "SyncSaveHandle",
         "TruncatedObjectError",
         "UnsupportedStateError",
+        "UploadProcessError",
         "WrongThreadError",
         "load_config",
     }

@@ -12,6 +12,8 @@ import torch
 from aiosnap import Checkpointer, CheckpointerClosedError, Config, SyncCheckpointer, WrongThreadError
 from tests.conftest import FaultyStorage
 
+pytestmark = pytest.mark.both_executors
+
 
 async def test_async_save_does_not_block_the_callers_loop(small_config: Config, faulty: FaultyStorage) -> None:
     faulty.delay = 0.05  # every object write takes 50 ms

@@ -17,6 +17,8 @@ from aiosnap.names import MANIFEST_FILE, step_dir
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 
+pytestmark = pytest.mark.both_executors
+
 
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
@@ -62,6 +64,7 @@ def test_close_timeout_during_the_manifest_write_keeps_the_committed_data(
         assert torch.equal(reader.load()["w"], state["w"])
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_an_undecidable_commit_leaves_the_data_for_gc(small_config: Config, faulty: FaultyStorage, root: Path) -> None:
     store = FaultyStorage(LocalStorage(root))
     store.settled_writes = False  # like S3: an abandoned request may still land later
@@ -192,6 +195,7 @@ def test_failure_is_reported_before_the_slow_cleanup(small_config: Config, fault
 # -- 8. a second writer: decided at the start, never deletes what it does not own
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_second_writer_of_a_new_step_fails_and_never_touches_the_first(small_config: Config, root: Path) -> None:
     first_store, second_store = FaultyStorage(LocalStorage(root)), FaultyStorage(LocalStorage(root))
     first = SyncCheckpointer(small_config, storage=first_store)
@@ -262,6 +266,7 @@ async def test_a_failure_the_handle_delivered_is_never_raised_again(
     assert raised_twice == 0
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_close_timeout_while_a_failed_save_reads_back_still_settles_it(small_config: Config, root: Path) -> None:
     class SlowReadBack(FaultyStorage):
         async def read(self, name: str, *, limit: int | None = None) -> bytes:
@@ -280,6 +285,7 @@ def test_close_timeout_while_a_failed_save_reads_back_still_settles_it(small_con
         handle.wait(1)
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_a_resaves_abandoned_manifest_write_that_lands_late_keeps_its_data(small_config: Config, root: Path) -> None:
     class LateLanding(FaultyStorage):
         late = False

@@ -16,6 +16,8 @@ from aiosnap import Config, SyncCheckpointer
 from aiosnap.events import Event
 from tests.conftest import FaultyStorage
 
+pytestmark = pytest.mark.both_executors
+
 
 class Recorder:
     """A callback handler (thread-safe: save events arrive on aiosnap's loop thread)."""

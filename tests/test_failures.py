@@ -13,6 +13,8 @@ from aiosnap import CheckpointerClosedError, Config, SyncCheckpointer, Unsupport
 from aiosnap.names import MANIFEST_FILE
 from tests.conftest import FaultyStorage
 
+pytestmark = pytest.mark.both_executors
+
 
 def _disk_full() -> OSError:
     return OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -7,6 +7,7 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 
 pytestmark = [
+    pytest.mark.both_executors,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]

@@ -21,12 +21,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tests.conftest import FaultyStorage, s3_config
 from torch.utils.data import DataLoader, TensorDataset
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*does not have many workers.*",
-    "ignore:.*The number of training batches.*",
-    "ignore:.*LeafSpec.*:FutureWarning",
-    "ignore:Checkpoint directory .* exists and is not empty",
-)
+pytestmark = [
+    pytest.mark.both_executors,
+    pytest.mark.filterwarnings(
+        "ignore:.*does not have many workers.*",
+        "ignore:.*The number of training batches.*",
+        "ignore:.*LeafSpec.*:FutureWarning",
+        "ignore:Checkpoint directory .* exists and is not empty",
+    ),
+]
 
 
 class Regressor(pl.LightningModule):
@@ -116,6 +119,7 @@ def test_topk_last_and_resume_continue_identically(tmp_path: Path, config: Confi
     assert {s: straight.losses[s] for s in first.losses} == first.losses
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_save_checkpoint_returns_before_durable_and_loads_back(tmp_path: Path, config: Config) -> None:
     slow = {}
 
@@ -154,6 +158,7 @@ def test_overwriting_a_path_keeps_one_version(tmp_path: Path, config: Config) ->
     plugin.teardown()
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: Path, config: Config) -> None:
     wrappers: dict[str, FaultyStorage] = {}
 
@@ -191,6 +196,7 @@ def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: 
     plugin.teardown()
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_failure_surfaces_at_next_save_with_type(tmp_path: Path, config: Config) -> None:
     def storage_for(url: str, cfg: Config) -> FaultyStorage:
         return FaultyStorage(LocalStorage(url), fail_when=lambda n: n.endswith(".bin"), error=PermissionError("ro"))
@@ -274,6 +280,7 @@ def test_the_example_runs(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "last.ckpt"
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_a_slow_removal_never_holds_back_saves_to_other_paths(tmp_path: Path, config: Config) -> None:
     deleting = threading.Event()
 

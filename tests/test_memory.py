@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 MiB = 1024 * 1024
+pytestmark = pytest.mark.both_executors
+
 SLACK = 64 * MiB  # thread stacks, allocator arenas, the manifest, Python objects
 
 

@@ -12,11 +12,14 @@ from aiosnap import Config, SyncCheckpointer
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 
+pytestmark = pytest.mark.both_executors
+
 
 def _config(root: Path, **extra: object) -> Config:
     return Config(storage={"url": str(root)}, ram_budget="1MiB", upload={"chunk_size": "64KiB"}, **extra)  # type: ignore[arg-type]
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_keep_last_deletes_old_steps_only_after_the_new_one_commits(root: Path) -> None:
     storage = FaultyStorage(LocalStorage(root))
     with SyncCheckpointer(_config(root, retention={"keep_last": 2}), storage=storage) as ckpt:
@@ -42,6 +45,7 @@ def test_retention_keeps_the_newest_steps(root: Path) -> None:
         assert ckpt.steps() == [20, 30]
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_failed_save_never_triggers_retention(root: Path) -> None:
     storage = FaultyStorage(LocalStorage(root))
     ckpt = SyncCheckpointer(_config(root, retention={"keep_last": 1}), storage=storage)
@@ -64,6 +68,7 @@ def test_resaving_a_step_replaces_its_objects(root: Path) -> None:
     assert attempts == sorted([second.save_id, "manifest.json"])
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_max_pending_saves_makes_the_next_save_wait(root: Path) -> None:
     storage = FaultyStorage(LocalStorage(root))
     with SyncCheckpointer(_config(root, max_pending_saves=1), storage=storage) as ckpt:

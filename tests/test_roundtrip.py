@@ -11,6 +11,8 @@ import torch
 from aiosnap import Config, StateMismatchError, SyncCheckpointer
 from tests.conftest import assert_same
 
+pytestmark = pytest.mark.both_executors
+
 
 def _all_cpu_dtypes() -> list[torch.dtype]:
     names = [

@@ -18,6 +18,9 @@ from tests.conftest import assert_same, make_model, s3_config
 MiB = 1024 * 1024
 
 
+pytestmark = pytest.mark.both_executors
+
+
 def _keys(client: Any, bucket: str, prefix: str = "") -> dict[str, int]:
     paginator = client.get_paginator("list_objects_v2")
     return {

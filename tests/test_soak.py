@@ -11,6 +11,8 @@ from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, s3_config
 from tests.soak import Figures, soak_in_process, soak_killed_children
 
+pytestmark = pytest.mark.both_executors
+
 
 def _report(figures: Figures, what: str) -> None:
     print(f"\nsoak ({what}): {figures.line()}")
@@ -18,6 +20,7 @@ def _report(figures: Figures, what: str) -> None:
     assert figures.steps_verified > 0
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 async def test_soak_local_disk(root: Path, request: pytest.FixtureRequest) -> None:
     config = Config(
         storage={"url": str(root)}, ram_budget="1MiB", upload={"chunk_size": "256KiB"}, events={"log": False}

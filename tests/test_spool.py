@@ -22,6 +22,8 @@ from tests.conftest import FaultyStorage, s3_config
 from tests.spool_child import state as child_state
 
 MiB = 1024 * 1024
+pytestmark = pytest.mark.both_executors
+
 REPO = Path(__file__).parent.parent
 
 
@@ -72,6 +74,7 @@ def test_without_spool_the_same_save_blocks_for_the_upload(s3_endpoint: str, s3_
     assert result.blocked_s > result.durable_s / 2
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_disk_budget_is_respected_on_disk(tmp_path: Path) -> None:
     slow = FaultyStorage(LocalStorage(tmp_path / "c"))
     slow.delay = 0.02

@@ -32,6 +32,8 @@ from aiosnap.trainer.spool import SpoolSession
 from tests.conftest import FaultyStorage, assert_same
 from tests.spool_child import state as child_state
 
+pytestmark = pytest.mark.both_executors
+
 REPO = Path(__file__).parent.parent
 Crashed = tuple[Path, Path, Config, dict[str, Any]]
 
@@ -55,6 +57,7 @@ def _play_the_crash(crashed: Crashed) -> Config:
     return config.model_copy(update={"spool": config.spool.model_copy(update={"resume": True})})
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_resume_never_touches_a_save_still_running(tmp_path: Path) -> None:
     root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
     config = _spool_config(root, spool_dir, max_pending_saves=1)
@@ -75,6 +78,7 @@ def test_resume_never_touches_a_save_still_running(tmp_path: Path) -> None:
     assert not [p for p in spool_dir.rglob("*") if p.is_file() and p.name != "LOCK"]
 
 
+@pytest.mark.thread_only  # the crash is played from a template, whatever the executor
 def test_landed_objects_removed_meanwhile_are_never_committed_over(crashed_spool: Crashed) -> None:
     config = _play_the_crash(crashed_spool)
     root = Path(config.storage.url)
@@ -92,6 +96,7 @@ def test_landed_objects_removed_meanwhile_are_never_committed_over(crashed_spool
         assert torch.equal(ckpt.load()["w"], torch.zeros(3))
 
 
+@pytest.mark.thread_only  # the crash is played from a template, whatever the executor
 def test_the_crashed_save_resumes_when_all_is_there(crashed_spool: Crashed) -> None:
     config = _play_the_crash(crashed_spool)
     with SyncCheckpointer(config) as ckpt:
@@ -99,6 +104,7 @@ def test_the_crashed_save_resumes_when_all_is_there(crashed_spool: Crashed) -> N
         assert_same(ckpt.load(), crashed_spool[3])
 
 
+@pytest.mark.thread_only  # the crash is played from a template, whatever the executor
 def test_a_journal_of_another_root_is_left_alone(crashed_spool: Crashed, tmp_path: Path) -> None:
     config = _play_the_crash(crashed_spool)
     elsewhere = config.model_copy(update={"storage": type(config.storage)(url=str(tmp_path / "other"))})
@@ -196,6 +202,7 @@ async def test_a_save_cancelled_while_waiting_for_ram_returns_its_disk_budget(tm
         spool.close()
 
 
+@pytest.mark.thread_only  # the crash is played from a template, whatever the executor
 def test_a_journal_pointing_at_another_root_never_touches_it(crashed_spool: Crashed, tmp_path: Path) -> None:
     import crc32c
 
@@ -217,6 +224,7 @@ def test_a_journal_pointing_at_another_root_never_touches_it(crashed_spool: Cras
         assert other.steps() == [1, 2, 3], "nothing committed or deleted elsewhere"
 
 
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
 async def test_cancelled_saves_leave_no_empty_spool_folders(tmp_path: Path) -> None:
     config = _spool_config(tmp_path / "ckpt", tmp_path / "spool")
     store = FaultyStorage(LocalStorage(tmp_path / "ckpt"))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from aiosnap import Config, RNGState, SyncCheckpointer
 from tests.conftest import make_model
+
+pytestmark = pytest.mark.both_executors
 
 
 def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

@@ -52,6 +52,7 @@ class LocalTransfer:
         self.arena = arena
         self.listener = listener
         self._roots: dict[str, Storage] = {}
+        self._broken_roots: dict[str, BaseException] = {}
         self._saves: dict[str, _Upload] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
 
@@ -60,8 +61,16 @@ class LocalTransfer:
         if url not in self._roots:
             self._roots[url] = storage if storage is not None else storage_from_url(url, self.config)
 
+    def cannot_open(self, url: str, error: BaseException) -> None:
+        """The backend for ``url`` could not be made here: saves to it fail with ``error``."""
+        self._broken_roots[url] = error
+
     def begin(self, save_id: str, url: str, keep_last: int | None, spec: SaveSpec) -> None:
         """A save starts: look at its root (preflight) and wait for its chunks."""
+        broken = self._broken_roots.get(url)
+        if broken is not None:
+            self.listener.finished(save_id, TransferOutcome(committed=False, error=broken))
+            return
         self.open_root(url)
         upload = _Upload(self, save_id, self._roots[url], keep_last, spec)
         self._saves[save_id] = upload

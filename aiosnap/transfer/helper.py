@@ -1,0 +1,134 @@
+"""The upload process: ``python -m aiosnap.transfer.helper SOCKET_FD ARENA_FD SLAB_BYTES COUNT``.
+
+Started by the trainer (:mod:`.process`) with one end of a Unix socket pair and the staging
+arena's memfd. It runs its own asyncio loop (uvloop when installed) with a
+:class:`~aiosnap.transfer.local.LocalTransfer` that reads chunks from the shared arena and
+owns the storage clients; it imports no torch. It exits when told to close, or as soon as
+the trainer is gone (the socket reaches end of file), so it never outlives its trainer.
+Its own process group keeps a Ctrl-C in the terminal from killing uploads the trainer is
+still waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..arena import Arena
+from ..config import Config
+from ..errors import UploadProcessError
+from ..staging import TransferOutcome
+from ..storage.base import Storage
+from .local import LocalTransfer
+from .protocol import pack_exception
+
+log = logging.getLogger("aiosnap")
+
+
+class _Reports:
+    """The listener of the transfer side: every report goes back over the socket, in order
+    (upload process's loop thread)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, *message: Any) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def preflight(self, save_id: str, latest: int | None, error: BaseException | None) -> None:
+        self.send("preflight", save_id, latest, None if error is None else pack_exception(error))
+
+    def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
+        self.send("done_with", save_id, index, pieces)
+
+    def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
+        self.send("stage", save_id, stage, nbytes, seconds)
+
+    def finished(self, save_id: str, outcome: TransferOutcome) -> None:
+        error = None if outcome.error is None else pack_exception(outcome.error)
+        self.send("finished", save_id, outcome.committed, error, outcome.deleted_steps, outcome.stage_seconds)
+
+
+def _dispatch(transfer: LocalTransfer, message: tuple[Any, ...]) -> None:
+    """One command, on the loop thread."""
+    kind, *args = message
+    if kind == "open":
+        url, blob = args
+        try:
+            storage: Storage | None = None if blob is None else pickle.loads(blob)  # noqa: S301 - from our trainer
+            transfer.open_root(url, storage)
+        except Exception as exc:  # say so at each save to that root
+            transfer.cannot_open(url, UploadProcessError(f"the upload process cannot open {url}: {exc!r}"))
+    elif kind == "begin":
+        transfer.begin(*args)
+    elif kind == "staged":
+        transfer.staged(args[0])
+    elif kind == "may_upload":
+        transfer.may_upload(args[0])
+    elif kind == "captured":
+        transfer.captured(args[0])
+    elif kind == "abort":
+        transfer.abort(args[0], even_committing=args[1])
+    else:
+        raise ValueError(f"unknown command {kind!r}")
+
+
+async def serve(conn: Connection, arena: Arena, config: Config) -> None:
+    """Run commands until ``close`` or end of file (the trainer is gone)."""
+    loop = asyncio.get_running_loop()
+    reports = _Reports(conn)
+    transfer = LocalTransfer(config, arena, reports)
+    stop = asyncio.Event()
+    gone = False
+
+    def read() -> None:  # a reader thread: commands go to the loop in order
+        nonlocal gone
+        try:
+            while True:
+                message = conn.recv()
+                if message[0] == "close":
+                    break
+                loop.call_soon_threadsafe(_dispatch, transfer, message)
+        except (EOFError, OSError):
+            gone = True
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=read, name="aiosnap-upload-commands", daemon=True).start()
+    reports.send("ready", os.getpid())
+    await stop.wait()
+    await transfer.close()  # cancels what still runs: with the trainer gone, nobody waits for it
+    if not gone:
+        reports.send("closed")
+
+
+def main(argv: list[str]) -> int:
+    socket_fd, arena_fd, slab_bytes, count = (int(a) for a in argv)
+    logging.basicConfig(level=logging.WARNING, format="aiosnap upload process: %(message)s")
+    conn = Connection(socket_fd)
+    kind, config = conn.recv()  # the config (secrets included) never goes through argv
+    if kind != "config":
+        return 2
+    arena = Arena(slab_bytes, count, shared=True, fd=arena_fd)
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run if config.loop != "asyncio" else asyncio.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(serve(conn, arena, config))
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

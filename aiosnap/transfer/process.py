@@ -1,0 +1,192 @@
+"""The transfer side in an upload process (``upload.executor: process``), seen from the trainer.
+
+:class:`ProcessTransfer` starts ``python -m aiosnap.transfer.helper`` (a fresh interpreter,
+not a fork: nothing of the training process is inherited but the staging arena's memfd and
+one end of a Unix socket pair; no TCP port) when the checkpointer starts, and is the
+trainer's :class:`~aiosnap.staging.Transfer`: each call becomes one small message. A reader
+thread turns the upload process's reports into calls on the trainer's loop. When the upload
+process dies (killed, out of memory), the socket reaches end of file at once: the saves it
+had fail with :class:`~aiosnap.errors.UploadProcessError` and the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..arena import Arena
+from ..config import Config
+from ..errors import ConfigError, UploadProcessError
+from ..format.spec import SaveSpec
+from ..staging import Staged, TransferListener, TransferOutcome
+from ..storage.base import Storage
+from .protocol import unpack_exception
+
+__all__ = ["ProcessTransfer"]
+
+log = logging.getLogger("aiosnap")
+
+CLOSE_WAIT_S = 30.0
+"""How long closing waits for the upload process to finish and exit before killing it."""
+
+
+def _storage_blob(storage: Storage | None) -> bytes | None:
+    """How the upload process gets a root's backend: by URL for the built-in ones, else the
+    backend itself, pickled (it must pickle: it runs in another process)."""
+    from ..storage.local import LocalStorage
+
+    if storage is None or type(storage) is LocalStorage:
+        return None
+    try:
+        from ..storage.s3 import S3Storage
+
+        if type(storage) is S3Storage:
+            return None
+    except ImportError:
+        pass
+    try:
+        return pickle.dumps(storage)
+    except Exception as exc:
+        raise ConfigError(
+            f"upload.executor: process needs a storage the upload process can open: {storage.url} is a "
+            f"{type(storage).__name__}, which cannot be pickled ({exc}); use upload.executor: thread"
+        ) from None
+
+
+class ProcessTransfer:
+    """The trainer's handle on its upload process. Methods run on the trainer's loop thread;
+    ``listener`` (the engine) hears the reports there."""
+
+    def __init__(self, config: Config, arena: Arena, listener: TransferListener) -> None:
+        self.arena = arena
+        self.listener = listener
+        self.dead: UploadProcessError | None = None
+        self._loop = asyncio.get_running_loop()
+        self._opened: set[str] = set()
+        self._closed = self._loop.create_future()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
+             str(arena.slab_bytes), str(arena.count)],
+            pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._send("config", config)
+        self._reader = threading.Thread(target=self._read, name="aiosnap-upload-reports", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def _send(self, *message: Any) -> None:
+        if self.dead is not None:
+            raise self.dead
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError as exc:  # the process is gone; the reader reports it
+            raise UploadProcessError(f"the upload process (pid {self._process.pid}) is gone: {exc}") from None
+
+    def _read(self) -> None:
+        """The reader thread: reports, in order, onto the trainer's loop."""
+        try:
+            while True:
+                message = self._conn.recv()
+                self._loop.call_soon_threadsafe(self._report, message)
+                if message[0] == "closed":
+                    return
+        except (EOFError, OSError):
+            pass
+        self._loop.call_soon_threadsafe(self._lost)
+
+    def _report(self, message: tuple[Any, ...]) -> None:
+        kind, *args = message
+        if kind == "preflight":
+            save_id, latest, error = args
+            self.listener.preflight(save_id, latest, None if error is None else unpack_exception(error))
+        elif kind == "done_with":
+            self.listener.done_with(*args)
+        elif kind == "stage":
+            self.listener.stage_ended(*args)
+        elif kind == "finished":
+            save_id, committed, error, deleted, stages = args
+            outcome = TransferOutcome(
+                committed, None if error is None else unpack_exception(error), tuple(deleted), dict(stages)
+            )
+            self.listener.finished(save_id, outcome)
+        elif kind == "closed" and not self._closed.done():
+            self._closed.set_result(None)
+
+    def _lost(self) -> None:
+        """The socket reached end of file: the upload process exited or was killed."""
+        if not self._closed.done():
+            self._closed.set_result(None)
+        if self.dead is not None:
+            return
+        code = self._process.poll()
+        if code is None:  # it closed the socket but lives on: it is of no use any more
+            self._process.kill()
+            code = self._process.wait()
+        self.dead = UploadProcessError(
+            f"the upload process (pid {self._process.pid}) died (exit status {code}); "
+            "its saves failed, spooled chunks stay for resume, the next save starts a new one"
+        )
+        log.error("aiosnap: %s", self.dead)
+        lost = getattr(self.listener, "transfer_lost", None)
+        if lost is not None:
+            lost(self.dead)
+
+    # -- Transfer ----------------------------------------------------------------------------
+
+    def open_root(self, url: str, storage: Storage | None = None) -> None:
+        if url not in self._opened:
+            self._send("open", url, _storage_blob(storage))
+            self._opened.add(url)
+
+    def begin(self, save_id: str, url: str, keep_last: int | None, spec: SaveSpec) -> None:
+        self._send("begin", save_id, url, keep_last, spec)
+
+    def staged(self, chunk: Staged) -> None:
+        self._send("staged", chunk)
+
+    def may_upload(self, save_id: str) -> None:
+        self._send("may_upload", save_id)
+
+    def captured(self, save_id: str) -> None:
+        self._send("captured", save_id)
+
+    def abort(self, save_id: str, *, even_committing: bool = False) -> None:
+        if self.dead is None:
+            self._send("abort", save_id, even_committing)
+
+    async def close(self) -> None:
+        """Ask the upload process to finish and exit; wait (bounded), then reap it."""
+        if self.dead is None:
+            try:
+                self._send("close")
+                await asyncio.wait_for(asyncio.shield(self._closed), CLOSE_WAIT_S)
+            except (UploadProcessError, TimeoutError):
+                pass
+        await asyncio.to_thread(self._reap)
+        self._conn.close()
+
+    def _reap(self) -> None:
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._process.poll() is None:
+            log.warning("aiosnap: the upload process did not exit; killing it")
+            self._process.kill()
+        self._process.wait()
+        self._reader.join(CLOSE_WAIT_S)
