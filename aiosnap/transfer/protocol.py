@@ -67,6 +67,6 @@ def _unpack_one(how: str, payload: Any) -> BaseException:
             rebuilt = kind.__new__(kind, message)
             rebuilt.args = (message,)
             return rebuilt
-    except Exception:  # the type cannot be made here: say what it was
-        pass
+    except Exception as exc:  # the type cannot be made here: say what it was
+        return UploadProcessError(f"{module}.{qualname}: {message} (not rebuilt here: {exc!r})")
     return UploadProcessError(f"{module}.{qualname}: {message}")
