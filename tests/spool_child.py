@@ -1,7 +1,7 @@
 """Run by test_spool.py as a child process that gets SIGKILLed during upload.
 
 argv: config-json step [root]. Saves a deterministic state (to ``root`` through ``at()``
-when given), prints CAPTURED once save() returned,
+when given), prints HELPER <pid> first in process mode, CAPTURED once save() returned,
 then waits for the upload (and is killed meanwhile)."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def state() -> dict[str, torch.Tensor]:
 if __name__ == "__main__":
     config = Config(**json.loads(sys.argv[1]))
     with SyncCheckpointer(config) as ckpt:
+        if config.upload.executor == "process":
+            print(f"HELPER {ckpt._engine.transfer.pid}", flush=True)  # type: ignore[union-attr]
         target = ckpt.at(sys.argv[3], keep_last=1) if len(sys.argv) > 3 else ckpt
         handle = target.save(state(), step=int(sys.argv[2]))
         print("CAPTURED", flush=True)

@@ -208,6 +208,8 @@ def _crash_child(config: Config, step: int, env: dict[str, str], root: str | Non
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
+        if line.startswith("HELPER"):
+            line = child.stdout.readline()
         assert line.strip() == "CAPTURED", line
     finally:
         child.send_signal(signal.SIGKILL)

@@ -1,0 +1,164 @@
+"""upload.executor: process -- the helper process's life, death and boundaries.
+
+(The rest of the suite runs under both executors: modules marked ``both_executors``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import Checkpointer, Config, ConfigError, SyncCheckpointer, UploadProcessError
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, s3_config
+from tests.spool_child import state as child_state
+
+REPO = Path(__file__).parent.parent
+MiB = 1024 * 1024
+
+
+def _process(config: Config) -> Config:
+    return config.model_copy(update={"upload": config.upload.model_copy(update={"executor": "process"})})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not reaped yet) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _helper_pid(ckpt: Any) -> int:
+    return int(ckpt._engine.transfer.pid)
+
+
+def test_the_helper_starts_with_the_checkpointer_and_is_reaped_at_close(root: Path) -> None:
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    pid = _helper_pid(ckpt)
+    assert _alive(pid)
+    state = {"w": torch.randn(100_000)}
+    ckpt.save(state, step=1).wait(30)
+    assert _helper_pid(ckpt) == pid, "one long-lived helper, not one per save"
+    assert torch.equal(ckpt.load()["w"], state["w"])
+    ckpt.close()
+    assert not _alive(pid) and not Path(f"/proc/{pid}").exists(), "exited and reaped: no zombie"
+
+
+def test_a_killed_helper_fails_its_saves_and_the_next_save_starts_another(
+    s3_endpoint: str, s3_bucket: str, proxy: Any
+) -> None:
+    config = _process(s3_config(proxy.url, s3_bucket))
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"w": torch.zeros(1000)}, step=1).wait(60)
+        proxy.set_rate(2e6)  # 16 MB at 2 MB/s: the helper is killed mid-upload
+        handle = ckpt.save({"w": torch.randn(4_000_000)}, step=2)
+        pid = _helper_pid(ckpt)
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(UploadProcessError, match="died"):
+            handle.wait(30)
+        assert time.monotonic() - started < 5, "the death is noticed at once"
+        proxy.clear()
+        assert ckpt.steps() == [1] and torch.equal(ckpt.load()["w"], torch.zeros(1000)), "the previous step stands"
+        ckpt.save({"w": torch.ones(1000)}, step=3).wait(60)  # a new helper
+        assert _helper_pid(ckpt) != pid
+        assert torch.equal(ckpt.load()["w"], torch.ones(1000))
+
+
+def test_a_killed_trainer_takes_its_helper_along_and_the_spool_resumes(
+    s3_endpoint: str, s3_bucket: str, proxy: Any, tmp_path: Path
+) -> None:
+    proxy.set_rate(2e6)
+    base = _process(s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB}))
+    config = base.model_copy(update={"spool": type(base.spool)(dir=str(tmp_path / "spool"), mode="always")})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.spool_child", config.model_dump_json(), "6"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ),
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        helper = int(child.stdout.readline().split()[1])
+        assert child.stdout.readline().strip() == "CAPTURED"
+        assert _alive(helper)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
+    deadline = time.monotonic() + 5
+    while _alive(helper):
+        assert time.monotonic() < deadline, "the helper outlived its trainer"
+        time.sleep(0.05)
+    proxy.clear()
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [6]
+        assert torch.equal(ckpt.load()["w"], child_state()["w"])
+
+
+def _fds(pid: int) -> list[str]:
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed while we looked
+            continue
+    return sorted(found)
+
+
+def test_ten_thousand_tensors_use_no_more_descriptors(root: Path) -> None:
+    config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB", upload={"chunk_size": "1MiB"}))
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(10_000)}
+    with SyncCheckpointer(config) as ckpt:
+        helper = _helper_pid(ckpt)
+        ckpt.save({"warm": torch.ones(10)}, step=1).wait(60)
+        ours, theirs = _fds(os.getpid()), _fds(helper)
+        for step in (2, 3):
+            ckpt.save(state, step=step).wait(120)
+        assert len(_fds(os.getpid())) <= len(ours) + 2 and len(_fds(helper)) <= len(theirs) + 2
+        assert sum("aiosnap-staging" in fd for fd in _fds(helper)) <= 1, "one shared segment"
+        restored = ckpt.load()
+    assert all(torch.equal(restored[f"t{i}"], state[f"t{i}"]) for i in (0, 4321, 9999))
+
+
+def test_the_ram_budget_holds_across_the_boundary(s3_endpoint: str, s3_bucket: str, proxy: Any) -> None:
+    proxy.set_rate(16e6)
+    config = _process(s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 8 * MiB}))
+    state = {"w": torch.randn(8_000_000)}  # 32 MB through an 8 MiB budget
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save(state, step=1).wait(120)
+        proxy.clear()
+        assert torch.equal(ckpt.load()["w"], state["w"])
+    assert 0 < result.ram_high_water <= 8 * MiB
+
+
+async def test_a_cancelled_save_commits_nothing_in_process_mode(s3_endpoint: str, s3_bucket: str, proxy: Any) -> None:
+    proxy.set_rate(4e6)  # capture must wait for uploads: 16 MB through a 4 MiB budget
+    config = _process(s3_config(proxy.url, s3_bucket).model_copy(update={"ram_budget": 4 * MiB}))
+    state = {"w": torch.zeros(4_000_000)}
+    async with Checkpointer(config) as ckpt:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ckpt.save(state, step=1), 0.5)
+        state["w"].fill_(1.0)
+        proxy.clear()
+        await asyncio.sleep(1.0)
+        assert await ckpt.steps() == []
+        result = await (await ckpt.save({"w": torch.full((10,), 2.0)}, step=1))  # slabs came back
+        assert result.step == 1 and ckpt.ram_high_water <= 4 * MiB
+
+
+def test_a_storage_the_helper_cannot_open_is_a_clear_error(root: Path) -> None:
+    store = FaultyStorage(LocalStorage(root), fail_when=lambda name: False)  # holds a lambda: no pickling
+    with pytest.raises(ConfigError, match="cannot be pickled"):
+        SyncCheckpointer(_process(Config(storage={"url": str(root)})), storage=store)
