@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["complete_before_cancel", "finish_despite_cancel"]
+__all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel"]
 
 T = TypeVar("T")
 
@@ -38,3 +39,25 @@ async def finish_despite_cancel(operation: Coroutine[Any, Any, T]) -> T:
                 current.uncancel()  # absorbed: nothing above is told to stop
             if task.done():
                 return task.result()
+
+
+def drop_frame_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks (its
+    causes, contexts, group members and botocore's wrapped ``error`` included), keeping
+    file and line numbers: a kept exception must not keep request bodies (slabs) alive.
+    Frames still running are left alone. Any thread."""
+    seen: set[int] = set()
+    todo: list[object] = [error]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if item.__traceback__ is not None:
+            traceback.clear_frames(item.__traceback__)
+        todo += [item.__cause__, item.__context__]
+        if isinstance(item, BaseExceptionGroup):
+            todo += item.exceptions
+        wrapped = getattr(item, "kwargs", None)
+        if isinstance(wrapped, dict):
+            todo += wrapped.values()

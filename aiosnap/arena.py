@@ -10,12 +10,14 @@ memory that is already there. No torch here: the upload process maps it without 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import threading
+import weakref
 
-__all__ = ["Arena"]
+__all__ = ["Arena", "SlabLease"]
 
 log = logging.getLogger("aiosnap")
 
@@ -60,6 +62,11 @@ class Arena:
         start = slab * self.slab_bytes
         return self.buffer[start : start + (self.slab_bytes if nbytes is None else nbytes)]
 
+    def lease(self, slab: int, nbytes: int) -> SlabLease:
+        """The first ``nbytes`` of slab ``slab`` for a consumer that may keep views of it
+        beyond its own return (a socket's write buffer): see :class:`SlabLease`."""
+        return SlabLease(self.view(slab, nbytes))
+
     def prewarm(self) -> None:
         """Touch every page on a background thread (the pages become resident now rather
         than inside the first save); returns at once."""
@@ -101,3 +108,29 @@ class Arena:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class SlabLease:
+    """Bytes of a slab handed to code that may hold on to views of them (aiohttp and the
+    event loop keep a memoryview of a request body in their write buffers, and a closed,
+    still flushing connection can outlive the request that wrote it).
+
+    The bytes are exported through an owner object of our own; every view derived from
+    :attr:`view` keeps it alive, so once :meth:`release` has dropped ours,
+    :attr:`in_use` says whether anything else still reads the slab. Any thread.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        owner = (ctypes.c_char * view.nbytes).from_buffer(view)
+        self.view: memoryview | None = memoryview(owner).cast("B")
+        self._owner = weakref.ref(owner)
+
+    def release(self) -> None:
+        """Drop this lease's own view (callers drop theirs, slices included)."""
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+
+    @property
+    def in_use(self) -> bool:
+        return self._owner() is not None

@@ -186,8 +186,13 @@ class S3Config(_Section):
     """Objects larger than this go as multipart uploads; smaller ones as one PUT."""
     part_size: PartSize = 8 * 1024 * 1024
     """Multipart part size; raised to S3's 5 MiB minimum and to fit in 10,000 parts."""
-    part_concurrency: int = Field(4, ge=1, le=64)
+    part_concurrency: int = Field(8, ge=1, le=64)
     """Parts of one object uploaded at the same time."""
+    max_requests: int = Field(8, ge=1, le=256)
+    """PUTs and parts in flight at once on one root, all objects together. The earliest
+    object's parts go first, so objects complete one after another while the next ones
+    stream (no burst of completions at the end); raise it for links that need more
+    connections than this to fill."""
     request_timeout: float = Field(60.0, gt=0)
     """Seconds one request (body included) may take before it is abandoned and retried."""
     retry_deadline: float = Field(120.0, gt=0)

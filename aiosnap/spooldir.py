@@ -22,7 +22,7 @@ from pathlib import Path
 from . import durable
 from .aio import complete_before_cancel
 from .budget import ByteBudget
-from .checksums import crc32c_of
+from .checksums import RangeChecksums
 from .config import SpoolConfig
 from .errors import SpoolBusyError
 
@@ -94,7 +94,8 @@ class Spool:
         def write() -> tuple[int, list[int]]:
             directory.mkdir(exist_ok=True)
             durable.write_file(path, data)
-            return crc32c_of(data), [crc32c_of(data[offset : offset + nbytes]) for offset, nbytes in ranges]
+            checksums = RangeChecksums(data, [b for offset, nbytes in ranges for b in (offset, offset + nbytes)])
+            return checksums.of(0, data.nbytes), [checksums.of(offset, offset + nbytes) for offset, nbytes in ranges]
 
         try:
             # run to the end even if cancelled: the thread reads a slab that is reused

@@ -18,7 +18,10 @@ import abc
 import asyncio
 from dataclasses import dataclass
 
-__all__ = ["BytesLike", "ObjectInfo", "Storage"]
+from ..checksums import RangeChecksums, file_crc32c
+from ..errors import ChecksumMismatchError
+
+__all__ = ["BytesLike", "ObjectInfo", "Storage", "check_spool_file"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -26,6 +29,14 @@ BytesLike = bytes | bytearray | memoryview
 def _read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def check_spool_file(path: str, found: int, written: int, name: str) -> None:
+    """Raise :class:`~aiosnap.errors.ChecksumMismatchError` unless ``found == written``."""
+    if found != written:
+        raise ChecksumMismatchError(
+            f"spool file {path} is corrupt (crc32c {found:#010x}, written {written:#010x}); not committing {name}"
+        )
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,20 @@ class Storage(abc.ABC):
         This default reads the whole file into memory; the built-in backends stream it."""
         data = await asyncio.to_thread(_read_file, path)
         await self.write(name, data)
+
+    async def write_checksummed(self, name: str, data: memoryview, checksums: RangeChecksums) -> None:
+        """:meth:`write` of a staged buffer whose CRC32Cs are known (``checksums.of(start,
+        end)``): backends that send checksums with the bytes use them rather than reading
+        the bytes again. ``data`` may be referenced by the backend's connection beyond the
+        return (see :class:`~aiosnap.arena.SlabLease`). This default is :meth:`write`."""
+        await self.write(name, data)
+
+    async def write_file_verified(self, name: str, path: str, crc: int) -> None:
+        """:meth:`write_file`, but raise :class:`~aiosnap.errors.ChecksumMismatchError`
+        (and make no object ``name``) unless the file's CRC32C is ``crc``. This default reads
+        the file once to check it; backends that checksum what they send check that instead."""
+        check_spool_file(path, await asyncio.to_thread(file_crc32c, path), crc, name)
+        await self.write_file(name, path)
 
     @abc.abstractmethod
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
@@ -102,6 +127,11 @@ class Storage(abc.ABC):
 
     async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
         """Abort one unfinished multipart upload (one already gone is not an error)."""
+
+    async def connect(self) -> None:  # noqa: B027 - optional hook
+        """Get ready to serve requests (make clients, load service models), called in the
+        background when a checkpointer opens this root so that its first save does not pay
+        for it. Failures are ignored here: the first request reports them."""
 
     async def check_root(self) -> None:  # noqa: B027 - optional hook
         """Raise FileNotFoundError / NotADirectoryError when the root cannot be a checkpoint

@@ -1,7 +1,7 @@
 """S3 and S3-compatible storage through aiobotocore (imported only for ``s3://`` URLs).
 
 Runs on aiosnap's background loop thread. One long-lived client per storage, its
-connection pool sized to ``upload.concurrency x s3.part_concurrency``. botocore's own
+connection pool sized to ``s3.max_requests + upload.concurrency``. botocore's own
 retries are off: every request goes through :meth:`S3Storage._call`, which bounds each
 attempt by ``s3.request_timeout`` (a stalled body never hangs) and retries throttling,
 5xx, connection resets and timeouts with exponential backoff and full jitter until
@@ -9,20 +9,25 @@ attempt by ``s3.request_timeout`` (a stalled body never hangs) and retries throt
 chained to the last botocore/aiohttp error. Reads resume where a broken body stopped.
 
 Objects above ``s3.multipart_threshold`` are uploaded as multipart uploads whose parts go
-concurrently, straight from the staging buffer (no copy of the object in Python); a failed
-multipart upload is aborted. Each PUT and part carries its CRC32C for the server to check.
+concurrently; a failed multipart upload is aborted. A staging slab goes to aiohttp as a
+memoryview of the arena (written to the socket whole, no copy in Python); a spooled file
+streams from disk. Each PUT and part carries its CRC32C for the server to check, and that
+CRC is the only checksum of the body (no SHA-256 payload signing: ``UNSIGNED-PAYLOAD``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+import heapq
+import itertools
 import logging
 import math
+import mmap
 import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
 try:
@@ -34,13 +39,18 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("s3:// storage needs aiobotocore: pip install 'aiosnap[s3]'") from exc
 
-from ..checksums import crc32c_b64, crc32c_of, file_crc32c
+from ..checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32c_of
 from ..config import S3Config
 from ..errors import StorageError, StorageUnavailableError, first_error
 from ..names import check_object_name
-from .base import BytesLike, ObjectInfo, Storage
+from .base import BytesLike, ObjectInfo, Storage, check_spool_file
 
 __all__ = ["S3Storage"]
+
+# slab bodies go to aiohttp as memoryviews, which it writes to the socket without blocking
+# the loop (the event loop queues what the socket does not take at once); its hint to use a
+# file object instead is about a copy we want to avoid
+warnings.filterwarnings("ignore", "Sending a large body directly with raw bytes", ResourceWarning)
 
 log = logging.getLogger("aiosnap")
 T = TypeVar("T")
@@ -59,8 +69,11 @@ RETRYABLE_ERRORS = (
 
 
 def part_size_for(size: int, wanted: int) -> int:
-    """A part size within S3's limits: at least 5 MiB and at most 10,000 parts."""
-    return max(wanted, MIN_PART, math.ceil(size / MAX_PARTS))
+    """A part size within S3's limits: at least 5 MiB and at most 10,000 parts; a multiple
+    of the checksum grid (1 MiB) when more than ``wanted`` is needed."""
+    if wanted >= MIN_PART and wanted * MAX_PARTS >= size:
+        return wanted
+    return max(MIN_PART, math.ceil(size / MAX_PARTS / ALIGN) * ALIGN)
 
 
 def _status(exc: ClientError) -> int:
@@ -78,109 +91,88 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, RETRYABLE_ERRORS)
 
 
-class _BufferReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: botocore takes it as a body without
-    the bytes being copied into one big ``bytes`` first."""
+class _OrderedSlots:
+    """A semaphore whose waiters get a slot in ``priority`` order, lowest first (loop thread)."""
 
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiting: list[tuple[tuple[int, int], int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
 
-    def readable(self) -> bool:
-        return True
+    @asynccontextmanager
+    async def slot(self, priority: tuple[int, int]) -> AsyncIterator[None]:
+        await self._acquire(priority)
+        try:
+            yield
+        finally:
+            self._release()
 
-    def seekable(self) -> bool:
-        return True
+    async def _acquire(self, priority: tuple[int, int]) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority, next(self._arrivals), granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # the slot came with the cancellation: pass it on
+            raise
 
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = min(max(base + offset, 0), len(self._view))
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(self._pos + size, len(self._view))
-        chunk = bytes(self._view[self._pos : end])
-        self._pos = end
-        return chunk
-
-    def readinto(self, buffer: Any) -> int:
-        chunk = self.read(len(buffer))
-        buffer[: len(chunk)] = chunk
-        return len(chunk)
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-
-class _FileWindow(io.RawIOBase):
-    """Bytes ``[start, end)`` of a local file as a read-only, seekable file."""
-
-    def __init__(self, path: str, start: int, end: int) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        self._start, self._end = start, end
-        self._file.seek(start)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._file.tell() - self._start
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self._end - self._start}[whence]
-        position = min(max(base + offset, 0), self._end - self._start)
-        self._file.seek(self._start + position)
-        return position
-
-    def read(self, size: int | None = -1) -> bytes:
-        left = self._end - self._file.tell()
-        return self._file.read(left if size is None or size < 0 else min(size, left))
-
-    def readinto(self, buffer: Any) -> int:
-        chunk = self.read(len(buffer))
-        buffer[: len(chunk)] = chunk
-        return len(chunk)
-
-    def __len__(self) -> int:
-        return self._end - self._start
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
+    def _release(self) -> None:
+        while self._waiting:
+            _, _, granted = heapq.heappop(self._waiting)
+            if not granted.done():
+                granted.set_result(None)
+                return
+        self._free += 1
 
 
 class _MemorySource:
-    """Upload source: a buffer in RAM (a staging slab)."""
+    """Upload source: a buffer in RAM (a staging slab), sent as a memoryview of it: aiohttp
+    writes it to the socket in one call, with no copy in Python. Its CRC32Cs come from
+    ``checksums`` (computed once by the caller) or are computed here."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, checksums: RangeChecksums | None) -> None:
         self.view = view
         self.size = view.nbytes
+        self.checksums = checksums
 
-    def body(self, start: int, end: int) -> io.RawIOBase:
-        return _BufferReader(self.view[start:end])
+    @contextmanager
+    def body(self, start: int, end: int) -> Iterator[memoryview]:
+        yield self.view[start:end]
 
-    def checksum(self, start: int, end: int) -> str:
-        return crc32c_b64(crc32c_of(self.view[start:end]))
+    def checksum(self, start: int, end: int) -> int:
+        if self.checksums is not None:
+            return self.checksums.of(start, end)
+        return crc32c_of(self.view[start:end])
 
 
 class _FileSource:
-    """Upload source: a local file (a spooled chunk), streamed from disk."""
+    """Upload source: a local file (a spooled chunk, at most a slab), mapped read-only and
+    sent as memoryviews of the mapping: no read() copies, pages come from the page cache.
+    Opened on a worker thread; :meth:`close` when the upload is over."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            self._map = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ) if self.size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
-    def body(self, start: int, end: int) -> io.RawIOBase:
-        return _FileWindow(self.path, start, end)
+    @contextmanager
+    def body(self, start: int, end: int) -> Iterator[memoryview]:
+        yield self.view[start:end]
 
-    def checksum(self, start: int, end: int) -> str:
-        return crc32c_b64(file_crc32c(self.path, start, end))
+    def checksum(self, start: int, end: int) -> int:
+        return crc32c_of(self.view[start:end])
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            with suppress(BufferError):  # a closing connection still holds a slice:
+                self._map.close()  # unmapped when that is collected
 
 
 _Source = _MemorySource | _FileSource
@@ -198,6 +190,8 @@ class S3Storage(Storage):
         self._client: Any = None
         self._stack: AsyncExitStack | None = None
         self._lock: asyncio.Lock | None = None
+        self._slots: _OrderedSlots | None = None
+        self._uploads = itertools.count()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -210,8 +204,11 @@ class S3Storage(Storage):
                 cfg = self.config
                 session = aiobotocore.session.AioSession(profile=cfg.profile)
                 aio_config = AioConfig(
-                    s3={"addressing_style": cfg.addressing_style},
-                    max_pool_connections=self.concurrency * cfg.part_concurrency + 4,
+                    # every body carries a CRC32C the server checks: no SHA-256 of it too
+                    s3={"addressing_style": cfg.addressing_style, "payload_signing_enabled": False},
+                    # botocore's check refuses memoryview bodies (aiohttp takes them whole)
+                    parameter_validation=False,
+                    max_pool_connections=cfg.max_requests + self.concurrency + 4,
                     retries={"total_max_attempts": 1},  # retries are ours (deadline-bounded)
                     connect_timeout=min(10.0, cfg.request_timeout),
                     read_timeout=cfg.request_timeout,
@@ -232,6 +229,9 @@ class S3Storage(Storage):
                 self._client = await stack.enter_async_context(session.create_client("s3", **kwargs))
                 self._stack = stack
         return self._client
+
+    async def connect(self) -> None:
+        await self._get_client()  # ~0.3 s: botocore loads and parses the S3 service model
 
     def _key(self, name: str) -> str:
         name = check_object_name(name.rstrip("/")) if name else ""
@@ -279,34 +279,77 @@ class S3Storage(Storage):
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
         conditions = {"IfNoneMatch": "*"} if if_absent and self.config.conditional_commit else {}
-        await self._upload(name, _MemorySource(memoryview(data).cast("B")), conditions)
+        await self._upload(name, _MemorySource(memoryview(data).cast("B"), None), conditions)
+
+    async def write_checksummed(self, name: str, data: memoryview, checksums: RangeChecksums) -> None:
+        await self._upload(name, _MemorySource(data, checksums), {})
 
     async def write_file(self, name: str, path: str) -> None:
-        await self._upload(name, await asyncio.to_thread(_FileSource, path), {})
+        await self._upload_file(name, path, None)
 
-    async def _send(self, what: str, source: _Source, start: int, end: int, **request: Any) -> Any:
-        """One PUT or part upload of ``source[start:end]``, with its CRC32C; a fresh body
-        per attempt (a retry re-reads from the start)."""
-        checksum = await asyncio.to_thread(source.checksum, start, end)
+    async def write_file_verified(self, name: str, path: str, crc: int) -> None:
+        # the CRC32Cs of the PUT or parts are computed anyway: combined, they check the file
+        # before the object can appear (before the PUT, or before completing the upload)
+        await self._upload_file(name, path, (path, crc))
+
+    async def _upload_file(self, name: str, path: str, expected: tuple[str, int] | None) -> None:
+        source = await asyncio.to_thread(_FileSource, path)
+        try:
+            await self._upload(name, source, {}, expected=expected)
+        finally:
+            source.close()
+
+    async def _send(
+        self, what: str, order: int, source: _Source, start: int, end: int, crc: int | None = None, **request: Any
+    ) -> tuple[Any, int]:
+        """One PUT or part upload of ``source[start:end]`` with its CRC32C (``crc`` when
+        known; returned with the response); a fresh body view per attempt. Waits for one of
+        the ``s3.max_requests`` slots, the upload begun first (``order``) served first."""
+        if crc is None:
+            crc = await asyncio.to_thread(source.checksum, start, end)
+        checksum = crc32c_b64(crc)
+        if self._slots is None:
+            self._slots = _OrderedSlots(self.config.max_requests)
+        async with self._slots.slot((order, start)):
+            return await self._request(what, source, start, end, checksum, request), crc
+
+    async def _request(
+        self, what: str, source: _Source, start: int, end: int, checksum: str, request: dict[str, Any]
+    ) -> Any:
 
         async def send(client: Any) -> Any:
             with source.body(start, end) as body:
                 method = client.upload_part if "UploadId" in request else client.put_object
-                response = await method(
+                return await method(
                     Bucket=self.bucket, Body=body, ContentLength=end - start, ChecksumCRC32C=checksum, **request
                 )
-            return {**response, "ChecksumCRC32C": checksum}
 
         return await self._call(what, send)
 
-    async def _upload(self, name: str, source: _Source, conditions: dict[str, str]) -> None:
+    async def _upload(
+        self, name: str, source: _Source, conditions: dict[str, str], *, expected: tuple[str, int] | None = None
+    ) -> None:
+        """Upload ``source`` as ``name``; with ``expected`` (path, crc), refuse to let the
+        object appear unless the bytes sent have that CRC32C."""
         key = self._key(name)
+        order = next(self._uploads)
         if source.size <= self.config.multipart_threshold:
-            await self._send(f"PUT {name}", source, 0, source.size, Key=key, **conditions)
+            crc = await asyncio.to_thread(source.checksum, 0, source.size)
+            if expected is not None:
+                check_spool_file(expected[0], crc, expected[1], name)
+            await self._send(f"PUT {name}", order, source, 0, source.size, crc, Key=key, **conditions)
         else:
-            await self._multipart(name, key, source, conditions)
+            await self._multipart(name, key, order, source, conditions, expected)
 
-    async def _multipart(self, name: str, key: str, source: _Source, conditions: dict[str, str]) -> None:
+    async def _multipart(
+        self,
+        name: str,
+        key: str,
+        order: int,
+        source: _Source,
+        conditions: dict[str, str],
+        expected: tuple[str, int] | None,
+    ) -> None:
         size = source.size
         part = part_size_for(size, self.config.part_size)
         created = await self._call(
@@ -318,11 +361,11 @@ class S3Storage(Storage):
 
         async def upload_part(number: int, start: int) -> dict[str, Any]:
             async with limit:
-                response = await self._send(
-                    f"part {number} of {name}", source, start, min(start + part, size),
+                response, crc = await self._send(
+                    f"part {number} of {name}", order, source, start, min(start + part, size),
                     Key=key, UploadId=upload_id, PartNumber=number,
                 )  # fmt: skip
-            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": response["ChecksumCRC32C"]}
+            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": crc32c_b64(crc), "crc": crc}
 
         try:
             try:
@@ -334,6 +377,13 @@ class S3Storage(Storage):
             except BaseExceptionGroup as group_error:
                 raise (leaf := first_error(group_error)) from leaf.__cause__
             parts = [t.result() for t in tasks]
+            if expected is not None:
+                whole = 0
+                for number, start in enumerate(range(0, size, part)):
+                    whole = crc32c_combine(whole, parts[number]["crc"], min(part, size - start))
+                check_spool_file(expected[0], whole, expected[1], name)
+            for p in parts:
+                del p["crc"]
             await self._call(
                 f"complete multipart upload of {name}",
                 lambda c: c.complete_multipart_upload(

@@ -85,7 +85,7 @@ async def serve(conn: Connection, arena: Arena, config: Config) -> None:
     """Run commands until ``close`` or end of file (the trainer is gone)."""
     loop = asyncio.get_running_loop()
     reports = _Reports(conn)
-    transfer = LocalTransfer(config, arena, reports)
+    transfer = LocalTransfer(config, arena, reports, eager=True)
     stop = asyncio.Event()
     gone = False
 

@@ -45,21 +45,38 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 class LocalTransfer:
     """Every save's transfer side, on the loop that calls it (all methods: that loop's
-    thread). ``listener`` hears about each save; ``arena`` holds the staged slabs."""
+    thread). ``listener`` hears about each save; ``arena`` holds the staged slabs.
 
-    def __init__(self, config: Config, arena: Arena, listener: TransferListener) -> None:
+    On the trainer's own loop (``eager`` False) uploads wait until capture is over or
+    would wait for RAM: sending competes with the capture copy for the trainer's GIL and
+    would lengthen ``save()``. In the upload process (``eager``) they start with the first
+    staged chunk: the capture and the pipe then overlap."""
+
+    def __init__(self, config: Config, arena: Arena, listener: TransferListener, *, eager: bool = False) -> None:
         self.config = config
+        self.eager = eager
         self.arena = arena
         self.listener = listener
         self._roots: dict[str, Storage] = {}
         self._broken_roots: dict[str, BaseException] = {}
         self._saves: dict[str, _Upload] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._warm_ups: set[asyncio.Task[None]] = set()
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
         if url not in self._roots:
             self._roots[url] = storage if storage is not None else storage_from_url(url, self.config)
+            warm_up = asyncio.get_running_loop().create_task(self._connect(self._roots[url]))
+            self._warm_ups.add(warm_up)
+            warm_up.add_done_callback(self._warm_ups.discard)
+
+    @staticmethod
+    async def _connect(storage: Storage) -> None:
+        try:
+            await storage.connect()
+        except Exception as exc:  # the first request of a save reports it
+            log.debug("aiosnap: %s: connecting ahead of the first save failed: %r", storage.url, exc)
 
     def cannot_open(self, url: str, error: BaseException) -> None:
         """The backend for ``url`` could not be made here: saves to it fail with ``error``."""
@@ -120,7 +137,7 @@ class LocalTransfer:
     async def close(self) -> None:
         """Cancel what still runs, give removals of failed attempts :data:`CLEANUP_WAIT_S`
         (the rest is left to ``aiosnap gc``), close the storages."""
-        running = [u.task for u in self._saves.values() if u.task is not None]
+        running = [u.task for u in self._saves.values() if u.task is not None] + list(self._warm_ups)
         for task in running:
             task.cancel()
         if running:
@@ -169,6 +186,8 @@ class _Upload:
         self.accepting = True
         self.commit_started = False
         self.may_start = asyncio.Event()
+        if owner.eager:
+            self.may_start.set()
         self._queue: asyncio.Queue[Staged | None] = asyncio.Queue()
         self._outstanding: set[int] = set()
         self._workers = min(owner.config.upload.concurrency, max(1, len(spec.chunks)))

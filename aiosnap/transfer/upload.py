@@ -1,46 +1,81 @@
 """Uploading one staged chunk: write it to storage and return the crc32c of its byte ranges.
 
 Runs on the transfer side's loop; checksums run on worker threads (the crc32c package
-releases the GIL). A slab's bytes go to storage as a memoryview of the arena (no copy in
-Python); a spooled chunk streams from its file after its crc32c is checked against the one
-it was written with.
+releases the GIL). Each byte is checksummed once: one pass over a slab yields the CRC32C of
+every tensor's range and, combined, those of the object or S3 parts it goes out as; a
+slab's bytes go to storage as a memoryview of the arena (no copy in Python). A spooled
+chunk is checked against the CRC32C it was written with by the storage as it sends it.
+
+A slab is handed back only when nothing reads it any more: a request abandoned mid-body
+(a timeout, a cancelled save) can leave its bytes in a closing connection's write buffer
+for a moment, and the slab must not be refilled under it (:class:`~aiosnap.arena.SlabLease`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 
-from ..arena import Arena
-from ..checksums import crc32c_of, file_crc32c
-from ..errors import ChecksumMismatchError
+from ..aio import drop_frame_locals, finish_despite_cancel
+from ..arena import Arena, SlabLease
+from ..checksums import RangeChecksums
 from ..format.spec import ChunkSpec
 from ..staging import FileChunk, SlabChunk, Staged
 from ..storage.base import Storage
 
-__all__ = ["upload_chunk"]
+__all__ = ["LEASE_WAIT_S", "upload_chunk"]
+
+log = logging.getLogger("aiosnap")
+
+LEASE_WAIT_S = 1.0
+"""How long an upload waits for the views of its slab to go. A failed request's writer
+task ends within a few loop turns (aiohttp aborts the connection, dropping what it had
+queued); what holds a view after that is a Python reference that sends nothing (a log
+record kept by a handler, say), and the slab is reused."""
 
 
-def _range_checksums(data: memoryview, chunk: ChunkSpec) -> list[int]:
-    return [crc32c_of(data[p.dst_offset : p.dst_offset + p.nbytes]) for p in chunk.pieces]
+def _checksum(data: memoryview, chunk: ChunkSpec) -> RangeChecksums:
+    boundaries = [b for p in chunk.pieces for b in (p.dst_offset, p.dst_offset + p.nbytes)]
+    return RangeChecksums(data, boundaries)
 
 
-async def _upload_file(storage: Storage, staged: FileChunk, chunk: ChunkSpec) -> list[int]:
-    found = await asyncio.to_thread(file_crc32c, staged.path)
-    if found != staged.crc:
-        raise ChecksumMismatchError(
-            f"spool file {staged.path} is corrupt (crc32c {found:#010x}, written {staged.crc:#010x}); "
-            f"not committing {chunk.object_name}"
-        )
-    await storage.write_file(chunk.object_name, staged.path)
-    return list(staged.pieces)
+async def _until_released(lease: SlabLease, what: str) -> None:
+    """Wait until nothing reads the slab (a failed request's writer task ends within a few
+    loop turns; one held in a reference cycle of the failure goes at a garbage collection,
+    forced here: failures only), bounded by :data:`LEASE_WAIT_S`."""
+    waited = 0.0
+    collected = False
+    while lease.in_use and waited < LEASE_WAIT_S:
+        if waited >= 0.05 and not collected:
+            gc.collect()
+            collected = True
+            continue
+        await asyncio.sleep(0.01)
+        waited += 0.01
+    if lease.in_use:
+        log.debug("aiosnap: the body of %s is still referenced after %g s; reusing its slab", what, waited)
 
 
 async def upload_chunk(storage: Storage, arena: Arena, staged: Staged, chunk: ChunkSpec) -> list[int]:
     """Write ``staged`` (chunk ``chunk`` of its save) to storage; the crc32c of each piece."""
     if isinstance(staged, FileChunk):
-        return await _upload_file(storage, staged, chunk)
+        await storage.write_file_verified(chunk.object_name, staged.path, staged.crc)
+        return list(staged.pieces)
     assert isinstance(staged, SlabChunk)
-    data = arena.view(staged.slab, staged.nbytes)
-    checksums = await asyncio.to_thread(_range_checksums, data, chunk)
-    await storage.write(chunk.object_name, data)
-    return checksums
+    lease = arena.lease(staged.slab, staged.nbytes)
+    checksums: RangeChecksums | None = None
+    try:
+        assert lease.view is not None
+        checksums = await asyncio.to_thread(_checksum, lease.view, chunk)
+        await storage.write_checksummed(chunk.object_name, lease.view, checksums)
+        return [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
+    except BaseException as error:
+        drop_frame_locals(error)  # its traceback would keep the request body (the slab) alive
+        raise
+    finally:
+        if checksums is not None:
+            checksums.release()
+        lease.release()
+        if lease.in_use:
+            await finish_despite_cancel(_until_released(lease, chunk.object_name))
