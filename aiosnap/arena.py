@@ -16,12 +16,14 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["Arena", "SlabLease"]
 
 log = logging.getLogger("aiosnap")
 
-_PREWARM_STEP = 64 * 1024 * 1024
+_PREWARM_STEP = 16 * 1024 * 1024  # a capture waits for at most one step
 
 
 class Arena:
@@ -47,6 +49,9 @@ class Arena:
         self.buffer = memoryview(self._map)
         self._prewarm: threading.Thread | None = None
         self._stop = threading.Event()
+        self._quiet = threading.Event()  # clear while a capture runs: the prewarm waits
+        self._quiet.set()
+        self._captures = 0
 
     @property
     def fd(self) -> int:
@@ -68,13 +73,16 @@ class Arena:
         return SlabLease(self.view(slab, nbytes))
 
     def prewarm(self) -> None:
-        """Touch every page on a background thread (the pages become resident now rather
-        than inside the first save); returns at once."""
+        """Touch every page on a background thread, slab 0 first (the order the pool lends
+        them), so the pages are resident before the first save needs them; returns at once.
+        It pauses while a capture runs (:meth:`capturing`): on a few cores the two would
+        only slow each other down."""
 
         def touch() -> None:
             populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
             try:
                 for start in range(0, self.size, _PREWARM_STEP):
+                    self._quiet.wait()
                     if self._stop.is_set():
                         return
                     length = min(_PREWARM_STEP, self.size - start)
@@ -92,10 +100,31 @@ class Arena:
         self._prewarm = threading.Thread(target=touch, name="aiosnap-prewarm", daemon=True)
         self._prewarm.start()
 
+    def wait_resident(self, timeout: float | None = None) -> bool:
+        """Block until the prewarm is over (True), or ``timeout`` seconds (False). Any thread."""
+        thread = self._prewarm
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around a capture: the prewarm waits meanwhile. Loop thread."""
+        self._captures += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._captures -= 1
+            if self._captures == 0:
+                self._quiet.set()
+
     def close(self) -> None:
         """Unmap (and close the memfd); idempotent. Views must not be used afterwards."""
         if self._prewarm is not None:
             self._stop.set()  # at most one more step of touching
+            self._quiet.set()
             self._prewarm.join()
             self._prewarm = None
         if self._map.closed:

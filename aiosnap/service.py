@@ -304,12 +304,13 @@ class Engine:
             return
         job.session = self._spool_session(plan, job.storage, job.keep_last)
         capture_started = time.perf_counter()
-        await capture_chunks(
-            plan, pool, self._executor, self._copier, job.order,
-            stage=lambda chunk: self._stage(job, chunk),
-            may_upload=lambda: transfer.may_upload(plan.save_id),
-            spool=job.session,
-        )  # fmt: skip
+        with self.arena.capturing():
+            await capture_chunks(
+                plan, pool, self._executor, self._copier, job.order,
+                stage=lambda chunk: self._stage(job, chunk),
+                may_upload=lambda: transfer.may_upload(plan.save_id),
+                spool=job.session,
+            )  # fmt: skip
         if job.session is not None:
             await job.session.captured()  # the journal says so before save() returns
         capture_done = time.perf_counter()

@@ -1,7 +1,11 @@
 """Benchmark: ``aiosnap bench local`` (or ``make bench``) prints JSON figures.
 
 Saves a model + Adam state (~500 MB by default) to a local directory, cold then warm
-(with a training step mutating every tensor in between), and measures in the same run:
+(with a training step mutating every tensor in between), and measures in the same run.
+"cold" is the first save of a checkpointer after ``--train-s`` seconds of training steps
+(the staging memory is touched in the background meanwhile, as in any job that trains a
+little before its first checkpoint); "at_start" is a first save made the moment the
+checkpointer exists (the worst case).
 
 - ``floor``: a plain copy of the same tensors into preallocated, already-touched buffers
   (the least any snapshot can block training);
@@ -21,7 +25,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,19 +45,33 @@ def _proc_status(field: str) -> int | None:
 
 
 class PeakRSS:
-    """Peak resident memory above the level at start (Linux: resets VmHWM)."""
+    """Peak resident memory above the level at start (Linux: resets VmHWM; nests: an inner
+    one hands the peak so far to the outer ones before it resets)."""
+
+    _open: ClassVar[list[PeakRSS]] = []
+
+    @classmethod
+    def _note_peak(cls) -> None:
+        peak = _proc_status("VmHWM")
+        for outer in cls._open:
+            if peak is not None:
+                outer.peak = max(outer.peak or 0, peak)
 
     def __enter__(self) -> PeakRSS:
+        self._note_peak()
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
         self.base = _proc_status("VmRSS")
+        self.peak: int | None = None
         self.increase: int | None = None
+        self._open.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        peak = _proc_status("VmHWM")
-        if peak is not None and self.base is not None:
-            self.increase = peak - self.base
+        self._note_peak()
+        self._open.remove(self)
+        if self.peak is not None and self.base is not None:
+            self.increase = self.peak - self.base
 
 
 def make_state(total_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -99,13 +117,28 @@ def torch_save_s(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Pat
     return time.perf_counter() - started
 
 
-def aiosnap_run(model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path, budget: int) -> dict[str, Any]:
+def _train_for(model: torch.nn.Module, optim: torch.optim.Optimizer, seconds: float) -> None:
+    began = time.perf_counter()
+    train_step(model, optim)
+    while time.perf_counter() - began < seconds:
+        train_step(model, optim)
+
+
+def aiosnap_run(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path, budget: int, train_s: float
+) -> dict[str, Any]:
     config = Config(storage={"url": str(root)}, ram_budget=budget, retention={"keep_last": 1})
     figures: dict[str, Any] = {"ram_budget_mib": budget / MiB}
     with SyncCheckpointer(config) as ckpt:
+        started = time.perf_counter()
+        handle = ckpt.save({"model": model, "optim": optim}, step=1)
+        figures["at_start"] = {"blocked_s": round(time.perf_counter() - started, 4)}
+        handle.wait()
+    shutil.rmtree(root, ignore_errors=True)
+    with PeakRSS() as whole_run, SyncCheckpointer(config) as ckpt:
         for label, step in (("cold", 1), ("warm", 2)):
-            if label == "warm":
-                train_step(model, optim)  # every tensor changes, like training between saves
+            # every tensor changes between saves, as in training
+            _train_for(model, optim, train_s if label == "cold" else 0.0)
             with PeakRSS() as rss:
                 started = time.perf_counter()
                 handle = ckpt.save({"model": model, "optim": optim}, step=step)
@@ -118,6 +151,8 @@ def aiosnap_run(model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path
                 "budget_high_water_mib": round(result.ram_high_water / MiB, 1),
                 "write_mb_s": round(result.nbytes / 1e6 / result.durable_s, 1),
             }
+    # the staging arena is allocated (and touched) when the checkpointer starts
+    figures["run_peak_rss_increase_mib"] = None if whole_run.increase is None else round(whole_run.increase / MiB, 1)
     return figures
 
 
@@ -126,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--size-mb", type=int, default=500, help="state size (default 500)")
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     parser.add_argument("--small-budget-mib", type=int, default=128)
+    parser.add_argument("--train-s", type=float, default=2.0, help="training before the cold save (default 2)")
     args = parser.parse_args(argv)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="aiosnap-bench-"))
     torch.manual_seed(0)
@@ -135,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         floor = floor_copy_s(tensors)
         plain = torch_save_s(model, optim, base / "torch_save.pt")
-        large = aiosnap_run(model, optim, base / "large", budget=max(2 * nbytes, 256 * MiB))
-        small = aiosnap_run(model, optim, base / "small", budget=args.small_budget_mib * MiB)
+        large = aiosnap_run(model, optim, base / "large", max(2 * nbytes, 256 * MiB), args.train_s)
+        small = aiosnap_run(model, optim, base / "small", args.small_budget_mib * MiB, args.train_s)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
@@ -150,11 +186,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratios": {
             "warm_blocked_over_floor": round(large["warm"]["blocked_s"] / floor, 2),
             "cold_blocked_over_floor": round(large["cold"]["blocked_s"] / floor, 2),
+            "at_start_blocked_over_floor": round(large["at_start"]["blocked_s"] / floor, 2),
             "torch_save_over_warm_blocked": round(plain / large["warm"]["blocked_s"], 2),
-            # the cold save allocates the slabs; a warm save reuses them (no increase)
-            "small_budget_cold_peak_rss_over_budget": None
-            if small["cold"]["peak_rss_increase_mib"] is None
-            else round(small["cold"]["peak_rss_increase_mib"] / small["ram_budget_mib"], 2),
+            # checkpointer start to after the warm save: the arena, whatever else it takes
+            "small_budget_run_peak_rss_over_budget": None
+            if small["run_peak_rss_increase_mib"] is None
+            else round(small["run_peak_rss_increase_mib"] / small["ram_budget_mib"], 2),
         },
     }
     print(json.dumps(report, indent=2))
