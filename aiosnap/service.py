@@ -110,6 +110,8 @@ class _SaveJob:
     lent: dict[int, Staged] = field(default_factory=dict)
     """Chunks with the transfer side, by index (their slabs come back with done_with)."""
     journalling: set[asyncio.Task[None]] = field(default_factory=set)
+    aborted: bool = False
+    """Given up before capture ended: it can no longer commit, and holds no step."""
 
 
 class Engine:
@@ -178,7 +180,7 @@ class Engine:
     def _check_order(self, step: int, storage: Storage) -> None:
         """Refuse a step at or below one this engine is saving to the same root."""
         for job in self._jobs.values():
-            if job.storage.url == storage.url and job.plan.step >= step:
+            if job.storage.url == storage.url and job.plan.step >= step and not job.aborted:
                 what = "already being saved" if job.plan.step == step else f"older than step {job.plan.step}"
                 raise StepOrderError(
                     f"step {step} is {what}, whose save to {storage.url} is still in flight: "
@@ -240,6 +242,7 @@ class Engine:
         if job is None or job.task is None:
             return
         if not job.captured.done():
+            job.aborted = True  # its retry may start while the transfer side winds it down
             job.task.cancel()
         elif self.transfer is not None:
             self.transfer.abort(save_id)

@@ -162,3 +162,21 @@ def test_a_storage_the_helper_cannot_open_is_a_clear_error(root: Path) -> None:
     store = FaultyStorage(LocalStorage(root), fail_when=lambda name: False)  # holds a lambda: no pickling
     with pytest.raises(ConfigError, match="cannot be pickled"):
         SyncCheckpointer(_process(Config(storage={"url": str(root)})), storage=store)
+
+
+async def test_a_save_aborted_before_the_helper_read_its_begin_still_ends(root: Path) -> None:
+    """A slow helper (starting up on a loaded machine) reads begin, the chunks and abort in
+    one burst: the upload it starts is cancelled before it ever runs, and must still report
+    its end, or the trainer waits for that save forever."""
+    config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB"))
+    async with Checkpointer(config) as ckpt:
+        pid = _helper_pid(ckpt)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):  # save() waits for the look at the root
+                await asyncio.wait_for(ckpt.save({"w": torch.randn(1000)}, step=1), 0.3)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        result = await asyncio.wait_for(await asyncio.wait_for(ckpt.save({"w": torch.ones(10)}, step=1), 20), 20)
+        assert result.step == 1 and _helper_pid(ckpt) == pid
+        assert await ckpt.steps() == [1]

@@ -92,6 +92,7 @@ class LocalTransfer:
         upload = _Upload(self, save_id, self._roots[url], keep_last, spec)
         self._saves[save_id] = upload
         upload.task = asyncio.get_running_loop().create_task(upload.run())
+        upload.task.add_done_callback(upload.cancelled_before_running)
 
     def staged(self, chunk: Staged) -> None:
         """A captured chunk, to upload (or to hand straight back if its save is over)."""
@@ -192,6 +193,7 @@ class _Upload:
         self._outstanding: set[int] = set()
         self._workers = min(owner.config.upload.concurrency, max(1, len(spec.chunks)))
         self._stages: dict[str, float] = {}
+        self._ran = False
 
     def put(self, chunk: Staged) -> None:
         self._outstanding.add(chunk.index)
@@ -207,7 +209,20 @@ class _Upload:
             self._outstanding.discard(index)
             self.owner.listener.done_with(self.save_id, index, pieces)
 
+    def cancelled_before_running(self, task: asyncio.Task[None]) -> None:
+        """Done callback: an upload aborted before its first step (a helper that reads begin
+        and abort in one burst) never ran ``run``'s ``finally``; end it here, or the trainer
+        side would wait for its outcome forever. Nothing of it was written."""
+        if self._ran:
+            return
+        self.accepting = False
+        for index in sorted(self._outstanding):
+            self._done(index, None)
+        self.owner.forget(self)
+        self.owner.listener.finished(self.save_id, TransferOutcome(committed=False, error=asyncio.CancelledError()))
+
     async def run(self) -> None:
+        self._ran = True
         listener = self.owner.listener
         look = asyncio.ensure_future(preflight(self.storage, self.spec.step))
         look.add_done_callback(self._tell_preflight)
