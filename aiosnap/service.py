@@ -243,7 +243,9 @@ class Engine:
             return
         if not job.captured.done():
             job.aborted = True  # its retry may start while the transfer side winds it down
-            job.task.cancel()
+            job.task.cancel()  # (if it never ran, only the next line tells the transfer side)
+            if self.transfer is not None:
+                self.transfer.abort(save_id)
         elif self.transfer is not None:
             self.transfer.abort(save_id)
 

@@ -243,6 +243,8 @@ def test_a_save_cancelled_before_its_task_ran_frees_its_slot(small_config: Confi
 
     ckpt._loop.run(cancel_at_once())
     assert engine._jobs == {}
+    saves_on_the_transfer_side = getattr(engine.transfer, "_saves", {})  # thread executor: inspectable
+    assert saves_on_the_transfer_side == {}, "the transfer side was told: it waits for no chunks"
     ckpt.save({"w": torch.zeros(10)}, step=7).wait(10)  # neither refused nor blocked
     ckpt.close()
 
