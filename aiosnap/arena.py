@@ -14,6 +14,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -24,6 +25,10 @@ __all__ = ["Arena", "SlabLease"]
 log = logging.getLogger("aiosnap")
 
 _PREWARM_STEP = 16 * 1024 * 1024  # a capture waits for at most one step
+
+_POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
+"""madvise(MADV_POPULATE_WRITE) (Linux 5.14+; Python names it from 3.12): fault pages in,
+writable, without touching what they hold -- a capture may be filling them meanwhile."""
 
 
 class Arena:
@@ -79,7 +84,7 @@ class Arena:
         only slow each other down."""
 
         def touch() -> None:
-            populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
+            populate = _POPULATE_WRITE
             try:
                 for start in range(0, self.size, _PREWARM_STEP):
                     self._quiet.wait()
@@ -90,10 +95,14 @@ class Arena:
                         try:
                             self._map.madvise(populate, start, length)
                             continue
-                        except OSError:
+                        except OSError:  # an older kernel
                             populate = None
+                    # Read, never write: a slab may hold a capture by now (the check above
+                    # and a capture can cross), and a write would clobber it. A read fault
+                    # makes a memfd's pages resident; anonymous memory gets the zero page,
+                    # and its first write still faults (no gain there, no harm).
                     for page in range(start, start + length, mmap.PAGESIZE):
-                        self.buffer[page] = 0
+                        self.buffer[page]
             except (ValueError, OSError):  # closed meanwhile
                 pass
 

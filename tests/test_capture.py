@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap import arena as arena_module
+from aiosnap.arena import Arena
 from tests.conftest import FaultyStorage
 
 
@@ -42,3 +45,23 @@ def test_model_and_optimizer_mutated_by_training_after_save(small_config: Config
         assert torch.equal(restored["model"][key], value)
     assert torch.equal(restored["optim"]["state"][0]["exp_avg"], avg_before)
     assert not torch.equal(model.weight, before["weight"])  # training really did move on
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["anonymous", "memfd"])
+@pytest.mark.parametrize("populate", ["madvise", "fallback"])
+def test_the_prewarm_never_changes_what_a_slab_holds(
+    shared: bool, populate: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a flaky round trip: the prewarm's fallback wrote a zero into each page while
+    (or after) a capture filled it. Whatever the prewarm does, a slab keeps its bytes."""
+    if populate == "fallback":
+        monkeypatch.setattr(arena_module, "_POPULATE_WRITE", None)
+    arena = Arena(4 * 1024 * 1024, 4, shared=shared)
+    try:
+        pattern = torch.randint(1, 256, (arena.size,), dtype=torch.uint8)
+        torch.frombuffer(arena.buffer, dtype=torch.uint8).copy_(pattern)  # a capture before the prewarm
+        arena.prewarm()
+        assert arena.wait_resident(30)
+        assert torch.equal(torch.frombuffer(arena.buffer, dtype=torch.uint8), pattern)
+    finally:
+        arena.close()
