@@ -9,8 +9,14 @@ PIP := $(PY) -m pip
 # A local wheel cache, when this machine has one (the CPU torch build lives there).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# LocalStack's S3 (a second test server, one that checks request checksums) in a virtualenv
+# of its own: its dependencies would clash with the project's. 4.12 is the last release
+# that runs on Python 3.11.
+LOCALSTACK_VENV ?= .venv-localstack
+LOCALSTACK_SPEC ?= "localstack-core[runtime]==4.12.0" "cbor2<6" "pyopenssl<24.3"
+LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed-4.12.0
 
-.PHONY: install demo test lint bench soak clean
+.PHONY: install localstack demo test lint bench soak clean
 
 install: $(STAMP)
 
@@ -18,6 +24,13 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(FIND_LINKS) "$(TORCH_SPEC)"
 	$(PIP) install --quiet $(FIND_LINKS) -e ".[dev]"
+	touch $@
+
+localstack: $(LOCALSTACK_STAMP)
+
+$(LOCALSTACK_STAMP):
+	$(PYTHON) -m venv $(LOCALSTACK_VENV)
+	$(LOCALSTACK_VENV)/bin/python -m pip install --quiet $(LOCALSTACK_SPEC)
 	touch $@
 
 demo: install
@@ -28,8 +41,8 @@ lint: install
 	$(VENV)/bin/ruff format --check aiosnap tests examples
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest
+test: lint localstack
+	TEST_LOCALSTACK_PYTHON=$(LOCALSTACK_VENV)/bin/python TEST_REQUIRE_LOCALSTACK=1 $(PY) -m pytest
 
 # The fault soak and the fuzzers, long: many saves through failing storage, the fault proxy
 # and SIGKILLed trainers, then the invariant (a short version runs inside `make test`).
@@ -45,4 +58,4 @@ bench: install
 	$(PY) -m aiosnap.bench lightning
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints
+	rm -rf $(VENV) $(LOCALSTACK_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -205,21 +205,58 @@ def crashed_spool(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
 # --- S3: a real protocol server (moto) and a fault-injecting proxy in front of it ---------
 
 
+LOCALSTACK_PYTHON = os.environ.get("TEST_LOCALSTACK_PYTHON") or str(
+    Path(__file__).resolve().parent.parent / ".venv-localstack" / "bin" / "python"
+)
+
+
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    from aiosnap.testing.s3server import TEST_ENV, moto_server
+def s3_test_credentials() -> Iterator[None]:
+    """The test servers' credentials in the environment, for aiosnap and boto3 alike."""
+    from aiosnap.testing.s3server import TEST_ENV
 
     saved = {k: os.environ.get(k) for k in TEST_ENV}
     os.environ.update(TEST_ENV)
     try:
-        with moto_server() as url:
-            yield url
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(s3_test_credentials: None) -> Iterator[str]:
+    from aiosnap.testing.s3server import moto_server
+
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def localstack_endpoint(s3_test_credentials: None) -> Iterator[str]:
+    from aiosnap.testing.s3server import localstack_server
+
+    if not os.path.exists(LOCALSTACK_PYTHON):
+        message = f"LocalStack's virtualenv is missing ({LOCALSTACK_PYTHON}); `make test` builds it"
+        if os.environ.get("TEST_REQUIRE_LOCALSTACK"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with localstack_server(LOCALSTACK_PYTHON) as url:
+        yield url
+
+
+@pytest.fixture
+def s3_server(request: pytest.FixtureRequest) -> str:
+    """Which server: moto, or (modules marked ``both_servers``) LocalStack as well."""
+    return str(getattr(request, "param", "moto"))
+
+
+@pytest.fixture
+def s3_endpoint(s3_server: str, request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{s3_server}_endpoint"))
 
 
 @pytest.fixture
@@ -282,6 +319,8 @@ def upload_executor(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_servers"):
+        metafunc.parametrize("s3_server", ["moto", "localstack"], indirect=True)
     if "upload_executor" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_executors"):
         thread_only = metafunc.definition.get_closest_marker("thread_only") is not None
         metafunc.parametrize("upload_executor", ["thread"] if thread_only else ["thread", "process"], indirect=True)

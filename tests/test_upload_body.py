@@ -24,6 +24,8 @@ from tests.conftest import FaultyStorage, s3_config
 
 MiB = 1024 * 1024
 
+pytestmark = pytest.mark.both_servers  # the S3 ones: also against LocalStack, which checks the bytes
+
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
 def test_combined_crc_is_the_crc_of_the_concatenation(first: bytes, second: bytes) -> None:
@@ -173,3 +175,33 @@ async def test_requests_are_served_in_upload_order_and_cancelled_waiters_pass_th
     async with asyncio.timeout(1):
         async with slots.slot((0, 0)):  # the slot count came back whole
             pass
+
+
+@pytest.mark.parametrize("size", [MiB, 7 * MiB], ids=["put", "multipart"])
+async def test_the_checking_server_refuses_bytes_that_do_not_match_their_crc(
+    localstack_endpoint: str, size: int
+) -> None:
+    """The premise of running the suite against LocalStack: a body whose bytes are not
+    the ones its CRC32C was computed over is refused (400 BadDigest), PUT and part alike."""
+    import boto3
+    from aiosnap import StorageError
+    from aiosnap.config import S3Config
+    from aiosnap.storage.s3 import S3Storage
+
+    bucket = "checking-server"
+    client = boto3.client("s3", endpoint_url=localstack_endpoint)
+    client.create_bucket(Bucket=bucket)
+    config = S3Config(endpoint_url=localstack_endpoint, addressing_style="path", multipart_threshold="6MiB",
+                      part_size="5MiB", retry_deadline=5)  # fmt: skip
+    storage = S3Storage(bucket, "p", config)
+    data = memoryview(bytearray(os.urandom(size)))
+    other = RangeChecksums(memoryview(bytes(size)))  # the CRCs of zeros, not of ``data``
+    try:
+        with pytest.raises(StorageError, match="BadDigest|InvalidRequest|XAmzContentChecksumMismatch"):
+            await storage.write_checksummed("x.bin", data, other)
+        await storage.write_checksummed("y.bin", data, RangeChecksums(data))
+        assert await storage.read("y.bin") == bytes(data)
+    finally:
+        await storage.close()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == ["p/y.bin"]

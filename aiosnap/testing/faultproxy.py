@@ -4,7 +4,8 @@ Runs its own event loop in a daemon thread. Faults are switched on and off by th
 - ``reset_every`` / ``reset_after_bytes``: every Nth connection is reset (RST) once more
   than that many request bytes went through it, i.e. mid-body;
 - ``stall_every``: every Nth connection stops forwarding (without closing) once more than
-  ``reset_after_bytes`` request bytes went through it: a body that hangs mid-way;
+  ``reset_after_bytes`` request bytes went through it: a body that hangs mid-way (at most
+  ``stall_limit`` of them, when set: a strict period can starve a retry pattern forever);
 - ``rate_bytes_per_s``: a cap on throughput in each direction (token bucket);
 - ``slowdown_requests``: the next N connections get ``503 SlowDown`` without reaching the server.
 """
@@ -55,6 +56,7 @@ class FaultProxy:
         self.target_port = target_port
         self.reset_every = 0
         self.stall_every = 0
+        self.stall_limit: int | None = None
         self.stalls = 0
         self.reset_after_bytes = 256 * 1024
         self.slowdown_requests = 0
@@ -82,6 +84,7 @@ class FaultProxy:
         server that stopped answering eventually does."""
         self.reset_every = 0
         self.stall_every = 0
+        self.stall_limit = None
         self.slowdown_requests = 0
         self.set_rate(None)
         self._loop.call_soon_threadsafe(self._unstall)
@@ -129,6 +132,7 @@ class FaultProxy:
             return
         doomed = self.reset_every > 0 and number % self.reset_every == 0
         stalled = self.stall_every > 0 and number % self.stall_every == 0
+        stalled = stalled and (self.stall_limit is None or self.stalls < self.stall_limit)
         up = asyncio.ensure_future(self._pump(client_r, server_w, self._up, doomed, stalled))
         down = asyncio.ensure_future(self._pump(server_r, client_w, self._down, False, False))
         try:

@@ -1,0 +1,242 @@
+"""Interference benchmark: ``aiosnap bench interference`` (part of ``make bench``) prints JSON.
+
+How much a checkpoint in flight slows a Python-heavy training loop (one torch thread, many
+small layers: the step is mostly interpreter time, so it feels every GIL holder). For each
+method, in one process and one run, side by side:
+
+- ``none``: no checkpoint (the noise floor of the ratio);
+- ``aiosnap_thread`` / ``aiosnap_process``: ``save()`` of the state (256 MB by default)
+  to the S3 test server (moto, started here) through a proxy capped at ``--cap-mb-s``,
+  with ``upload.executor`` thread or process;
+- ``dcp_thread`` / ``dcp_process``: ``torch.distributed.checkpoint.async_save`` of the same
+  state with its thread and its process checkpointer, to a local directory (DCP has no S3
+  writer without s3fs), when torch.distributed is available.
+
+Figures per method: ``slowdown`` (mean step time while the checkpoint is in flight over the
+mean step time just before it), ``blocked_s`` (the save call) and ``durable_s`` (save call
+to durable), and ``durable_over_floor`` (bytes over cap: aiosnap only). ``--runs`` repeats
+the whole set; the spread (min, max) of each figure is printed with the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .. import Config, SyncCheckpointer
+
+MiB = 1024 * 1024
+Done = Callable[[], bool]
+
+
+def _training_loop() -> Callable[[], None]:
+    """One step of a small, Python-bound model (64 tiny layers, batch 8)."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(64)])
+    optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(8, 32)
+
+    def step() -> None:
+        optim.zero_grad()
+        model(batch).square().mean().backward()
+        optim.step()
+
+    return step
+
+
+def _mean_step(step: Callable[[], None], seconds: float) -> float:
+    times: list[float] = []
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.mean(times)
+
+
+def _measure(step: Callable[[], None], start: Callable[[], Done], before_s: float) -> dict[str, float]:
+    """Steps before the checkpoint, then steps while it is in flight until it is durable."""
+    before = _mean_step(step, before_s)
+    began = time.perf_counter()
+    done = start()
+    blocked = time.perf_counter() - began
+    times: list[float] = []
+    while not done():
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    durable = time.perf_counter() - began
+    during = statistics.mean(times) if times else before
+    return {"slowdown": round(during / before, 3), "blocked_s": round(blocked, 3), "durable_s": round(durable, 3)}
+
+
+def _state(total_mb: int) -> dict[str, torch.Tensor]:
+    per = 8 * MiB // 4  # 8 MiB tensors
+    count = max(1, total_mb * MiB // (per * 4))
+    return {f"t{i}": torch.randn(per) for i in range(count)}
+
+
+@contextlib.contextmanager
+def _s3_root(cap_mb_s: float) -> Iterator[tuple[str, str]]:
+    from ..testing.faultproxy import FaultProxy
+    from ..testing.s3server import TEST_ENV, moto_server
+    from .s3 import _create_bucket
+
+    for key, value in TEST_ENV.items():
+        os.environ.setdefault(key, value)
+    with moto_server() as url:
+        proxy = FaultProxy(int(url.rsplit(":", 1)[1]))
+        try:
+            proxy.set_rate(cap_mb_s * 1e6)
+            bucket = f"interference-{uuid.uuid4().hex[:8]}"
+            import asyncio
+
+            asyncio.run(_create_bucket(url, bucket))
+            yield proxy.url, bucket
+        finally:
+            proxy.close()
+
+
+@contextlib.contextmanager
+def _aiosnap(executor: str, endpoint: str, bucket: str, state: dict[str, torch.Tensor]) -> Iterator[Callable[[], Done]]:
+    """A checkpointer (started before the measurement, as in a job) and its save starter."""
+    config = Config(
+        storage={"url": f"s3://{bucket}/{executor}"},
+        ram_budget=sum(t.numel() * 4 for t in state.values()) + 64 * MiB,
+        retention={"keep_last": 1},
+        upload={"executor": executor},
+        s3={"endpoint_url": endpoint, "addressing_style": "path"},
+    )
+    steps = iter(range(1, 1_000_000))
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"warm": torch.zeros(1)}, step=next(steps)).wait()  # connections and helper up
+
+        def start() -> Done:
+            return ckpt.save(state, step=next(steps)).done
+
+        yield start
+
+
+@contextlib.contextmanager
+def _dcp(kind: str, directory: str, state: dict[str, torch.Tensor]) -> Iterator[Callable[[], Done]]:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
+
+    checkpointer = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
+    count = iter(range(1_000_000))
+    pending: list[Any] = []
+
+    def start() -> Done:
+        response = async_save(
+            state, checkpoint_id=os.path.join(directory, f"{kind}-{next(count)}"), async_checkpointer_type=checkpointer
+        )
+        future: Any = getattr(response, "upload_completion", response)
+        pending.append(future)
+        done: Done = future.done
+        return done
+
+    try:
+        start()()  # the first call starts DCP's background process / thread pool
+        while not pending[-1].done():
+            time.sleep(0.05)
+        yield start
+    finally:
+        for future in pending:
+            future.result()
+
+
+def _one_run(args: argparse.Namespace, state: dict[str, torch.Tensor], endpoint: str, bucket: str) -> dict[str, Any]:
+    step = _training_loop()
+    _mean_step(step, 0.5)  # warm up
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    floor = nbytes / (args.cap_mb_s * 1e6)
+    results: dict[str, Any] = {"none": _measure(step, lambda: _timer(args.during_s), args.before_s)}
+    for executor in ("thread", "process"):
+        with _aiosnap(executor, endpoint, bucket, state) as start:
+            figures = _measure(step, start, args.before_s)
+            figures["durable_over_floor"] = round(figures["durable_s"] / floor, 3)
+            results[f"aiosnap_{executor}"] = figures
+    if _dcp_available():
+        with tempfile.TemporaryDirectory(prefix="aiosnap-bench-dcp-") as directory:
+            for kind in ("thread", "process"):
+                with _dcp(kind, directory, state) as start:
+                    results[f"dcp_{kind}"] = _measure(step, start, args.before_s)
+    return results
+
+
+def _timer(seconds: float) -> Done:
+    ends = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= ends
+
+
+def _dcp_available() -> bool:
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint  # noqa: F401
+    except ImportError:
+        return False
+    return bool(dist.is_available())
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A one-rank gloo group (DCP's process checkpointer runs collectives)."""
+    import torch.distributed as dist
+
+    if not _dcp_available() or dist.is_initialized():
+        yield
+        return
+    from ..testing.s3server import _free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    spread: dict[str, Any] = {}
+    for method in runs[0]:
+        spread[method] = {
+            figure: [min(r[method][figure] for r in runs), max(r[method][figure] for r in runs)]
+            for figure in runs[0][method]
+        }
+    return spread
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="aiosnap bench interference", description=__doc__)
+    parser.add_argument("--size-mb", type=int, default=256, help="state size (default 256)")
+    parser.add_argument("--cap-mb-s", type=float, default=100.0, help="S3 throughput cap (default 100)")
+    parser.add_argument("--runs", type=int, default=3, help="repetitions of the whole set (default 3)")
+    parser.add_argument("--before-s", type=float, default=2.0, help="steps timed before each save (default 2)")
+    parser.add_argument("--during-s", type=float, default=3.0, help="steps timed for 'none' (default 3)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    state = _state(args.size_mb)
+    with _s3_root(args.cap_mb_s) as (endpoint, bucket), _process_group():
+        runs = [_one_run(args, state, endpoint, bucket) for _ in range(args.runs)]
+    report = {
+        "state_bytes": sum(t.numel() * 4 for t in state.values()),
+        "cap_mb_s": args.cap_mb_s,
+        "runs": runs,
+        "spread_min_max": _spread(runs),
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
