@@ -36,6 +36,7 @@ import torch
 from .. import Config, SyncCheckpointer
 
 MiB = 1024 * 1024
+SERVER_NICE = 15
 Done = Callable[[], bool]
 
 
@@ -87,30 +88,30 @@ def _state(total_mb: int) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _s3_root(cap_mb_s: float) -> Iterator[tuple[str, str]]:
-    from ..testing.faultproxy import FaultProxy
+    """The S3 test server and a capped proxy to it, each in a process of its own at low CPU
+    priority: they stand in for a remote store, whose work is not the trainer's to pay."""
+    import asyncio
+
+    from ..testing.faultproxy import capped_proxy_process
     from ..testing.s3server import TEST_ENV, moto_server
     from .s3 import _create_bucket
 
     for key, value in TEST_ENV.items():
         os.environ.setdefault(key, value)
-    with moto_server() as url:
-        proxy = FaultProxy(int(url.rsplit(":", 1)[1]))
-        try:
-            proxy.set_rate(cap_mb_s * 1e6)
-            bucket = f"interference-{uuid.uuid4().hex[:8]}"
-            import asyncio
-
-            asyncio.run(_create_bucket(url, bucket))
-            yield proxy.url, bucket
-        finally:
-            proxy.close()
+    with (
+        moto_server(nice=SERVER_NICE) as url,
+        capped_proxy_process(int(url.rsplit(":", 1)[1]), cap_mb_s * 1e6, nice=SERVER_NICE) as proxy_url,
+    ):
+        bucket = f"interference-{uuid.uuid4().hex[:8]}"
+        asyncio.run(_create_bucket(url, bucket))
+        yield proxy_url, bucket
 
 
 @contextlib.contextmanager
 def _aiosnap(executor: str, endpoint: str, bucket: str, state: dict[str, torch.Tensor]) -> Iterator[Callable[[], Done]]:
     """A checkpointer (started before the measurement, as in a job) and its save starter."""
     config = Config(
-        storage={"url": f"s3://{bucket}/{executor}"},
+        storage={"url": f"s3://{bucket}/{executor}-{uuid.uuid4().hex[:8]}"},  # a fresh root per run
         ram_budget=sum(t.numel() * 4 for t in state.values()) + 64 * MiB,
         retention={"keep_last": 1},
         upload={"executor": executor},
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "state_bytes": sum(t.numel() * 4 for t in state.values()),
         "cap_mb_s": args.cap_mb_s,
+        "cpus": os.cpu_count(),
         "runs": runs,
         "spread_min_max": _spread(runs),
     }

@@ -8,16 +8,24 @@ Runs its own event loop in a daemon thread. Faults are switched on and off by th
   ``stall_limit`` of them, when set: a strict period can starve a retry pattern forever);
 - ``rate_bytes_per_s``: a cap on throughput in each direction (token bucket);
 - ``slowdown_requests``: the next N connections get ``503 SlowDown`` without reaching the server.
+
+:func:`capped_proxy_process` runs a rate cap alone in a process of its own
+(``python -m aiosnap.testing.faultproxy``), for benchmarks: the proxy's copying then holds
+no GIL and no CPU time of the process being measured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 
 def _slowdown_response() -> bytes:
@@ -172,3 +180,45 @@ class FaultProxy:
                 sent += len(data)
         except (ConnectionError, OSError):
             return "error"
+
+
+@contextlib.contextmanager
+def capped_proxy_process(target_port: int, bytes_per_s: float | None, nice: int = 0) -> Iterator[str]:
+    """Yields the URL of a proxy to ``target_port`` capped at ``bytes_per_s`` each way,
+    running in a child process at CPU priority ``nice``; stops it (bounded) on exit.
+    Caller's thread."""
+    niced = ["nice", "-n", str(nice)] if nice else []
+    command = [*niced, sys.executable, "-m", "aiosnap.testing.faultproxy", str(target_port), str(bytes_per_s or 0)]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the proxy process did not start (exit status {process.poll()})")
+        yield f"http://127.0.0.1:{int(line)}"
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()  # the proxy stops when its stdin closes
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m aiosnap.testing.faultproxy TARGET_PORT BYTES_PER_S`` (0: no cap): prints
+    its port, proxies until its stdin closes."""
+    target_port, rate = int(argv[0]), float(argv[1])
+    proxy = FaultProxy(target_port)
+    proxy.set_rate(rate or None)
+    print(proxy.port, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        proxy.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
