@@ -147,8 +147,9 @@ class Engine:
 
     async def start(self) -> None:
         """Make the slab pool and the transfer side (starting the upload process in
-        ``process`` mode) as the checkpointer starts; loop thread."""
+        ``process`` mode) as the checkpointer starts, and warm the copier up; loop thread."""
         self._ready()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._copier.warm_up)
 
     def _ready(self) -> tuple[SlabPool, Transfer]:
         """The pool and the transfer side (a new upload process if the last one died)."""

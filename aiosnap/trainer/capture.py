@@ -57,6 +57,12 @@ class Copier:
             self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return self._streams[device]
 
+    def warm_up(self) -> None:
+        """One tiny copy through the same path, so the first save does not pay for the
+        thread's start and torch's first dispatch of these ops (copier thread)."""
+        with torch.no_grad():
+            copy_range_into(torch.empty(64, dtype=torch.uint8), 0, torch.ones(16), 0, 64)
+
     def copy(self, plan: SavePlan, chunk: Chunk, slab: torch.Tensor, order: CudaOrder | None) -> None:
         used: set[torch.device] = set()
         with torch.no_grad():
