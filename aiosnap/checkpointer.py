@@ -203,6 +203,14 @@ class _Core:
         # Forgotten (collected, or still open at interpreter exit): finish what it accepted.
         self._finalizer = close_when_forgotten(self, self._loop, self._engine, storage.url)
 
+    def _closed_at_exit_by_its_owner(self) -> None:
+        """For integrations (Lightning) whose framework may never call their closing hook:
+        left open at exit, this checkpointer is closed then (its saves finished) without a
+        ``ResourceWarning`` blaming the user. Caller's thread."""
+        if self._owner is None and not self._closed:
+            self._finalizer.detach()
+            self._finalizer = close_when_forgotten(self, self._loop, self._engine, self._storage.url, warn=False)
+
     def _view(self, url: str, keep_last: int | None, storage: Storage | None) -> Any:
         """A checkpointer of the same class for another storage root, sharing this one's
         loop thread, RAM budget, staging slabs and event handlers."""

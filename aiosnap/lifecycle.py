@@ -55,38 +55,45 @@ def _hook_exit() -> None:
         atexit.register(_close_all_at_exit)
 
 
-def close_when_forgotten(owner: Any, loop: LoopThread, engine: Engine, url: str) -> weakref.finalize:  # type: ignore[type-arg]
+def close_when_forgotten(
+    owner: Any, loop: LoopThread, engine: Engine, url: str, *, warn: bool = True
+) -> weakref.finalize:  # type: ignore[type-arg]
     """Arrange for ``owner``'s loop and engine to be closed if ``owner`` is collected or the
-    interpreter exits while it is open. ``detach()`` the returned finalizer on close()."""
+    interpreter exits while it is open. ``detach()`` the returned finalizer on close().
+    ``warn``: say so (a ``ResourceWarning``): the user forgot ``close()``; an integration whose
+    framework has no closing hook it always calls (Lightning) passes False."""
     _hook_exit()
 
     def forget() -> None:
         with _lock:
             _live.discard(finalizer)
 
-    finalizer = weakref.finalize(owner, _close_abandoned, loop, engine, url, forget)
+    finalizer = weakref.finalize(owner, _close_abandoned, loop, engine, url, forget, warn)
     finalizer.atexit = False  # the threading exit hook above runs it, earlier
     with _lock:
         _live.add(finalizer)
     return finalizer
 
 
-def _close_abandoned(loop: LoopThread, engine: Engine, url: str, forget: Any) -> None:
+def _close_abandoned(loop: LoopThread, engine: Engine, url: str, forget: Any, warn: bool) -> None:
     """The finalizer: close on this thread, or on a new one when this thread is one the
     closing must wait for (the loop thread, the event dispatcher)."""
     forget()
     if loop.forked():
         return  # a forked child: nothing of it runs here
     if loop.in_loop_thread() or engine.events.on_dispatcher_thread():
-        threading.Thread(target=_close_now, args=(loop, engine, url), name="aiosnap-close").start()
+        threading.Thread(target=_close_now, args=(loop, engine, url, warn), name="aiosnap-close").start()
         return
-    _close_now(loop, engine, url)
+    _close_now(loop, engine, url, warn)
 
 
-def _close_now(loop: LoopThread, engine: Engine, url: str) -> None:
+def _close_now(loop: LoopThread, engine: Engine, url: str, warn: bool) -> None:
     pending = len(engine._jobs)
     if pending:
-        log.warning("aiosnap: %s was not closed; waiting for %d save(s) to finish", url, pending)
+        log.log(
+            logging.WARNING if warn else logging.INFO,
+            "aiosnap: %s was not closed; waiting for %d save(s) to finish", url, pending,
+        )  # fmt: skip
     try:
         loop.run(engine.drain(None))
     except BaseException as exc:
@@ -99,4 +106,7 @@ def _close_now(loop: LoopThread, engine: Engine, url: str) -> None:
             engine.events.close()
     for failure in engine.failures.take_all():
         log.error("aiosnap: %s: a save of an unclosed checkpointer failed: %r", url, failure)
-    warnings.warn(f"aiosnap: a checkpointer for {url} was not closed (closed for you)", ResourceWarning, stacklevel=1)
+    if warn:
+        warnings.warn(
+            f"aiosnap: a checkpointer for {url} was not closed (closed for you)", ResourceWarning, stacklevel=1
+        )

@@ -10,15 +10,23 @@ Threads: every method runs on the caller's (the trainer's) thread; saves continu
 aiosnap's loop thread, removals on a small helper thread of this plugin.
 
 - ``save_checkpoint`` returns once the state is captured into host RAM (no clone of the
-  model on the GPU); durability follows in the background.
-- ``load_checkpoint`` first waits for saves in flight to that path.
-- ``remove_checkpoint`` never blocks training and never races a save: it waits (on the
+  model on the GPU); durability follows in the background. A local path exists (as a
+  folder) when it returns, so Lightning's version counter and ``save_last="link"`` see it.
+- ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
+  this process; a symlink is followed to its target).
+- ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
+  never touches its target. Of a checkpoint, it never blocks training and never races a
+  save: it waits (on the
   helper thread) for every save in flight when it was called and for the latest save, and
   removes the path only if all of them committed -- the last committed checkpoint is never
   deleted while a newer one is still pending or has failed. A new save to the same path
   supersedes the removal; only a save to that same path waits while it is deleted.
 - ``teardown`` waits for everything and re-raises a background failure with its original
   type, unless Lightning was already told about it (by a later ``save_checkpoint``).
+- The plugin pickles (``torch.save(trainer)``, ``copy.deepcopy``, ``strategy="ddp_spawn"``):
+  a copy is a fresh plugin with the same settings; saves in flight stay with the original.
+- Saves accepted before the process exits normally are finished at exit (see the README's
+  *Lifecycle*), also when Lightning never calls ``teardown`` again.
 """
 
 from __future__ import annotations
@@ -49,6 +57,31 @@ from ..storage.registry import storage_from_url
 __all__ = ["AiosnapCheckpointIO"]
 
 log = logging.getLogger("aiosnap")
+
+_in_flight_lock = threading.Lock()
+_in_flight: dict[str, list[SyncSaveHandle]] = {}
+"""Saves in flight in this process, by path, whichever plugin made them: a reader of a path
+waits for them (another plugin instance, ``Trainer(ckpt_path=...)``)."""
+
+
+def _track(key: str, handle: SyncSaveHandle) -> None:
+    with _in_flight_lock:
+        handles = [h for h in _in_flight.get(key, []) if not h.done()]
+        _in_flight[key] = [*handles, handle]
+
+
+def _saves_in_flight(key: str) -> list[SyncSaveHandle]:
+    with _in_flight_lock:
+        handles = [h for h in _in_flight.get(key, []) if not h.done()]
+        if handles:
+            _in_flight[key] = handles
+        else:
+            _in_flight.pop(key, None)
+        return handles
+
+
+def _is_local(key: str) -> bool:
+    return "://" not in key
 
 
 def location_of(path: str | os.PathLike[str]) -> str:
@@ -83,6 +116,10 @@ class AiosnapCheckpointIO(CheckpointIO):
         self.config = Config.coerce(config)
         self.allow_pickle = allow_pickle
         self.event_handlers = list(event_handlers)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The plugin's own state: nothing opened, nothing in flight."""
         self._lock = threading.RLock()  # guards the tables below; never held while deleting
         self._key_locks: dict[str, threading.Lock] = {}  # a path's save and removal, one at a time
         self._checkpointer: SyncCheckpointer | None = None
@@ -94,11 +131,25 @@ class AiosnapCheckpointIO(CheckpointIO):
         self._removals: list[concurrent.futures.Future[None]] = []
         self._remover: concurrent.futures.ThreadPoolExecutor | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Its settings only (the checkpointer, locks and saves in flight stay here)."""
+        return {
+            "config": self.config,
+            "allow_pickle": self.allow_pickle,
+            "event_handlers": self.event_handlers,
+            "storage_for": self.storage_for,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh()
+
     # -- plumbing ---------------------------------------------------------------------
 
     def _root(self) -> SyncCheckpointer:
         if self._checkpointer is None:
             self._checkpointer = SyncCheckpointer(self.config, event_handlers=self.event_handlers)
+            self._checkpointer._closed_at_exit_by_its_owner()  # Lightning may never call teardown
         return self._checkpointer
 
     def _location(self, key: str) -> SyncCheckpointer:
@@ -132,9 +183,13 @@ class AiosnapCheckpointIO(CheckpointIO):
                 "configure storage through the aiosnap config instead"
             )
         key = location_of(path)
+        if _is_local(key) and os.path.islink(key):
+            key = os.path.realpath(key)  # a save through a link goes to its target
         with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
+            if _is_local(key):
+                os.makedirs(key, exist_ok=True)  # the path exists when save_checkpoint returns
             step = self._next_step.get(key)
             if step is None:
                 committed = location.steps()
@@ -150,6 +205,7 @@ class AiosnapCheckpointIO(CheckpointIO):
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
             self._last_save = handle
+            _track(key, handle)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -159,10 +215,12 @@ class AiosnapCheckpointIO(CheckpointIO):
         if "://" not in os.fspath(path) and Path(path).is_file():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         key = location_of(path)
+        if _is_local(key):
+            key = os.path.realpath(key)  # a symlinked ``last`` reads (and waits for) its target
         with self._lock:
             handles = self._handles(key)
             location = self._location(key)
-        concurrent.futures.wait([h.future for h in handles])
+        concurrent.futures.wait([h.future for h in [*handles, *_saves_in_flight(key)]])
         try:
             state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
         except CheckpointNotFoundError as exc:
@@ -178,6 +236,9 @@ class AiosnapCheckpointIO(CheckpointIO):
         """Schedule removal of ``path`` once every save now in flight, and the latest save,
         have committed."""
         key = location_of(path)
+        if _is_local(key) and os.path.islink(key):
+            os.unlink(key)  # a link is not a checkpoint: never delete through it
+            return
         with self._lock:
             waiting_for = [h.future for h in self._all_pending()]
             if self._last_save is not None:  # it may have failed already: then keep ``path``
@@ -201,7 +262,10 @@ class AiosnapCheckpointIO(CheckpointIO):
             with self._lock:
                 if self._generation.get(key, 0) != generation:
                     return  # saved again since: the new version replaced the old one already
-                if "://" not in key and Path(key).is_file():  # a torch.save file from before aiosnap
+                if _is_local(key) and os.path.islink(key):  # linked since: the link is not ours to follow
+                    log.warning("aiosnap: not removing %s: it is a symbolic link now", key)
+                    return
+                if _is_local(key) and Path(key).is_file():  # a torch.save file from before aiosnap
                     Path(key).unlink()
                     return
                 location = self._location(key)
