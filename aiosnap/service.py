@@ -49,6 +49,11 @@ __all__ = ["Engine", "ResumeReport", "SaveResult", "slab_bytes_for"]
 
 log = logging.getLogger("aiosnap")
 
+ABORT_GRACE_S = 10.0
+"""How long an aborted save waits for the transfer side's outcome once its caller stopped
+waiting (``close(timeout)``): an upload process that does not answer by then (stopped,
+wedged) is killed, and its saves fail with UploadProcessError."""
+
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
 slower store lets save() return and the step order is checked before the commit."""
@@ -143,6 +148,10 @@ class Engine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
         self._copier = Copier()
         self._jobs: dict[str, _SaveJob] = {}  # save id -> the save in flight
+        self._lent: dict[tuple[str, int], Staged] = {}
+        """Every chunk with the transfer side, by (save id, index): its slab comes back with
+        done_with, which may arrive after its save has ended (chunks staged after the
+        transfer side gave the save up)."""
         self.transfer: Transfer | None = None
 
     async def start(self) -> None:
@@ -226,7 +235,15 @@ class Engine:
         )  # fmt: skip
         self._jobs[plan.save_id] = job
         job.emit("start")
-        transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
+        try:
+            transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
+        except BaseException as exc:  # the upload process is gone: this save never started
+            self._jobs.pop(plan.save_id, None)
+            self._pending.release()
+            job.emit("exception", exception=exc)
+            durable.set_exception(exc)
+            durable.exception()  # raised here, by save() itself
+            raise
         job.task = loop.create_task(self._run(job))
         job.task.add_done_callback(lambda task: self._forget(job))
         try:
@@ -245,10 +262,19 @@ class Engine:
         if not job.captured.done():
             job.aborted = True  # its retry may start while the transfer side winds it down
             job.task.cancel()  # (if it never ran, only the next line tells the transfer side)
-            if self.transfer is not None:
-                self.transfer.abort(save_id)
-        elif self.transfer is not None:
-            self.transfer.abort(save_id)
+            self._abort_transfer(save_id)
+        else:
+            self._abort_transfer(save_id)
+
+    def _abort_transfer(self, save_id: str, *, even_committing: bool = False) -> None:
+        """Tell the transfer side to give ``save_id`` up; never raises (an upload process
+        that is gone has failed that save already)."""
+        if self.transfer is None:
+            return
+        try:
+            self.transfer.abort(save_id, even_committing=even_committing)
+        except Exception as exc:
+            log.debug("aiosnap: aborting %s on the transfer side failed: %r", save_id, exc)
 
     def _saves_to(self, storage: Storage) -> list[_SaveJob]:
         """Saves in flight to the root of ``storage`` (compared by URL: two backends opened
@@ -281,8 +307,8 @@ class Engine:
         except BaseException as exc:
             failure = exc
         if failure is not None or not job.captured.done():
-            self.transfer.abort(job.plan.save_id)
-        outcome = await self._outcome(job)  # every chunk is back before this
+            self._abort_transfer(job.plan.save_id)
+        outcome = await self._outcome(job)  # (a chunk staged after it still comes back: self._lent)
         await finish_despite_cancel(self._end_session(job))
         if outcome.committed:
             self._succeed(job, outcome)
@@ -293,14 +319,27 @@ class Engine:
         """Wait for the transfer side's outcome; cancelled meanwhile (close(timeout)), ask
         it to abort and wait on: it always reports, and every slab must come back first."""
         assert self.transfer is not None
+        given_up = False
         while True:
             try:
+                if not given_up:
+                    return await asyncio.shield(job.outcome)
+                await asyncio.wait([job.outcome], timeout=ABORT_GRACE_S)
+                if job.outcome.done():
+                    return job.outcome.result()
+                kill = getattr(self.transfer, "kill", None)  # an upload process that does not answer
+                if kill is None:
+                    given_up = False
+                    continue
+                log.warning("aiosnap: the upload process did not answer an abort in %g s; killing it", ABORT_GRACE_S)
+                kill()  # its end of file fails every save it had (transfer_lost)
                 return await asyncio.shield(job.outcome)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
-                self.transfer.abort(job.plan.save_id, even_committing=True)
+                self._abort_transfer(job.plan.save_id, even_committing=True)
+                given_up = True
 
     async def _capture(self, job: _SaveJob) -> None:
         """Copy every chunk, check the step order, and let save() return."""
@@ -335,6 +374,7 @@ class Engine:
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert self.transfer is not None
         job.lent[chunk.index] = chunk
+        self._lent[(job.plan.save_id, chunk.index)] = chunk
         self.transfer.staged(chunk)
 
     @staticmethod
@@ -411,12 +451,13 @@ class Engine:
             job.preflight.set_result(Preflight(job.plan.step, latest))
 
     def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
+        chunk = self._lent.pop((save_id, index), None)
+        if isinstance(chunk, SlabChunk) and self.pool is not None:
+            self.pool.release(chunk.slab)
         job = self._jobs.get(save_id)
         if job is None:
             return
-        chunk = job.lent.pop(index, None)
-        if isinstance(chunk, SlabChunk) and self.pool is not None:
-            self.pool.release(chunk.slab)
+        job.lent.pop(index, None)
         if job.session is not None and (chunk is not None or pieces is not None):
             task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
             job.journalling.add(task)
@@ -439,9 +480,9 @@ class Engine:
     def transfer_lost(self, error: BaseException) -> None:
         """The upload process died: every save it had fails with ``error``; their slabs come
         back (nobody reads them any more), their spool folders stay for a later resume."""
+        for save_id, index in list(self._lent):
+            self.done_with(save_id, index, None)
         for job in list(self._jobs.values()):
-            for index in list(job.lent):
-                self.done_with(job.plan.save_id, index, None)
             if job.session is not None:
                 job.session.keep = True
             if not job.preflight.done():

@@ -72,7 +72,8 @@ class TransferListener(Protocol):
         """A stage of the save (``upload``, ``commit``) is over."""
 
     def finished(self, save_id: str, outcome: TransferOutcome) -> None:
-        """The save is over: every chunk was reported through :meth:`done_with` before."""
+        """The save is over: every chunk staged so far was reported through :meth:`done_with`
+        before; a chunk staged later (capture had not heard yet) is handed back at once."""
 
 
 class Transfer(Protocol):

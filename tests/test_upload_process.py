@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,144 @@ async def test_a_save_aborted_before_the_helper_read_its_begin_still_ends(root: 
         result = await asyncio.wait_for(await asyncio.wait_for(ckpt.save({"w": torch.ones(10)}, step=1), 20), 20)
         assert result.step == 1 and _helper_pid(ckpt) == pid
         assert await ckpt.steps() == [1]
+
+
+# -- found by review: late slabs, a stopped helper at close(timeout), an S3 backend of its own,
+#    a broken socket before the reader noticed, a forked child holding the socket
+
+
+def test_slabs_staged_after_a_failed_save_come_back(root: Path) -> None:
+    """The helper fails a save while capture still stages chunks; those come back after the
+    save has ended, and must still free their slabs (they leaked until RAM ran out)."""
+    from tests.process_faults import DataFailsBelowStep
+
+    config = _process(Config(storage={"url": str(root)}, ram_budget="2MiB", upload={"chunk_size": "64KiB"}))
+    with SyncCheckpointer(config, storage=DataFailsBelowStep(str(root), 5)) as ckpt:
+        engine = ckpt._engine
+        for step in range(1, 5):
+            with pytest.raises(OSError, match="injected"):
+                ckpt.save({"w": torch.randn(1_000_000)}, step=step).wait(30)
+        deadline = time.monotonic() + 10
+        while engine.budget.used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.budget.used == 0 and engine._lent == {}
+        assert ckpt.save({"w": torch.randn(1_000_000)}, step=5).wait(30).step == 5
+
+
+def test_close_timeout_with_a_stopped_helper_returns(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosnap import service
+
+    monkeypatch.setattr(service, "ABORT_GRACE_S", 1.0)
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    pid = _helper_pid(ckpt)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        handle = ckpt.save({"w": torch.randn(1000)}, step=1)  # returns after the preflight grace
+        started = time.monotonic()
+        with pytest.raises((UploadProcessError, TimeoutError)):
+            ckpt.close(timeout=1)
+        assert time.monotonic() - started < 20
+        with pytest.raises(UploadProcessError):
+            handle.wait(5)
+        assert not _alive(pid), "the helper that did not answer was killed"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert ckpt.steps() == [] if not ckpt._closed else True
+
+
+def test_an_s3_backend_with_its_own_settings_is_the_one_the_helper_uses(
+    s3_endpoint: str, s3_bucket: str, s3_client: Any
+) -> None:
+    from aiosnap.config import S3Config
+    from aiosnap.storage.s3 import S3Storage
+
+    nowhere = s3_config("http://127.0.0.1:9", s3_bucket).model_copy()  # the config's endpoint: nothing there
+    nowhere = nowhere.model_copy(update={"s3": nowhere.s3.model_copy(update={"retry_deadline": 2.0})})
+    own = S3Storage(s3_bucket, "own", S3Config(endpoint_url=s3_endpoint, addressing_style="path"))
+    with SyncCheckpointer(_process(nowhere), storage=own) as ckpt:
+        assert ckpt.save({"w": torch.arange(10)}, step=1).wait(30).step == 1
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    assert any(k.startswith("own/000000000001/") and k.endswith("manifest.json") for k in keys), keys
+
+
+def test_a_save_into_a_socket_already_broken_fails_at_once_and_frees_its_slot(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosnap.transfer import process
+
+    original = process.ProcessTransfer._lost
+
+    def noticed_late(self: Any) -> None:  # the reader thread's report of the death comes late
+        time.sleep(0.5)
+        with contextlib.suppress(RuntimeError):  # the loop is closed by then
+            self._loop.call_soon_threadsafe(original, self)
+
+    monkeypatch.setattr(process.ProcessTransfer, "_read", _reader_that_reports_death_late(noticed_late))
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="1MiB")))
+    try:
+        ckpt.save({"w": torch.randn(1000)}, step=1).wait(30)
+        pid = _helper_pid(ckpt)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(UploadProcessError):
+            ckpt.save({"w": torch.randn(1000)}, step=2).wait(10)
+        assert ckpt._engine._jobs == {} and ckpt._engine.budget.used == 0
+        assert ckpt.save({"w": torch.randn(1000)}, step=3).wait(30).step == 3  # a new helper, a free slot
+    finally:
+        ckpt.close()
+
+
+def _reader_that_reports_death_late(lost: Any) -> Any:
+    def read(self: Any) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                self._loop.call_soon_threadsafe(self._report, message)
+                if message[0] == "closed":
+                    return
+        except (EOFError, OSError):
+            pass
+        lost(self)
+
+    return read
+
+
+def test_a_child_forked_from_the_trainer_does_not_keep_the_helper_alive(root: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from aiosnap import Config, SyncCheckpointer
+        config = Config(storage={{"url": {str(root)!r}}}, ram_budget="16MiB", upload={{"executor": "process"}})
+        ckpt = SyncCheckpointer(config)
+        child = os.fork()
+        if child == 0:  # a fork-started worker (DataLoader, multiprocessing) outliving the trainer
+            time.sleep(30)
+            os._exit(0)
+        print(ckpt._engine.transfer.pid, child, flush=True)
+        time.sleep(60)
+        """
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    helper = child = None
+    try:
+        assert trainer.stdout is not None
+        helper, child = (int(x) for x in trainer.stdout.readline().split())
+        trainer.kill()
+        trainer.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(helper), "the helper outlived its trainer"
+    finally:
+        for pid in (helper, child):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        if trainer.stdout is not None:
+            trainer.stdout.close()

@@ -4,7 +4,9 @@ Started by the trainer (:mod:`.process`) with one end of a Unix socket pair and 
 arena's memfd. It runs its own asyncio loop (uvloop when installed) with a
 :class:`~aiosnap.transfer.local.LocalTransfer` that reads chunks from the shared arena and
 owns the storage clients; it imports no torch. It exits when told to close, or as soon as
-the trainer is gone (the socket reaches end of file), so it never outlives its trainer.
+the trainer is gone (the socket reaches end of file, or -- should a process forked from the
+trainer still hold the socket -- it is no longer the trainer's child), so it never outlives
+its trainer.
 Its own process group keeps a Ctrl-C in the terminal from killing uploads the trainer is
 still waiting for.
 """
@@ -17,6 +19,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,8 +43,11 @@ class _Reports:
         self.lock = threading.Lock()
 
     def send(self, *message: Any) -> None:
-        with self.lock:
-            self.conn.send(message)
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except OSError:  # the trainer is gone: the command reader sees end of file and stops us
+            pass
 
     def preflight(self, save_id: str, latest: int | None, error: BaseException | None) -> None:
         self.send("preflight", save_id, latest, None if error is None else pack_exception(error))
@@ -81,7 +87,11 @@ def _dispatch(transfer: LocalTransfer, message: tuple[Any, ...]) -> None:
         raise ValueError(f"unknown command {kind!r}")
 
 
-async def serve(conn: Connection, arena: Arena, config: Config) -> None:
+PARENT_POLL_S = 0.5
+"""How often the upload process checks that its trainer is still its parent."""
+
+
+async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int | None = None) -> None:
     """Run commands until ``close`` or end of file (the trainer is gone)."""
     loop = asyncio.get_running_loop()
     reports = _Reports(conn)
@@ -101,7 +111,17 @@ async def serve(conn: Connection, arena: Arena, config: Config) -> None:
             gone = True
         loop.call_soon_threadsafe(stop.set)
 
+    def watch_trainer() -> None:  # reparented: the trainer died, whoever holds the socket
+        nonlocal gone
+        while not stop.is_set():
+            time.sleep(PARENT_POLL_S)
+            if trainer_pid is not None and os.getppid() != trainer_pid:
+                gone = True
+                loop.call_soon_threadsafe(stop.set)
+                return
+
     threading.Thread(target=read, name="aiosnap-upload-commands", daemon=True).start()
+    threading.Thread(target=watch_trainer, name="aiosnap-upload-watch", daemon=True).start()
     reports.send("ready", os.getpid())
     await stop.wait()
     await transfer.close()  # cancels what still runs: with the trainer gone, nobody waits for it
@@ -112,6 +132,7 @@ async def serve(conn: Connection, arena: Arena, config: Config) -> None:
 def main(argv: list[str]) -> int:
     socket_fd, arena_fd, slab_bytes, count = (int(a) for a in argv)
     logging.basicConfig(level=logging.WARNING, format="aiosnap upload process: %(message)s")
+    trainer_pid = os.getppid()
     conn = Connection(socket_fd)
     kind, config = conn.recv()  # the config (secrets included) never goes through argv
     if kind != "config":
@@ -124,7 +145,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(serve(conn, arena, config))
+        runner(serve(conn, arena, config, trainer_pid))
     finally:
         conn.close()
     return 0

@@ -12,13 +12,16 @@ had fail with :class:`~aiosnap.errors.UploadProcessError` and the next save star
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import pickle
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,9 +41,23 @@ CLOSE_WAIT_S = 30.0
 """How long closing waits for the upload process to finish and exit before killing it."""
 
 
-def _storage_blob(storage: Storage | None) -> bytes | None:
-    """How the upload process gets a root's backend: by URL for the built-in ones, else the
-    backend itself, pickled (it must pickle: it runs in another process)."""
+_live: weakref.WeakSet[ProcessTransfer] = weakref.WeakSet()
+
+
+def _forget_in_forked_child() -> None:
+    """A child forked from the trainer (a DataLoader or multiprocessing worker) must not hold
+    the trainer's end of the socket: the upload process exits when that end closes."""
+    for transfer in list(_live):
+        transfer.drop_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
+def _storage_blob(storage: Storage | None, config: Config) -> bytes | None:
+    """How the upload process gets a root's backend: by URL when it would build the same
+    one from the URL and ``config``, else the backend itself, pickled (it must pickle: it
+    runs in another process)."""
     from ..storage.local import LocalStorage
 
     if storage is None or type(storage) is LocalStorage:
@@ -48,7 +65,11 @@ def _storage_blob(storage: Storage | None) -> bytes | None:
     try:
         from ..storage.s3 import S3Storage
 
-        if type(storage) is S3Storage:
+        if (
+            type(storage) is S3Storage
+            and storage.config == config.s3
+            and storage.concurrency == config.upload.concurrency
+        ):
             return None
     except ImportError:
         pass
@@ -81,22 +102,40 @@ class ProcessTransfer:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
+        self.config = config
         self._send("config", config)
         self._reader = threading.Thread(target=self._read, name="aiosnap-upload-reports", daemon=True)
         self._reader.start()
+        _live.add(self)
+
+    def drop_after_fork(self) -> None:
+        """In a forked child: close this process's copy of the socket, touch nothing else."""
+        with contextlib.suppress(OSError):
+            self._conn.close()  # this process's copy only: nothing is sent
+
+    def kill(self) -> None:
+        """Kill the upload process (it does not answer); its end of file follows, and with it
+        the failure of every save it had. Loop thread."""
+        if self._process.poll() is None:
+            self._process.kill()
 
     @property
     def pid(self) -> int:
         return self._process.pid
 
     def _send(self, *message: Any) -> None:
+        """Loop thread. A broken socket means the upload process is gone: its saves fail here
+        and now (not when the reader thread gets to it), then this raises."""
         if self.dead is not None:
             raise self.dead
         try:
             with self._send_lock:
                 self._conn.send(message)
-        except OSError as exc:  # the process is gone; the reader reports it
-            raise UploadProcessError(f"the upload process (pid {self._process.pid}) is gone: {exc}") from None
+        except OSError as exc:
+            log.debug("aiosnap: sending to the upload process failed: %r", exc)
+            self._lost()
+            assert self.dead is not None
+            raise self.dead from None
 
     def _read(self) -> None:
         """The reader thread: reports, in order, onto the trainer's loop."""
@@ -151,7 +190,7 @@ class ProcessTransfer:
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         if url not in self._opened:
-            self._send("open", url, _storage_blob(storage))
+            self._send("open", url, _storage_blob(storage, self.config))
             self._opened.add(url)
 
     def begin(self, save_id: str, url: str, keep_last: int | None, spec: SaveSpec) -> None:
