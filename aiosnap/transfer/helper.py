@@ -95,7 +95,7 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
     """Run commands until ``close`` or end of file (the trainer is gone)."""
     loop = asyncio.get_running_loop()
     reports = _Reports(conn)
-    transfer = LocalTransfer(config, arena, reports, eager=True)
+    transfer = LocalTransfer(config, arena, reports)
     stop = asyncio.Event()
     gone = False
 
