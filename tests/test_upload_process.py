@@ -225,7 +225,6 @@ def test_close_timeout_with_a_stopped_helper_returns(root: Path, monkeypatch: py
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-    assert ckpt.steps() == [] if not ckpt._closed else True
 
 
 def test_an_s3_backend_with_its_own_settings_is_the_one_the_helper_uses(
