@@ -41,7 +41,7 @@ from .trainer.capture import Copier, CudaOrder, capture_chunks
 from .trainer.plan import ALIGN, SavePlan
 from .trainer.slabs import SlabPool
 from .trainer.spool import Bounce, SpoolSession
-from .transfer.commit import Preflight
+from .transfer.commit import Preflight, whose_commit
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 
@@ -115,6 +115,9 @@ class _SaveJob:
     lent: dict[int, Staged] = field(default_factory=dict)
     """Chunks with the transfer side, by index (their slabs come back with done_with)."""
     journalling: set[asyncio.Task[None]] = field(default_factory=set)
+    transfer: Transfer | None = None
+    """The transfer side this save went to (an upload process that died is replaced for
+    later saves; its own saves end with it)."""
     aborted: bool = False
     """Given up before capture ended: it can no longer commit, and holds no step."""
 
@@ -148,7 +151,7 @@ class Engine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-copier")
         self._copier = Copier()
         self._jobs: dict[str, _SaveJob] = {}  # save id -> the save in flight
-        self._lent: dict[tuple[str, int], Staged] = {}
+        self._lent: dict[tuple[str, int], tuple[Staged, Transfer]] = {}
         """Every chunk with the transfer side, by (save id, index): its slab comes back with
         done_with, which may arrive after its save has ended (chunks staged after the
         transfer side gave the save up)."""
@@ -233,6 +236,7 @@ class Engine:
             self.events.scope("save", plan.step, storage.url, plan.save_id), loop.create_future(),
             loop.create_future(),
         )  # fmt: skip
+        job.transfer = transfer
         self._jobs[plan.save_id] = job
         job.emit("start")
         try:
@@ -262,19 +266,18 @@ class Engine:
         if not job.captured.done():
             job.aborted = True  # its retry may start while the transfer side winds it down
             job.task.cancel()  # (if it never ran, only the next line tells the transfer side)
-            self._abort_transfer(save_id)
-        else:
-            self._abort_transfer(save_id)
+        self._abort_transfer(job)
 
-    def _abort_transfer(self, save_id: str, *, even_committing: bool = False) -> None:
-        """Tell the transfer side to give ``save_id`` up; never raises (an upload process
-        that is gone has failed that save already)."""
-        if self.transfer is None:
+    @staticmethod
+    def _abort_transfer(job: _SaveJob, *, even_committing: bool = False) -> None:
+        """Tell the save's transfer side to give it up; never raises (an upload process that
+        is gone fails that save by itself)."""
+        if job.transfer is None:
             return
         try:
-            self.transfer.abort(save_id, even_committing=even_committing)
+            job.transfer.abort(job.plan.save_id, even_committing=even_committing)
         except Exception as exc:
-            log.debug("aiosnap: aborting %s on the transfer side failed: %r", save_id, exc)
+            log.debug("aiosnap: aborting %s on the transfer side failed: %r", job.plan.save_id, exc)
 
     def _saves_to(self, storage: Storage) -> list[_SaveJob]:
         """Saves in flight to the root of ``storage`` (compared by URL: two backends opened
@@ -294,7 +297,6 @@ class Engine:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {job.plan.step} was cancelled"))
 
     async def _run(self, job: _SaveJob) -> None:
-        assert self.transfer is not None
         failure: BaseException | None = None
         job.capture = asyncio.ensure_future(self._capture(job))
         try:
@@ -307,7 +309,7 @@ class Engine:
         except BaseException as exc:
             failure = exc
         if failure is not None or not job.captured.done():
-            self._abort_transfer(job.plan.save_id)
+            self._abort_transfer(job)
         outcome = await self._outcome(job)  # (a chunk staged after it still comes back: self._lent)
         await finish_despite_cancel(self._end_session(job))
         if outcome.committed:
@@ -318,7 +320,6 @@ class Engine:
     async def _outcome(self, job: _SaveJob) -> TransferOutcome:
         """Wait for the transfer side's outcome; cancelled meanwhile (close(timeout)), ask
         it to abort and wait on: it always reports, and every slab must come back first."""
-        assert self.transfer is not None
         given_up = False
         while True:
             try:
@@ -327,7 +328,7 @@ class Engine:
                 await asyncio.wait([job.outcome], timeout=ABORT_GRACE_S)
                 if job.outcome.done():
                     return job.outcome.result()
-                kill = getattr(self.transfer, "kill", None)  # an upload process that does not answer
+                kill = getattr(job.transfer, "kill", None)  # an upload process that does not answer
                 if kill is None:
                     given_up = False
                     continue
@@ -338,12 +339,14 @@ class Engine:
                 current = asyncio.current_task()
                 if current is not None:
                     current.uncancel()
-                self._abort_transfer(job.plan.save_id, even_committing=True)
+                self._abort_transfer(job, even_committing=True)
                 given_up = True
 
     async def _capture(self, job: _SaveJob) -> None:
         """Copy every chunk, check the step order, and let save() return."""
-        pool, transfer = self._ready()
+        pool, transfer = self.pool, job.transfer
+        assert pool is not None
+        assert transfer is not None
         plan = job.plan
         if job.outcome.done():  # refused by the transfer side before anything was copied
             return
@@ -372,10 +375,10 @@ class Engine:
         transfer.captured(plan.save_id)
 
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
-        assert self.transfer is not None
+        assert job.transfer is not None
         job.lent[chunk.index] = chunk
-        self._lent[(job.plan.save_id, chunk.index)] = chunk
-        self.transfer.staged(chunk)
+        self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
+        job.transfer.staged(chunk)
 
     @staticmethod
     async def _check_preflight(job: _SaveJob) -> None:
@@ -451,7 +454,7 @@ class Engine:
             job.preflight.set_result(Preflight(job.plan.step, latest))
 
     def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
-        chunk = self._lent.pop((save_id, index), None)
+        chunk, _ = self._lent.pop((save_id, index), (None, None))
         if isinstance(chunk, SlabChunk) and self.pool is not None:
             self.pool.release(chunk.slab)
         job = self._jobs.get(save_id)
@@ -477,18 +480,47 @@ class Engine:
         if job.capture is not None and not job.capture.done():
             job.capture.cancel()  # the transfer side failed while capture went on: stop it
 
-    def transfer_lost(self, error: BaseException) -> None:
-        """The upload process died: every save it had fails with ``error``; their slabs come
-        back (nobody reads them any more), their spool folders stay for a later resume."""
-        for save_id, index in list(self._lent):
-            self.done_with(save_id, index, None)
+    def transfer_lost(self, error: BaseException, transfer: Transfer | None = None) -> None:
+        """The upload process ``transfer`` died: its slabs come back (nobody reads them any
+        more), its saves fail with ``error``, their spool folders stay for a later resume. A
+        save whose upload stage had ended may have committed: its step is read back first."""
+        for (save_id, index), (_, owner) in list(self._lent.items()):
+            if transfer is None or owner is transfer:
+                self.done_with(save_id, index, None)
         for job in list(self._jobs.values()):
+            if transfer is not None and job.transfer is not transfer:
+                continue
             if job.session is not None:
                 job.session.keep = True
             if not job.preflight.done():
                 job.preflight.set_exception(error)
                 job.preflight.exception()
-            self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
+            if job.outcome.done():
+                continue
+            if "upload" in job.stages:  # its commit may have begun, or landed
+                task = asyncio.get_running_loop().create_task(self._read_back(job, error))
+                job.journalling.add(task)
+                task.add_done_callback(job.journalling.discard)
+            else:
+                self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
+
+    async def _read_back(self, job: _SaveJob, error: BaseException) -> None:
+        """The transfer side died after a save's upload stage: did its commit land?"""
+        try:
+            verdict = await whose_commit(job.storage, job.plan.step, job.plan.save_id, write_interrupted=True)
+        except Exception as exc:
+            log.debug("aiosnap: reading back step %d failed: %r", job.plan.step, exc)
+            verdict = "unknown"
+        if verdict == "ours":
+            log.info("aiosnap: step %d committed although its upload process died", job.plan.step)
+            self.finished(job.plan.save_id, TransferOutcome(committed=True))
+            return
+        if verdict == "unknown":
+            log.warning(
+                "aiosnap: the commit of step %d may or may not have landed (%r); its data is left for `aiosnap gc`",
+                job.plan.step, error,
+            )  # fmt: skip
+        self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
 
     # -- loads, listings, removals (this process's own storage) -----------------------------
 

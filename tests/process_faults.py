@@ -18,3 +18,14 @@ class DataFailsBelowStep(LocalStorage):
         if name.endswith(".bin") and int(name.split("/")[0]) < self.step:
             raise OSError(28, "No space left on device (injected)")
         await super().write(name, data, if_absent=if_absent)
+
+
+class WedgedAfterManifest(LocalStorage):
+    """The manifest write lands, then the upload process's loop freezes (a wedged helper)."""
+
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        await super().write(name, data, if_absent=if_absent)
+        if name.endswith("manifest.json"):
+            import time
+
+            time.sleep(60)  # noqa: ASYNC251 - wedges the upload process's loop on purpose

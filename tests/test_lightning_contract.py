@@ -191,3 +191,26 @@ def test_ddp_spawn_on_cpu_pickles_the_plugin_and_saves(tmp_path: Path, config: C
     reader = AiosnapCheckpointIO(config)
     assert "state_dict" in reader.load_checkpoint(saved[0])
     reader.teardown()
+
+
+def test_a_folder_reached_through_a_symlinked_parent_is_one_checkpoint(tmp_path: Path, config: Config) -> None:
+    def slow(url: str, cfg: Config) -> FaultyStorage:
+        return FaultyStorage(LocalStorage(url), delay=0.5)
+
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "ckpts")
+    plugin = AiosnapCheckpointIO(config, storage_for=slow)
+    plugin.save_checkpoint({"w": torch.ones(3), "global_step": 1}, tmp_path / "ckpts" / "epoch=0.ckpt")
+    assert plugin.load_checkpoint(tmp_path / "ckpts" / "epoch=0.ckpt")["global_step"] == 1  # waited
+    assert plugin.load_checkpoint(tmp_path / "real" / "epoch=0.ckpt")["global_step"] == 1
+    plugin.teardown()
+
+
+def test_the_registry_of_saves_in_flight_forgets_finished_saves(tmp_path: Path, config: Config) -> None:
+    from aiosnap.integrations import lightning
+
+    plugin = AiosnapCheckpointIO(config)
+    for i in range(10):
+        plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / f"{i}.ckpt")
+    plugin.teardown()
+    assert not any(str(tmp_path) in key for key in lightning._in_flight)

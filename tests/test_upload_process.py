@@ -322,3 +322,75 @@ def test_a_child_forked_from_the_trainer_does_not_keep_the_helper_alive(root: Pa
             trainer.wait()
         if trainer.stdout is not None:
             trainer.stdout.close()
+
+
+def test_a_helper_killed_after_its_commit_landed_reports_the_save_committed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosnap import service
+    from tests.process_faults import WedgedAfterManifest
+
+    monkeypatch.setattr(service, "ABORT_GRACE_S", 1.0)
+    ckpt = SyncCheckpointer(
+        _process(Config(storage={"url": str(root)}, ram_budget="16MiB")), storage=WedgedAfterManifest(str(root))
+    )
+    pid = _helper_pid(ckpt)
+    try:
+        handle = ckpt.save({"w": torch.arange(10)}, step=1)
+        deadline = time.monotonic() + 20
+        while not list(root.glob("*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(TimeoutError):  # it had to cancel; the helper never answers: killed
+            ckpt.close(timeout=0.5)
+        assert handle.wait(5).step == 1
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_reports_sent_before_the_helper_died_are_heard_before_its_death(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosnap.transfer import process
+
+    def slow_reader(self: Any) -> None:  # a reader thread slow to get the CPU
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "finished":
+                    time.sleep(1.0)
+                self._loop.call_soon_threadsafe(self._report, message)
+        except (EOFError, OSError):
+            pass
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._lost)
+
+    monkeypatch.setattr(process.ProcessTransfer, "_read", slow_reader)
+    config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB", max_pending_saves=2))
+    with SyncCheckpointer(config) as ckpt:
+        first = ckpt.save({"w": torch.arange(10)}, step=1)
+        deadline = time.monotonic() + 20
+        while not list(root.glob("*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # the helper has sent finished(committed) by now
+        os.kill(_helper_pid(ckpt), signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.raises(UploadProcessError):
+            ckpt.save({"w": torch.arange(10)}, step=2).wait(10)  # its send hits the broken socket
+        assert first.wait(10).step == 1  # committed, and the helper had said so
+
+
+async def test_a_connected_s3_backend_still_goes_to_the_helper(s3_endpoint: str, s3_bucket: str) -> None:
+    import pickle
+
+    from aiosnap.config import S3Config
+    from aiosnap.storage.s3 import S3Storage
+
+    own = S3Storage(s3_bucket, "own", S3Config(endpoint_url=s3_endpoint, addressing_style="path"), concurrency=3)
+    await own.write("probe", b"x")  # a live client inside now
+    copy = pickle.loads(pickle.dumps(own))
+    assert (copy.bucket, copy.prefix, copy.config, copy.concurrency) == (s3_bucket, "own", own.config, 3)
+    assert await copy.read("probe") == b"x"
+    await own.close()
+    await copy.close()

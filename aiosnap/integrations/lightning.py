@@ -68,6 +68,7 @@ def _track(key: str, handle: SyncSaveHandle) -> None:
     with _in_flight_lock:
         handles = [h for h in _in_flight.get(key, []) if not h.done()]
         _in_flight[key] = [*handles, handle]
+    handle.future.add_done_callback(lambda _: _saves_in_flight(key))  # forgets it when done
 
 
 def _saves_in_flight(key: str) -> list[SyncSaveHandle]:
@@ -85,11 +86,20 @@ def _is_local(key: str) -> bool:
 
 
 def location_of(path: str | os.PathLike[str]) -> str:
-    """The storage root for a Lightning checkpoint path: URLs as given, local paths absolute."""
+    """A Lightning checkpoint path as given: URLs as they are, local paths absolute (not
+    resolved: the path may be a symlink)."""
     text = os.fspath(path)
     if "://" in text:
         return text.rstrip("/")
     return str(Path(text).expanduser().absolute())
+
+
+def key_of(path: str | os.PathLike[str]) -> str:
+    """The storage root for a Lightning checkpoint path, one spelling per folder: URLs as
+    given, local paths with every symlink resolved (saves, loads and removals of one folder
+    reached through different links meet)."""
+    where = location_of(path)
+    return os.path.realpath(where) if _is_local(where) else where
 
 
 class AiosnapCheckpointIO(CheckpointIO):
@@ -182,9 +192,7 @@ class AiosnapCheckpointIO(CheckpointIO):
                 "AiosnapCheckpointIO.save_checkpoint does not take storage_options; "
                 "configure storage through the aiosnap config instead"
             )
-        key = location_of(path)
-        if _is_local(key) and os.path.islink(key):
-            key = os.path.realpath(key)  # a save through a link goes to its target
+        key = key_of(path)  # a save through a link goes to its target
         with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
@@ -214,9 +222,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         (``torch.save`` format) is read with Lightning's own loader, for migrating."""
         if "://" not in os.fspath(path) and Path(path).is_file():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        key = location_of(path)
-        if _is_local(key):
-            key = os.path.realpath(key)  # a symlinked ``last`` reads (and waits for) its target
+        key = key_of(path)  # a symlinked ``last`` reads (and waits for) its target
         with self._lock:
             handles = self._handles(key)
             location = self._location(key)
@@ -235,10 +241,11 @@ class AiosnapCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Schedule removal of ``path`` once every save now in flight, and the latest save,
         have committed."""
-        key = location_of(path)
-        if _is_local(key) and os.path.islink(key):
-            os.unlink(key)  # a link is not a checkpoint: never delete through it
+        where = location_of(path)
+        if _is_local(where) and os.path.islink(where):
+            os.unlink(where)  # a link is not a checkpoint: never delete through it
             return
+        key = key_of(where)
         with self._lock:
             waiting_for = [h.future for h in self._all_pending()]
             if self._last_save is not None:  # it may have failed already: then keep ``path``
@@ -246,9 +253,9 @@ class AiosnapCheckpointIO(CheckpointIO):
             generation = self._generation.get(key, 0)
             if self._remover is None:
                 self._remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiosnap-remover")
-            self._removals.append(self._remover.submit(self._remove, key, generation, waiting_for))
+            self._removals.append(self._remover.submit(self._remove, key, where, generation, waiting_for))
 
-    def _remove(self, key: str, generation: int, waiting_for: list[concurrent.futures.Future[Any]]) -> None:
+    def _remove(self, key: str, where: str, generation: int, waiting_for: list[concurrent.futures.Future[Any]]) -> None:
         """Helper thread: wait, then delete ``key`` unless a newer save failed or reused it.
         Only a save to the same path waits for the deletion; other saves go on."""
         concurrent.futures.wait(waiting_for)
@@ -262,8 +269,8 @@ class AiosnapCheckpointIO(CheckpointIO):
             with self._lock:
                 if self._generation.get(key, 0) != generation:
                     return  # saved again since: the new version replaced the old one already
-                if _is_local(key) and os.path.islink(key):  # linked since: the link is not ours to follow
-                    log.warning("aiosnap: not removing %s: it is a symbolic link now", key)
+                if _is_local(where) and os.path.islink(where):  # linked since: not ours to follow
+                    log.warning("aiosnap: not removing %s: it is a symbolic link now", where)
                     return
                 if _is_local(key) and Path(key).is_file():  # a torch.save file from before aiosnap
                     Path(key).unlink()

@@ -193,6 +193,13 @@ class S3Storage(Storage):
         self._slots: _OrderedSlots | None = None
         self._uploads = itertools.count()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Its settings only: an upload process rebuilds it, with a client of its own."""
+        return {"bucket": self.bucket, "prefix": self.prefix, "config": self.config, "concurrency": self.concurrency}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["bucket"], state["prefix"], state["config"], concurrency=state["concurrency"])  # type: ignore[misc]
+
     # -- plumbing -------------------------------------------------------------------------
 
     async def _get_client(self) -> Any:

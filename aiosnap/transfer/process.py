@@ -37,6 +37,10 @@ __all__ = ["ProcessTransfer"]
 
 log = logging.getLogger("aiosnap")
 
+READER_GRACE_S = 1.0
+"""How long a failed send waits for the reader thread to queue the dead process's last
+reports (it reaches end of file at once when the process is gone)."""
+
 CLOSE_WAIT_S = 30.0
 """How long closing waits for the upload process to finish and exit before killing it."""
 
@@ -90,6 +94,7 @@ class ProcessTransfer:
         self.arena = arena
         self.listener = listener
         self.dead: UploadProcessError | None = None
+        self._lost_reported = False
         self._loop = asyncio.get_running_loop()
         self._opened: set[str] = set()
         self._closed = self._loop.create_future()
@@ -103,10 +108,10 @@ class ProcessTransfer:
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
         self.config = config
-        self._send("config", config)
         self._reader = threading.Thread(target=self._read, name="aiosnap-upload-reports", daemon=True)
         self._reader.start()
         _live.add(self)
+        self._send("config", config)
 
     def drop_after_fork(self) -> None:
         """In a forked child: close this process's copy of the socket, touch nothing else."""
@@ -124,8 +129,11 @@ class ProcessTransfer:
         return self._process.pid
 
     def _send(self, *message: Any) -> None:
-        """Loop thread. A broken socket means the upload process is gone: its saves fail here
-        and now (not when the reader thread gets to it), then this raises."""
+        """Loop thread. A broken socket means the upload process is gone: this operation
+        fails at once, the next save starts a new one (``dead`` is set); the saves it had
+        fail when the reader thread reaches end of file, after every report the process
+        sent before it died (a save it committed stays committed). The reader gets a moment
+        to get there, so that those reports are queued on the loop before anything else."""
         if self.dead is not None:
             raise self.dead
         try:
@@ -133,8 +141,8 @@ class ProcessTransfer:
                 self._conn.send(message)
         except OSError as exc:
             log.debug("aiosnap: sending to the upload process failed: %r", exc)
-            self._lost()
-            assert self.dead is not None
+            self.dead = UploadProcessError(f"the upload process (pid {self._process.pid}) is gone: {exc}")
+            self._reader.join(READER_GRACE_S)
             raise self.dead from None
 
     def _read(self) -> None:
@@ -171,20 +179,23 @@ class ProcessTransfer:
         """The socket reached end of file: the upload process exited or was killed."""
         if not self._closed.done():
             self._closed.set_result(None)
-        if self.dead is not None:
+        if self._lost_reported:
             return
+        self._lost_reported = True
         code = self._process.poll()
         if code is None:  # it closed the socket but lives on: it is of no use any more
             self._process.kill()
             code = self._process.wait()
-        self.dead = UploadProcessError(
+        error = UploadProcessError(
             f"the upload process (pid {self._process.pid}) died (exit status {code}); "
             "its saves failed, spooled chunks stay for resume, the next save starts a new one"
         )
-        log.error("aiosnap: %s", self.dead)
+        if self.dead is None:
+            self.dead = error
+        log.error("aiosnap: %s", error)
         lost = getattr(self.listener, "transfer_lost", None)
         if lost is not None:
-            lost(self.dead)
+            lost(error, self)
 
     # -- Transfer ----------------------------------------------------------------------------
 
