@@ -52,7 +52,8 @@ log = logging.getLogger("aiosnap")
 ABORT_GRACE_S = 10.0
 """How long an aborted save waits for the transfer side's outcome once its caller stopped
 waiting (``close(timeout)``): an upload process that does not answer by then (stopped,
-wedged) is killed, and its saves fail with UploadProcessError."""
+wedged) is killed; its saves fail with UploadProcessError, except those whose step is read
+back as committed."""
 
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
@@ -319,7 +320,8 @@ class Engine:
 
     async def _outcome(self, job: _SaveJob) -> TransferOutcome:
         """Wait for the transfer side's outcome; cancelled meanwhile (close(timeout)), ask
-        it to abort and wait on: it always reports, and every slab must come back first."""
+        it to abort and wait on: it always reports -- or, an upload process that does not
+        within :data:`ABORT_GRACE_S`, is killed and its end reports for it."""
         given_up = False
         while True:
             try:
