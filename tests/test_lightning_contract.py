@@ -214,3 +214,16 @@ def test_the_registry_of_saves_in_flight_forgets_finished_saves(tmp_path: Path, 
         plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / f"{i}.ckpt")
     plugin.teardown()
     assert not any(str(tmp_path) in key for key in lightning._in_flight)
+
+
+def test_a_first_save_that_failed_leaves_no_empty_folder_behind(tmp_path: Path, config: Config) -> None:
+    def broken(url: str, cfg: Config) -> FaultyStorage:
+        return FaultyStorage(LocalStorage(url), fail_when=lambda name: name.endswith("/1.bin"), error=OSError(5, "EIO"))
+
+    plugin = AiosnapCheckpointIO(config, storage_for=broken)
+    path = tmp_path / "last.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(3), "v": torch.ones(100_000)}, path)  # 0.bin lands, 1.bin fails
+    assert path.is_dir()
+    with pytest.raises(OSError):
+        plugin.teardown()
+    assert not path.exists(), "an empty folder would be taken for a checkpoint by ckpt_path='last'"

@@ -32,6 +32,7 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -68,7 +69,32 @@ def _track(key: str, handle: SyncSaveHandle) -> None:
     with _in_flight_lock:
         handles = [h for h in _in_flight.get(key, []) if not h.done()]
         _in_flight[key] = [*handles, handle]
-    handle.future.add_done_callback(lambda _: _saves_in_flight(key))  # forgets it when done
+    handle.future.add_done_callback(lambda future: _settled(key, future))
+
+
+_failed_keys: set[str] = set()
+"""Local paths whose latest save failed: their folder goes at teardown if nothing is in it."""
+
+
+def _settled(key: str, future: concurrent.futures.Future[Any]) -> None:
+    """A save to ``key`` ended (any thread): forget it; if it failed, the folder made for it
+    at ``save_checkpoint`` goes again once it holds nothing (see :func:`_remove_if_empty`)."""
+    if _saves_in_flight(key) or future.exception() is None or not _is_local(key):
+        return
+    with _in_flight_lock:
+        _failed_keys.add(key)
+    _remove_if_empty(key)
+
+
+def _remove_if_empty(key: str) -> None:
+    """Remove ``key`` if it is a tree of empty folders (a failed attempt's cleanup leaves
+    those), so that ``ckpt_path="last"`` never picks an empty one. ``rmdir`` removes
+    nothing but empty folders; never while a save to ``key`` is in flight."""
+    if _saves_in_flight(key):
+        return
+    for folder, _, _ in os.walk(key, topdown=False, followlinks=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _saves_in_flight(key: str) -> list[SyncSaveHandle]:
@@ -302,5 +328,12 @@ class AiosnapCheckpointIO(CheckpointIO):
                 self._next_step.clear()
                 self._pending.clear()
                 self._last_save = None
-            if checkpointer is not None:
-                checkpointer.close()  # raises a failure Lightning has not been told about, once
+            try:
+                if checkpointer is not None:
+                    checkpointer.close()  # raises a failure Lightning has not been told about, once
+            finally:
+                with _in_flight_lock:
+                    failed = set(_failed_keys)
+                    _failed_keys.clear()
+                for key in failed:  # their failed attempts are cleaned up by now
+                    _remove_if_empty(key)
