@@ -188,3 +188,19 @@ def test_overlapping_ranges_cannot_multiply_an_allocation(small_config: Config, 
     _rewrite(root, repeat)
     with SyncCheckpointer(small_config) as ckpt, pytest.raises(ManifestError, match="overlap"):
         ckpt.load()
+
+
+@pytest.mark.parametrize("entry", [5, -1])
+def test_a_save_spec_naming_an_entry_it_does_not_have_is_refused(entry: int) -> None:
+    """Found by the journal fuzzer (`make soak`): a spool journal's spec whose piece names an
+    entry out of range raised IndexError (or, at -1, would have given the bytes to the last
+    entry) instead of being refused."""
+    from aiosnap.format.manifest import build_manifest
+    from aiosnap.format.spec import SaveSpec
+    from aiosnap.trainer.plan import make_plan
+
+    plan = make_plan({"a": torch.ones(4), "b": torch.zeros(2)}, step=1, chunk_bytes=1 << 20)
+    doc = plan.spec.to_document()
+    doc["chunks"][0]["pieces"][0]["entry"] = entry
+    with pytest.raises(ValueError, match="entries"):
+        build_manifest(SaveSpec.from_document(doc))

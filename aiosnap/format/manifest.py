@@ -201,6 +201,11 @@ def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
     ranges: list[list[ByteRange]] = [[] for _ in spec.entries]
     for chunk in spec.chunks:
         for piece in chunk.pieces:
+            if not 0 <= piece.entry < len(spec.entries):  # a spec read back from a journal
+                raise ValueError(
+                    f"object {chunk.object_name!r:.80}: a piece of entry {piece.entry}, "
+                    f"but the save has {len(spec.entries)} entries"
+                )
             crc = 0 if crcs is None else crcs[(chunk.object_name, piece.dst_offset)]
             ranges[piece.entry].append(
                 ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
