@@ -32,14 +32,13 @@ from rich.table import Table
 from .catalog.garbage import collect_garbage
 from .catalog.maintenance import list_steps, verify_step
 from .catalog.steps import committed_steps, manifest_of, remove_steps_after
-from .checkpointer import SyncCheckpointer
 from .config import Config, load_config
 from .errors import AiosnapError, CheckpointNotFoundError
 from .format.manifest import Manifest
-from .service import ResumeReport
 from .storage.base import Storage
 from .storage.registry import storage_from_url
 from .transfer.copy import copy_step
+from .transfer.resume import ResumeReport
 
 __all__ = ["app", "main"]
 
@@ -250,6 +249,8 @@ def resume_command(
     if settings.spool.effective_mode == "off":
         raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
     settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": False})})
+    from .checkpointer import SyncCheckpointer  # torch: only the commands that need it import it
+
     with SyncCheckpointer(settings) as ckpt:
         bar, advance = _progress(None, "uploading spooled chunks", not as_json)
 
