@@ -324,3 +324,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "upload_executor" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_executors"):
         thread_only = metafunc.definition.get_closest_marker("thread_only") is not None
         metafunc.parametrize("upload_executor", ["thread"] if thread_only else ["thread", "process"], indirect=True)
+
+
+def rot_after_writing(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Local files named ``name`` get a byte flipped right after aiosnap wrote them (a disk
+    that rots what it was given): through ``durable.write_file``, which every spool write uses."""
+    from aiosnap import durable
+
+    real_write = durable.write_file
+
+    def write_then_rot(path: Path, data: memoryview | bytes) -> None:
+        real_write(path, data)
+        if path.name == name:
+            with open(path, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+
+    monkeypatch.setattr(durable, "write_file", write_then_rot)

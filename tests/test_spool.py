@@ -18,7 +18,7 @@ import pytest
 import torch
 from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer, durable
 from aiosnap.storage.local import LocalStorage
-from tests.conftest import FaultyStorage, s3_config
+from tests.conftest import FaultyStorage, rot_after_writing, s3_config
 from tests.spool_child import state as child_state
 
 MiB = 1024 * 1024
@@ -153,18 +153,7 @@ def test_two_checkpointers_never_share_a_spool(tmp_path: Path) -> None:
 
 
 def test_corrupt_spool_chunk_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write = durable.write_file
-
-    def write_then_rot(path: Path, data: memoryview | bytes) -> None:
-        real_write(path, data)
-        if path.name == "1.bin":  # the disk flips a bit of the second chunk after the write
-            with open(path, "r+b") as f:
-                f.seek(100)
-                byte = f.read(1)
-                f.seek(100)
-                f.write(bytes([byte[0] ^ 0xFF]))
-
-    monkeypatch.setattr(durable, "write_file", write_then_rot)
+    rot_after_writing(monkeypatch, "1.bin")  # the disk flips a byte of the second chunk after the write
     config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
     ckpt = SyncCheckpointer(config)
     with pytest.raises(ChecksumMismatchError, match="spool file .*1.bin is corrupt"):

@@ -12,7 +12,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
-from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer, durable
+from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
 from aiosnap import checksums as checksums_module
 from aiosnap.checksums import ALIGN, RangeChecksums, crc32c_combine
 from aiosnap.storage.base import Storage
@@ -20,7 +20,7 @@ from aiosnap.storage.local import LocalStorage
 from aiosnap.storage.s3 import _OrderedSlots
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage, s3_config
+from tests.conftest import FaultyStorage, rot_after_writing, s3_config
 
 MiB = 1024 * 1024
 
@@ -76,28 +76,13 @@ def test_each_byte_is_checksummed_once_on_its_way_to_s3(
     assert nbytes <= counted < nbytes + 64 * 1024, f"{counted} bytes checksummed for {nbytes} bytes of state"
 
 
-def _rot_chunk(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    real_write = durable.write_file
-
-    def write_then_rot(path: Path, data: memoryview | bytes) -> None:
-        real_write(path, data)
-        if path.name == name:  # the disk flips a byte after the write
-            with open(path, "r+b") as f:
-                f.seek(100)
-                byte = f.read(1)
-                f.seek(100)
-                f.write(bytes([byte[0] ^ 0xFF]))
-
-    monkeypatch.setattr(durable, "write_file", write_then_rot)
-
-
 @pytest.mark.parametrize("chunk_size", ["4MiB", "12MiB"], ids=["one-put", "multipart"])
 def test_a_rotten_spool_file_never_becomes_an_object(
     s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_size: str
 ) -> None:
     """The CRC32Cs S3 is sent, combined, check the file against the one it was written
     with: before the PUT, or before the multipart upload is completed (then aborted)."""
-    _rot_chunk(monkeypatch, "1.bin")
+    rot_after_writing(monkeypatch, "1.bin")
     base = s3_config(s3_endpoint, s3_bucket)
     config = base.model_copy(
         update={

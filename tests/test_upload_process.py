@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -247,14 +246,14 @@ def test_a_save_into_a_socket_already_broken_fails_at_once_and_frees_its_slot(
 ) -> None:
     from aiosnap.transfer import process
 
-    original = process.ProcessTransfer._lost
+    deliver = process.ProcessTransfer._deliver
 
-    def noticed_late(self: Any) -> None:  # the reader thread's report of the death comes late
-        time.sleep(0.5)
-        with contextlib.suppress(RuntimeError):  # the loop is closed by then
-            self._loop.call_soon_threadsafe(original, self)
+    def death_noticed_late(self: Any, callback: Any, *args: Any) -> None:  # a reader slow to report it
+        if callback == self._lost:
+            time.sleep(0.5)
+        deliver(self, callback, *args)
 
-    monkeypatch.setattr(process.ProcessTransfer, "_read", _reader_that_reports_death_late(noticed_late))
+    monkeypatch.setattr(process.ProcessTransfer, "_deliver", death_noticed_late)
     ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="1MiB")))
     try:
         ckpt.save({"w": torch.randn(1000)}, step=1).wait(30)
@@ -269,21 +268,6 @@ def test_a_save_into_a_socket_already_broken_fails_at_once_and_frees_its_slot(
         assert ckpt.save({"w": torch.randn(1000)}, step=3).wait(30).step == 3  # a new helper, a free slot
     finally:
         ckpt.close()
-
-
-def _reader_that_reports_death_late(lost: Any) -> Any:
-    def read(self: Any) -> None:
-        try:
-            while True:
-                message = self._conn.recv()
-                self._loop.call_soon_threadsafe(self._report, message)
-                if message[0] == "closed":
-                    return
-        except (EOFError, OSError):
-            pass
-        lost(self)
-
-    return read
 
 
 def test_a_child_forked_from_the_trainer_does_not_keep_the_helper_alive(root: Path) -> None:
@@ -354,19 +338,14 @@ def test_reports_sent_before_the_helper_died_are_heard_before_its_death(
 ) -> None:
     from aiosnap.transfer import process
 
-    def slow_reader(self: Any) -> None:  # a reader thread slow to get the CPU
-        try:
-            while True:
-                message = self._conn.recv()
-                if message[0] == "finished":
-                    time.sleep(1.0)
-                self._loop.call_soon_threadsafe(self._report, message)
-        except (EOFError, OSError):
-            pass
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._lost)
+    deliver = process.ProcessTransfer._deliver
 
-    monkeypatch.setattr(process.ProcessTransfer, "_read", slow_reader)
+    def slow_reader(self: Any, callback: Any, *args: Any) -> None:  # a reader thread slow to get the CPU
+        if args and args[0][0] == "finished":
+            time.sleep(1.0)
+        deliver(self, callback, *args)
+
+    monkeypatch.setattr(process.ProcessTransfer, "_deliver", slow_reader)
     config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB", max_pending_saves=2))
     with SyncCheckpointer(config) as ckpt:
         first = ckpt.save({"w": torch.arange(10)}, step=1)

@@ -23,9 +23,9 @@ _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no 
 
 @dataclass(frozen=True, slots=True)
 class EntrySpec:
-    __pydantic_config__ = _STRICT
-
     """One stored tensor (or pickled blob): where it sits in the state and its layout."""
+
+    __pydantic_config__ = _STRICT
 
     path: str
     kind: str  # "tensor" | "pickle"
@@ -38,9 +38,9 @@ class EntrySpec:
 
 @dataclass(frozen=True, slots=True)
 class PieceSpec:
-    __pydantic_config__ = _STRICT
-
     """``nbytes`` of entry ``entry`` (continuing its bytes in order) at ``dst_offset``."""
+
+    __pydantic_config__ = _STRICT
 
     entry: int
     nbytes: int
@@ -49,9 +49,9 @@ class PieceSpec:
 
 @dataclass(frozen=True, slots=True)
 class ChunkSpec:
-    __pydantic_config__ = _STRICT
-
     """One data object."""
+
+    __pydantic_config__ = _STRICT
 
     object_name: str
     nbytes: int
@@ -60,9 +60,9 @@ class ChunkSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    __pydantic_config__ = _STRICT
-
     """Everything about one save attempt except its bytes."""
+
+    __pydantic_config__ = _STRICT
 
     step: int
     save_id: str

@@ -146,16 +146,21 @@ class ProcessTransfer:
             raise self.dead from None
 
     def _read(self) -> None:
-        """The reader thread: reports, in order, onto the trainer's loop."""
+        """The reader thread: reports, in order, onto the trainer's loop; then the end."""
         try:
             while True:
                 message = self._conn.recv()
-                self._loop.call_soon_threadsafe(self._report, message)
+                self._deliver(self._report, message)
                 if message[0] == "closed":
                     return
         except (EOFError, OSError):
             pass
-        self._loop.call_soon_threadsafe(self._lost)
+        self._deliver(self._lost)
+
+    def _deliver(self, callback: Any, *args: Any) -> None:
+        """Reader thread: hand one report (or the end) to the trainer's loop, in order."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+            self._loop.call_soon_threadsafe(callback, *args)
 
     def _report(self, message: tuple[Any, ...]) -> None:
         kind, *args = message
