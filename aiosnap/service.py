@@ -113,8 +113,6 @@ class _SaveJob:
     session: SpoolSession | None = None
     blocked: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
-    lent: dict[int, Staged] = field(default_factory=dict)
-    """Chunks with the transfer side, by index (their slabs come back with done_with)."""
     journalling: set[asyncio.Task[None]] = field(default_factory=set)
     transfer: Transfer | None = None
     """The transfer side this save went to (an upload process that died is replaced for
@@ -378,7 +376,6 @@ class Engine:
 
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert job.transfer is not None
-        job.lent[chunk.index] = chunk
         self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
         job.transfer.staged(chunk)
 
@@ -462,7 +459,6 @@ class Engine:
         job = self._jobs.get(save_id)
         if job is None:
             return
-        job.lent.pop(index, None)
         if job.session is not None and (chunk is not None or pieces is not None):
             task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
             job.journalling.add(task)
