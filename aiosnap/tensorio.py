@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bytes_view", "copy_range_into", "iter_row_major_views"]
+__all__ = ["bytes_view", "copy_range_into", "iter_row_major_views", "write_constants"]
 
 
 def bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -72,3 +72,16 @@ def copy_range_into(
         count = view.numel()
         typed[position : position + count].view(view.shape).copy_(view, non_blocking=non_blocking)
         position += count
+
+
+def write_constants(dest: torch.Tensor, constants: list[tuple[int, bytes]]) -> None:
+    """Write each ``(offset, data)`` into the contiguous CPU uint8 buffer ``dest`` (zip headers
+    between a single-file save's tensors: many small writes, so straight to its memory)."""
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype != torch.uint8:
+        raise ValueError("write_constants needs a contiguous CPU uint8 buffer")
+    size = dest.numel()
+    base = dest.data_ptr()
+    for offset, data in constants:
+        if offset < 0 or offset + len(data) > size:
+            raise ValueError(f"{len(data)} bytes at {offset} do not fit in a buffer of {size}")
+        ctypes.memmove(base + offset, data, len(data))

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter
 
-__all__ = ["ChunkSpec", "EntrySpec", "PieceSpec", "SaveSpec"]
+__all__ = ["ArchiveSpec", "ChunkSpec", "EntrySpec", "PieceSpec", "SaveSpec"]
 
 _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no coercion
 
@@ -59,6 +59,18 @@ class ChunkSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ArchiveSpec:
+    """A save written as one ``torch.load``-readable file (:mod:`aiosnap.format.archive`):
+    the chunks are consecutive byte ranges of the file; this is what its tail needs."""
+
+    __pydantic_config__ = _STRICT
+
+    header_offsets: tuple[int, ...]  # each entry's local header in the file
+    tail_offset: int  # where the chunks end
+    pickle: str  # data.pkl, base64
+
+
+@dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Everything about one save attempt except its bytes."""
 
@@ -72,6 +84,7 @@ class SaveSpec:
     metadata: dict[str, Any]
     entries: tuple[EntrySpec, ...]
     chunks: tuple[ChunkSpec, ...]
+    archive: ArchiveSpec | None = None
 
     @property
     def total_bytes(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..staging import SlabChunk, Staged
-from ..tensorio import copy_range_into
+from ..tensorio import copy_range_into, write_constants
 from .plan import Chunk, SavePlan
 from .slabs import SlabPool
 from .spool import SpoolSession
@@ -79,6 +79,8 @@ class Copier:
                     copy_range_into(slab, piece.dst_offset, src, piece.src_offset, piece.nbytes)
         for device in used:
             self._streams[device].synchronize()
+        if chunk.constants:
+            write_constants(slab, chunk.constants)
 
 
 async def capture_chunks(

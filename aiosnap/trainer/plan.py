@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedStateError
-from ..format.spec import ChunkSpec, EntrySpec, PieceSpec, SaveSpec
+from ..format.spec import ArchiveSpec, ChunkSpec, EntrySpec, PieceSpec, SaveSpec
 from ..format.tree import MAX_TREE_DEPTH
 from ..names import object_prefix
 from ..stateful import is_stateful
@@ -63,6 +63,9 @@ class Chunk:
     object_name: str
     nbytes: int = 0
     pieces: list[Piece] = field(default_factory=list)
+    constants: list[tuple[int, bytes]] = field(default_factory=list)
+    """Bytes the copier writes at these offsets besides the pieces (a single-file save's
+    zip headers and padding)."""
 
 
 @dataclass
@@ -111,6 +114,8 @@ class _Flattener:
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self._seen: dict[tuple[Any, ...], int] = {}
+        self.by_id: dict[int, int] = {}  # id(tensor) -> entry, for the tensors met
+        self.stateful_dicts: dict[int, Any] = {}  # id(Stateful) -> the state dict it gave
         self._depth = 0
 
     def encode(self, value: Any, path: str) -> Any:
@@ -132,7 +137,8 @@ class _Flattener:
         if isinstance(value, torch.Tensor):
             return {"t": "tensor", "id": self._tensor(value, path)}
         if is_stateful(value) and not isinstance(value, (dict, list, tuple)):
-            return {"t": "stateful", "v": self.encode(value.state_dict(), path)}
+            state = self.stateful_dicts[id(value)] = value.state_dict()
+            return {"t": "stateful", "v": self.encode(state, path)}
         if type(value) in (dict, OrderedDict):
             node: dict[str, Any] = {
                 "t": "dict" if type(value) is dict else "odict",
@@ -160,19 +166,21 @@ class _Flattener:
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         _plain_tensor_or_refuse(tensor, path)
-        key = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-        )
+        key = _view_key(tensor)
         if key in self._seen and tensor.numel() > 0:
-            return self._seen[key]  # the same view twice (tied weights): stored once
-        index = len(self.entries)
-        self.entries.append(Entry(index, path, "tensor", tensor, tensor.numel() * tensor.element_size()))
-        self._seen[key] = index
+            index = self._seen[key]  # the same view twice (tied weights): stored once
+        else:
+            index = len(self.entries)
+            self.entries.append(Entry(index, path, "tensor", tensor, tensor.numel() * tensor.element_size()))
+            self._seen[key] = index
+        self.by_id[id(tensor)] = index
+        return index
+
+    def entry_of(self, tensor: torch.Tensor) -> int | None:
+        """The entry of a tensor met while flattening (or the same view of it), else None."""
+        index = self.by_id.get(id(tensor))
+        if index is None and tensor.numel() > 0 and tensor.layout == torch.strided and not tensor.is_meta:
+            index = self._seen.get(_view_key(tensor))
         return index
 
     def _pickle(self, value: Any, path: str) -> int:
@@ -184,6 +192,18 @@ class _Flattener:
         index = len(self.entries)
         self.entries.append(Entry(index, path, "pickle", data, len(blob)))
         return index
+
+
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Two tensors with one key are the same bytes (one view of one storage)."""
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def _join(path: str, key: Any) -> str:
@@ -233,8 +253,10 @@ def make_plan(
     rank: int = 0,
     world_size: int = 1,
     metadata: dict[str, Any] | None = None,
+    single_file: bool = False,
 ) -> SavePlan:
-    """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks."""
+    """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks;
+    with ``single_file``, as one ``torch.load``-readable file (:mod:`.archive_plan`)."""
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -242,7 +264,16 @@ def make_plan(
     flattener = _Flattener()
     tree = flattener.encode(state, "")
     save_id = uuid.uuid4().hex[:16]
-    chunks = layout_chunks(flattener.entries, chunk_bytes, object_prefix(step, save_id, rank))
+    prefix = object_prefix(step, save_id, rank)
+    archive: ArchiveSpec | None = None
+    if single_file:
+        from .archive_plan import layout_archive, torch_pickle
+
+        chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
+        blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
+        archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))
+    else:
+        chunks = layout_chunks(flattener.entries, chunk_bytes, prefix)
     spec = SaveSpec(
         step=step,
         save_id=save_id,
@@ -255,6 +286,7 @@ def make_plan(
             ChunkSpec(c.object_name, c.nbytes, tuple(PieceSpec(p.entry, p.nbytes, p.dst_offset) for p in c.pieces))
             for c in chunks
         ),
+        archive=archive,
     )
     return SavePlan(spec=spec, entries=flattener.entries, chunks=chunks)
 

@@ -1,0 +1,170 @@
+"""Planning a save as one ``torch.load``-readable file (see :mod:`aiosnap.format.archive`).
+
+Pure code on the caller's thread inside ``save()``. Two parts:
+
+- :func:`layout_archive` lays the entries out in the file: chunks are consecutive byte
+  ranges of it, each starting at a multiple of ``ALIGN``; before each entry's bytes, a
+  zip local header (a constant the copier writes into the slab with the tensor bytes).
+- :func:`torch_pickle` pickles the state as ``torch.save`` would (protocol 2, tensors
+  rebuilt by ``torch._utils._rebuild_tensor_v2`` from storages named by persistent ids),
+  except that each storage is the tensor's own bytes in row-major order -- what aiosnap
+  stores -- so every tensor is rebuilt contiguous at offset 0. Tensors seen twice (tied
+  weights) share one storage, as with ``torch.save``. Stateful objects are pickled as
+  their state dict (an ``OrderedDict``); anything else pickles as usual.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.serialization import location_tag
+
+from ..format.archive import ALIGN, data_record_name, local_header
+from ..stateful import is_stateful
+from .plan import Chunk, Entry, Piece
+
+__all__ = ["MIN_ARCHIVE_CHUNK_BYTES", "layout_archive", "torch_pickle"]
+
+MIN_ARCHIVE_CHUNK_BYTES = 4096
+"""Smallest chunk an archive layout takes (a local header and some bytes must fit)."""
+
+
+def layout_archive(entries: list[Entry], chunk_bytes: int, prefix: str) -> tuple[list[Chunk], list[int], int]:
+    """Chunks of at most ``chunk_bytes`` covering the file from offset 0, each entry's local
+    header right before its bytes (in the same chunk), every data start aligned. Returns the
+    chunks, each entry's header offset in the file, and where the data ends (the tail's
+    offset)."""
+    if chunk_bytes < MIN_ARCHIVE_CHUNK_BYTES:
+        raise ValueError(f"a single-file checkpoint needs chunks of at least {MIN_ARCHIVE_CHUNK_BYTES} bytes")
+    chunks: list[Chunk] = []
+    header_offsets: list[int] = []
+    position = 0  # in the file
+    current: Chunk | None = None
+    start = 0  # the current chunk's offset in the file
+
+    def close() -> None:
+        nonlocal current, position
+        if current is None:
+            return
+        pad = -position % ALIGN  # the next chunk starts aligned: zeros between records
+        if pad:
+            current.constants.append((position - start, bytes(pad)))
+            position += pad
+        current.nbytes = position - start
+        current = None
+
+    def open_chunk() -> Chunk:
+        nonlocal current, start
+        close()
+        start = position
+        current = Chunk(len(chunks), f"{prefix}/{len(chunks)}.bin")
+        chunks.append(current)
+        return current
+
+    for entry in entries:
+        name = data_record_name(entry.index)
+        header = local_header(name, entry.nbytes, position)
+        if current is None or position + len(header) + min(entry.nbytes, ALIGN) > start + chunk_bytes:
+            open_chunk()
+            header = local_header(name, entry.nbytes, position)
+        assert current is not None
+        header_offsets.append(position)
+        current.constants.append((position - start, header))
+        position += len(header)
+        done = 0
+        while done < entry.nbytes:
+            take = min(entry.nbytes - done, (start + chunk_bytes - position) // ALIGN * ALIGN)
+            if take <= 0:
+                current = open_chunk()
+                continue
+            current.pieces.append(Piece(entry.index, done, take, position - start))
+            position += take
+            done += take
+    if current is not None:
+        current.nbytes = position - start
+    return chunks, header_offsets, position
+
+
+_LEGACY_STORAGES = torch.storage._dtype_to_storage_type_map()
+"""dtype -> the legacy storage class name ``torch.save`` pickles (``FloatStorage``); dtypes
+not in it (``uint16``, float8, ...) are pickled as ``torch.save`` does them: an untyped
+storage and ``_rebuild_tensor_v3``."""
+
+
+class _StorageRef:
+    """A storage named in the pickle by key: the record ``archive/data/<key>``."""
+
+    __slots__ = ("key", "location", "numel", "storage_type")
+
+    def __init__(self, key: int, tensor: torch.Tensor) -> None:
+        self.key = key
+        self.location = location_tag(tensor.untyped_storage())
+        legacy = _LEGACY_STORAGES.get(tensor.dtype)
+        if legacy is None:
+            self.storage_type: Any = torch.UntypedStorage
+            self.numel = tensor.numel() * tensor.element_size()
+        else:
+            self.storage_type = getattr(torch, legacy)
+            self.numel = tensor.numel()
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(
+        self, file: io.BytesIO, entry_of: Callable[[torch.Tensor], int | None], stateful_dicts: dict[int, Any]
+    ) -> None:
+        super().__init__(file, protocol=2)  # torch.save's default protocol
+        self._entry_of = entry_of
+        self._stateful_dicts = stateful_dicts
+        self._refs: dict[int, _StorageRef] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.nn.Parameter:
+            return torch._utils._rebuild_parameter, (obj.detach(), obj.requires_grad, OrderedDict())
+        if type(obj) is torch.Tensor:
+            index = self._entry_of(obj)
+            if index is None:  # not one of the save's entries (inside a pickled object)
+                return NotImplemented
+            ref = self._refs.get(index)
+            if ref is None:
+                ref = self._refs[index] = _StorageRef(index, obj)
+            shape = torch.Size(obj.shape)
+            args = (ref, 0, shape, _contiguous_stride(tuple(shape)), obj.requires_grad, OrderedDict())
+            if ref.storage_type is torch.UntypedStorage:
+                return torch._utils._rebuild_tensor_v3, (*args, obj.dtype)
+            return torch._utils._rebuild_tensor_v2, args
+        if is_stateful(obj) and not isinstance(obj, (dict, list, tuple)):
+            state = self._stateful_dicts.get(id(obj))
+            if state is None:
+                state = obj.state_dict()
+            return OrderedDict, (), None, None, iter(state.items())
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", obj.storage_type, str(obj.key), obj.location, obj.numel)
+        return None
+
+
+def torch_pickle(
+    state: Any, entry_of: Callable[[torch.Tensor], int | None], stateful_dicts: dict[int, Any]
+) -> bytes:
+    """``data.pkl`` of the archive: ``state`` pickled as ``torch.save`` would, each tensor
+    that is an entry of the save named by its entry index (``entry_of``); the state dicts
+    the flattener took from Stateful objects (by ``id``) are reused, not taken again."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, entry_of, stateful_dicts).dump(state)
+    return buffer.getvalue()
