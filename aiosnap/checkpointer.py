@@ -280,6 +280,7 @@ class _Core:
             rank=self.rank,
             world_size=self.world_size,
             metadata=metadata,
+            single_file=self._storage.single_file,
         )
         return plan, CudaOrder.record(plan)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
+from ..format.spec import SaveSpec
 
 __all__ = ["BytesLike", "ObjectInfo", "Storage", "check_spool_file"]
 
@@ -56,6 +57,13 @@ class Storage(abc.ABC):
     """True when a :meth:`write` that returned, raised or was cancelled can have no effect
     later (local files: the rename happened or it did not). False for object stores, where
     a request abandoned mid-way may still land."""
+    single_file: bool = False
+    """True when the root is one file holding one checkpoint that ``torch.load`` reads
+    (:class:`~aiosnap.storage.archive.ArchiveStorage`): saves to it are planned as one file."""
+
+    def attempt_started(self, spec: SaveSpec) -> None:  # noqa: B027 - optional hook
+        """A save attempt of ``spec`` is about to write its objects here (loop thread; called
+        once per attempt by the transfer side, before any write)."""
 
     @abc.abstractmethod
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:

@@ -89,6 +89,11 @@ class LocalTransfer:
             self.listener.finished(save_id, TransferOutcome(committed=False, error=broken))
             return
         self.open_root(url)
+        try:
+            self._roots[url].attempt_started(spec)
+        except Exception as exc:
+            self.listener.finished(save_id, TransferOutcome(committed=False, error=exc))
+            return
         upload = _Upload(self, save_id, self._roots[url], keep_last, spec)
         self._saves[save_id] = upload
         upload.task = asyncio.get_running_loop().create_task(upload.run())

@@ -108,6 +108,10 @@ async def _finish(
         if manifest.step == latest and await whose_commit(storage, latest, manifest.save_id) == "ours":
             return False  # committed just before the crash; only the spool folder was left
         raise _Discard(f"step {manifest.step} is not newer than the latest committed step {latest}")
+    try:
+        storage.attempt_started(state.spec)
+    except ValueError as exc:
+        raise _Discard(str(exc)) from None
     await _check_landed(storage, state)
     limit = asyncio.Semaphore(concurrency)
     folder = spool.save_dir(manifest.save_id)
