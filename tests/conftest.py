@@ -15,6 +15,7 @@ import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.format.journal import JOURNAL
+from aiosnap.format.spec import SaveSpec
 from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 
@@ -41,6 +42,7 @@ class FaultyStorage(Storage):
         self.inner = inner
         self.url = inner.url
         self.settled_writes = inner.settled_writes
+        self.single_file = inner.single_file
         self.fail_when = fail_when
         self.error = error
         self.delay = delay
@@ -65,6 +67,9 @@ class FaultyStorage(Storage):
         gate = self._gate
         if gate is not None:
             loop.call_soon_threadsafe(gate.set)
+
+    def attempt_started(self, spec: SaveSpec) -> None:
+        self.inner.attempt_started(spec)
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
         if self.held or (self.hold_when is not None and self.hold_when(name)):

@@ -15,8 +15,8 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
 from aiosnap import Config
-from aiosnap.integrations.lightning import AiosnapCheckpointIO
-from aiosnap.storage.local import LocalStorage
+from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage
+from aiosnap.storage.archive import is_archive
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tests.conftest import FaultyStorage, s3_config
 from torch.utils.data import DataLoader, TensorDataset
@@ -98,13 +98,13 @@ def test_topk_last_and_resume_continue_identically(tmp_path: Path, config: Confi
     )
     trainer(3, AiosnapCheckpointIO(config), [first, checkpoints], tmp_path).fit(Regressor(), loader())
 
-    # top-k and last are aiosnap checkpoint folders; removed ones are gone entirely
+    # top-k and last are single-file aiosnap checkpoints; removed ones are gone entirely
     on_disk = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     expected = sorted([Path(p).name for p in checkpoints.best_k_models] + ["last.ckpt"])
     assert on_disk == expected
     assert len(on_disk) == 3
-    for name in on_disk:  # each holds exactly one committed version
-        assert len(list((tmp_path / "ckpt" / name).glob("*/manifest.json"))) == 1
+    for name in on_disk:  # each is one committed file
+        assert is_archive(tmp_path / "ckpt" / name)
 
     torch.manual_seed(123)  # resuming must not depend on the process's RNG
     resumed = LossLog()
@@ -124,7 +124,7 @@ def test_save_checkpoint_returns_before_durable_and_loads_back(tmp_path: Path, c
     slow = {}
 
     def storage_for(url: str, cfg: Config) -> FaultyStorage:
-        slow[url] = FaultyStorage(LocalStorage(url), delay=1.0)
+        slow[url] = FaultyStorage(checkpoint_storage(url, cfg), delay=1.0)
         return slow[url]
 
     plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
@@ -137,7 +137,7 @@ def test_save_checkpoint_returns_before_durable_and_loads_back(tmp_path: Path, c
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # training goes on mutating the captured state
-    assert not (path / f"{1:012d}" / "manifest.json").exists()  # not durable yet
+    assert not is_archive(path)  # not durable yet
     loaded = plugin.load_checkpoint(path)  # waits for the save in flight
     assert returned < 1.0  # each write to storage takes 1 s
     assert loaded["global_step"] == 7 and loaded["note"] == "x"
@@ -154,7 +154,7 @@ def test_overwriting_a_path_keeps_one_version(tmp_path: Path, config: Config) ->
         plugin.save_checkpoint({"w": torch.full((4,), float(step)), "global_step": step}, path)
     plugin.teardown()
     assert plugin.load_checkpoint(path)["global_step"] == 3
-    assert len([p for p in path.iterdir() if p.name.isdigit()]) == 1
+    assert is_archive(path) and not list(tmp_path.glob(".*aiosnap-partial"))
     plugin.teardown()
 
 
@@ -163,7 +163,7 @@ def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: 
     wrappers: dict[str, FaultyStorage] = {}
 
     def storage_for(url: str, cfg: Config) -> FaultyStorage:
-        wrappers[url] = FaultyStorage(LocalStorage(url), delay=0.5 if url.endswith("b.ckpt") else 0.0)
+        wrappers[url] = FaultyStorage(checkpoint_storage(url, cfg), delay=0.5 if url.endswith("b.ckpt") else 0.0)
         if url.endswith("c.ckpt"):  # every save there fails
             wrappers[url].fail_when = lambda name: name.endswith(".bin")
             wrappers[url].error = OSError(28, "No space left on device")
@@ -178,7 +178,7 @@ def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: 
     plugin.save_checkpoint({"w": torch.zeros(8), "global_step": 2}, new)
     plugin.remove_checkpoint(old)
     time.sleep(0.2)
-    assert (old / f"{1:012d}" / "manifest.json").exists()
+    assert is_archive(old)
     plugin.load_checkpoint(new)
     deadline = time.monotonic() + 10
     while old.exists() and time.monotonic() < deadline:
@@ -192,14 +192,16 @@ def test_remove_waits_for_pending_save_and_keeps_last_good_on_failure(tmp_path: 
     with pytest.raises(OSError, match="No space left"):
         plugin.teardown()
     assert plugin.load_checkpoint(new)["global_step"] == 2
-    assert not newer.exists() or not any(newer.glob("*/manifest.json"))
+    assert not is_archive(newer)
     plugin.teardown()
 
 
 @pytest.mark.thread_only  # wraps a storage in the trainer's process
 def test_failure_surfaces_at_next_save_with_type(tmp_path: Path, config: Config) -> None:
     def storage_for(url: str, cfg: Config) -> FaultyStorage:
-        return FaultyStorage(LocalStorage(url), fail_when=lambda n: n.endswith(".bin"), error=PermissionError("ro"))
+        return FaultyStorage(
+            checkpoint_storage(url, cfg), fail_when=lambda n: n.endswith(".bin"), error=PermissionError("ro")
+        )
 
     plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
     plugin.save_checkpoint({"w": torch.ones(4)}, tmp_path / "x.ckpt")
@@ -290,7 +292,7 @@ def test_a_slow_removal_never_holds_back_saves_to_other_paths(tmp_path: Path, co
             await asyncio.sleep(2.0)  # an S3 delete of many objects
             await self.inner.delete_prefix(prefix)
 
-    plugin = AiosnapCheckpointIO(config, storage_for=lambda url, cfg: SlowDeletes(LocalStorage(url)))
+    plugin = AiosnapCheckpointIO(config, storage_for=lambda url, cfg: SlowDeletes(checkpoint_storage(url, cfg)))
     old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
     plugin.save_checkpoint({"w": torch.ones(8)}, old)
     plugin.load_checkpoint(old)

@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("lightning")
 
 from aiosnap import Config
-from aiosnap.integrations.lightning import AiosnapCheckpointIO
-from aiosnap.storage.local import LocalStorage
+from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage
+from aiosnap.storage.archive import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.conftest import FaultyStorage
 from tests.test_lightning import LossLog, Regressor, loader, trainer
@@ -43,8 +43,9 @@ def config() -> Config:
     return Config(ram_budget="16MiB", upload={"chunk_size": "64KiB"})
 
 
-def _committed(path: Path) -> list[Path]:
-    return sorted(path.glob("*/manifest.json"))
+def _committed(path: Path) -> bool:
+    """A single-file checkpoint aiosnap committed is at ``path``."""
+    return is_archive(path)
 
 
 def test_removing_a_symlinked_last_unlinks_it_and_keeps_its_target(tmp_path: Path, config: Config) -> None:
@@ -57,7 +58,7 @@ def test_removing_a_symlinked_last_unlinks_it_and_keeps_its_target(tmp_path: Pat
     plugin.remove_checkpoint(link)
     plugin.teardown()  # raises nothing
     assert not link.exists() and not link.is_symlink()
-    assert len(_committed(target)) == 1
+    assert _committed(target)
     assert torch.equal(plugin.load_checkpoint(target)["w"], torch.ones(4))
     plugin.teardown()
 
@@ -68,7 +69,7 @@ def test_save_last_link_on_a_fresh_dirpath_and_removal_of_old_links(tmp_path: Pa
     last = tmp_path / "fresh" / "last.ckpt"
     assert last.is_symlink()
     target = last.resolve()
-    assert target.name.startswith("epoch=2") and len(_committed(target)) == 1
+    assert target.name.startswith("epoch=2") and _committed(target)
     kept = sorted(p.name for p in (tmp_path / "fresh").iterdir() if not p.is_symlink())
     assert len(kept) == 3, kept  # every epoch's checkpoint survived the link's updates
     reader = AiosnapCheckpointIO(config)
@@ -88,7 +89,7 @@ def test_something_is_at_the_path_when_save_checkpoint_returns(tmp_path: Path, e
 
 def test_the_version_counter_never_reuses_a_path_still_being_written(tmp_path: Path) -> None:
     def slow(url: str, cfg: Config) -> FaultyStorage:
-        return FaultyStorage(LocalStorage(url), delay=0.2)
+        return FaultyStorage(checkpoint_storage(url, cfg), delay=0.2)
 
     listings = {}
     for name, plugin in (
@@ -131,9 +132,9 @@ def test_a_checkpoint_saved_at_the_end_of_a_script_is_on_disk_after_it_exits(tmp
         from tests.test_lightning import Regressor, loader, trainer
         from aiosnap import Config
         from aiosnap.integrations.lightning import AiosnapCheckpointIO
-        from aiosnap.storage.local import LocalStorage
+        from aiosnap.integrations.lightning import checkpoint_storage
         from tests.conftest import FaultyStorage
-        slow = lambda url, cfg: FaultyStorage(LocalStorage(url), delay=0.2)
+        slow = lambda url, cfg: FaultyStorage(checkpoint_storage(url, cfg), delay=0.2)
         plugin = AiosnapCheckpointIO(Config(ram_budget="16MiB"), storage_for=slow)
         fit = trainer(1, plugin, [], __import__("pathlib").Path({str(tmp_path)!r}))
         fit.fit(Regressor(), loader())
@@ -164,7 +165,7 @@ def test_resume_from_last_link_continues_identically(tmp_path: Path, config: Con
 
 def test_another_plugin_instance_waits_for_a_save_in_flight(tmp_path: Path, config: Config) -> None:
     def slow(url: str, cfg: Config) -> FaultyStorage:
-        return FaultyStorage(LocalStorage(url), delay=0.5)
+        return FaultyStorage(checkpoint_storage(url, cfg), delay=0.5)
 
     writer = AiosnapCheckpointIO(config, storage_for=slow)
     reader = AiosnapCheckpointIO(config)
@@ -187,7 +188,7 @@ def test_ddp_spawn_on_cpu_pickles_the_plugin_and_saves(tmp_path: Path, config: C
     )  # fmt: skip
     fit.fit(Regressor(), loader())
     saved = [p for p in (tmp_path / "ckpt").iterdir()]
-    assert len(saved) == 1 and len(_committed(saved[0])) == 1
+    assert len(saved) == 1 and _committed(saved[0])
     reader = AiosnapCheckpointIO(config)
     assert "state_dict" in reader.load_checkpoint(saved[0])
     reader.teardown()
@@ -195,7 +196,7 @@ def test_ddp_spawn_on_cpu_pickles_the_plugin_and_saves(tmp_path: Path, config: C
 
 def test_a_folder_reached_through_a_symlinked_parent_is_one_checkpoint(tmp_path: Path, config: Config) -> None:
     def slow(url: str, cfg: Config) -> FaultyStorage:
-        return FaultyStorage(LocalStorage(url), delay=0.5)
+        return FaultyStorage(checkpoint_storage(url, cfg), delay=0.5)
 
     (tmp_path / "real").mkdir()
     os.symlink(tmp_path / "real", tmp_path / "ckpts")
@@ -216,14 +217,17 @@ def test_the_registry_of_saves_in_flight_forgets_finished_saves(tmp_path: Path, 
     assert not any(str(tmp_path) in key for key in lightning._in_flight)
 
 
-def test_a_first_save_that_failed_leaves_no_empty_folder_behind(tmp_path: Path, config: Config) -> None:
+def test_a_first_save_that_failed_leaves_no_empty_file_behind(tmp_path: Path, config: Config) -> None:
     def broken(url: str, cfg: Config) -> FaultyStorage:
-        return FaultyStorage(LocalStorage(url), fail_when=lambda name: name.endswith("/1.bin"), error=OSError(5, "EIO"))
+        return FaultyStorage(
+            checkpoint_storage(url, cfg), fail_when=lambda name: name.endswith("/1.bin"), error=OSError(5, "EIO")
+        )
 
     plugin = AiosnapCheckpointIO(config, storage_for=broken)
     path = tmp_path / "last.ckpt"
     plugin.save_checkpoint({"w": torch.ones(3), "v": torch.ones(100_000)}, path)  # 0.bin lands, 1.bin fails
-    assert path.is_dir()
+    assert path.is_file()
     with pytest.raises(OSError):
         plugin.teardown()
-    assert not path.exists(), "an empty folder would be taken for a checkpoint by ckpt_path='last'"
+    assert not path.exists(), "an empty file would be taken for a checkpoint by ckpt_path='last'"
+    assert not list(tmp_path.glob(".*aiosnap-partial")), "the failed attempt's partial file is left behind"

@@ -84,9 +84,7 @@ def local_header(name: str, nbytes: int, at: int) -> bytes:
     padding = -(at + fixed) % ALIGN
     extra += struct.pack("<HH", _PADDING, padding) + bytes(padding)
     size32 = _U32 if zip64 else nbytes
-    head = _LOCAL.pack(
-        _LOCAL_SIG, _VERSION, _UTF8, 0, 0, _DOS_DATE, 0, size32, size32, len(encoded), len(extra)
-    )
+    head = _LOCAL.pack(_LOCAL_SIG, _VERSION, _UTF8, 0, 0, _DOS_DATE, 0, size32, size32, len(encoded), len(extra))
     return head + encoded + extra
 
 

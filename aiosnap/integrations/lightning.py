@@ -1,17 +1,23 @@
 """Lightning ``CheckpointIO`` plugin: ``Trainer(plugins=[AiosnapCheckpointIO(config)])``.
 
-Each checkpoint path Lightning names (``.../epoch=1-step=20.ckpt``, ``last.ckpt``, or an
-``s3://bucket/...`` URL) becomes an aiosnap checkpoint root holding that one checkpoint: a
-folder of data objects plus a manifest. Writing a path again commits a new version there
-and drops the old one only after the new one is committed. All paths share one background
-thread, one RAM budget and one set of staging slabs (from ``config``).
+Each local checkpoint path Lightning names (``.../epoch=1-step=20.ckpt``, ``last.ckpt``) is
+one file in the zip format of ``torch.save`` (:class:`~aiosnap.storage.archive.ArchiveStorage`):
+``torch.load``, ``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)`` without
+the plugin, the loggers' ``log_model`` and ``os.path.isfile`` checks all work on it, and it
+carries aiosnap's manifest (a crc32c per tensor) for the plugin's verified loads. Writing a
+path again replaces the file atomically once the new version is complete. An
+``s3://bucket/...`` URL is an aiosnap checkpoint root (a prefix of data objects and a
+manifest). A folder saved by an older aiosnap at a local path is still read, and written, as
+a folder. All paths share one background thread, one RAM budget and one set of staging
+slabs (from ``config``).
 
 Threads: every method runs on the caller's (the trainer's) thread; saves continue on
 aiosnap's loop thread, removals on a small helper thread of this plugin.
 
 - ``save_checkpoint`` returns once the state is captured into host RAM (no clone of the
-  model on the GPU); durability follows in the background. A local path exists (as a
-  folder) when it returns, so Lightning's version counter and ``save_last="link"`` see it.
+  model on the GPU); durability follows in the background. A local path exists when it
+  returns (an empty file until the first version is committed; an older version until the
+  new one is), so Lightning's version counter and ``save_last="link"`` see it.
 - ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
   this process; a symlink is followed to its target).
 - ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
@@ -52,10 +58,11 @@ from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..errors import CheckpointNotFoundError
 from ..events import EventHandler
+from ..storage.archive import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 
-__all__ = ["AiosnapCheckpointIO"]
+__all__ = ["AiosnapCheckpointIO", "checkpoint_storage"]
 
 log = logging.getLogger("aiosnap")
 
@@ -73,12 +80,15 @@ def _track(key: str, handle: SyncSaveHandle) -> None:
 
 
 _failed_keys: set[str] = set()
-"""Local paths whose latest save failed: their folder goes at teardown if nothing is in it."""
+"""Local paths whose latest save failed: what was made for them goes at teardown if empty."""
+_placeholders: dict[str, tuple[int, int]] = {}
+"""Empty files this process put at paths so that they exist while their first save is in
+flight: path -> (st_dev, st_ino)."""
 
 
 def _settled(key: str, future: concurrent.futures.Future[Any]) -> None:
-    """A save to ``key`` ended (any thread): forget it; if it failed, the folder made for it
-    at ``save_checkpoint`` goes again once it holds nothing (see :func:`_remove_if_empty`)."""
+    """A save to ``key`` ended (any thread): forget it; if it failed, what was made for it
+    at ``save_checkpoint`` goes again if it holds nothing (see :func:`_remove_if_empty`)."""
     if _saves_in_flight(key) or future.exception() is None or not _is_local(key):
         return
     with _in_flight_lock:
@@ -86,11 +96,35 @@ def _settled(key: str, future: concurrent.futures.Future[Any]) -> None:
     _remove_if_empty(key)
 
 
+def _make_placeholder(key: str) -> None:
+    """Caller's thread: an empty file at ``key`` unless something is there already."""
+    os.makedirs(os.path.dirname(key), exist_ok=True)
+    try:
+        fd = os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return
+    try:
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    with _in_flight_lock:
+        _placeholders[key] = (stat.st_dev, stat.st_ino)
+
+
 def _remove_if_empty(key: str) -> None:
-    """Remove ``key`` if it is a tree of empty folders (a failed attempt's cleanup leaves
-    those), so that ``ckpt_path="last"`` never picks an empty one. ``rmdir`` removes
-    nothing but empty folders; never while a save to ``key`` is in flight."""
+    """Remove what was made for ``key`` if it still holds nothing: the empty file made by
+    :func:`_make_placeholder` (the very same file), or a tree of empty folders (a failed
+    folder checkpoint's cleanup leaves those), so that ``ckpt_path="last"`` never picks an
+    empty one. Never while a save to ``key`` is in flight."""
     if _saves_in_flight(key):
+        return
+    with _in_flight_lock:
+        made = _placeholders.pop(key, None)
+    if made is not None:
+        with contextlib.suppress(OSError):
+            stat = os.stat(key, follow_symlinks=False)
+            if (stat.st_dev, stat.st_ino) == made and stat.st_size == 0:
+                os.unlink(key)
         return
     for folder, _, _ in os.walk(key, topdown=False, followlinks=False):
         with contextlib.suppress(OSError):
@@ -128,6 +162,15 @@ def key_of(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(where) if _is_local(where) else where
 
 
+def checkpoint_storage(url: str, config: Config) -> Storage:
+    """The plugin's default backend for one checkpoint path: a local path is one file
+    (:class:`ArchiveStorage`), unless it is a folder an older aiosnap saved (then a folder
+    root, as before); a URL is the root its scheme names (``s3://``)."""
+    if _is_local(url) and not os.path.isdir(url):
+        return ArchiveStorage(url)
+    return storage_from_url(url, config)
+
+
 class AiosnapCheckpointIO(CheckpointIO):
     """Lightning checkpoints through aiosnap (see the module docstring for the rules).
 
@@ -136,7 +179,8 @@ class AiosnapCheckpointIO(CheckpointIO):
     come from Lightning). ``allow_pickle``: load checkpoints holding pickled objects (such
     as non-JSON hyper-parameters); off by default because unpickling runs code.
     ``event_handlers``: callables receiving every event. ``storage_for(url, config)``: the
-    backend for one checkpoint path (custom or wrapped backends).
+    backend for one checkpoint path (custom or wrapped backends; default
+    :func:`checkpoint_storage`).
     """
 
     def __init__(
@@ -145,7 +189,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         *,
         allow_pickle: bool = False,
         event_handlers: Sequence[EventHandler] = (),
-        storage_for: Callable[[str, Config], Storage] = storage_from_url,
+        storage_for: Callable[[str, Config], Storage] = checkpoint_storage,
     ) -> None:
         super().__init__()
         self.storage_for = storage_for
@@ -160,6 +204,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         self._key_locks: dict[str, threading.Lock] = {}  # a path's save and removal, one at a time
         self._checkpointer: SyncCheckpointer | None = None
         self._locations: dict[str, SyncCheckpointer] = {}
+        self._single_file: dict[str, bool] = {}  # whose storage is one file
         self._next_step: dict[str, int] = {}
         self._generation: dict[str, int] = {}
         self._pending: dict[str, list[SyncSaveHandle]] = {}
@@ -192,6 +237,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         view = self._locations.get(key)
         if view is None:
             storage = self.storage_for(key, self.config)
+            self._single_file[key] = storage.single_file
             view = self._locations[key] = self._root().at(key, keep_last=1, storage=storage)
             if self.config.spool.effective_mode != "off" and self.config.spool.resume:
                 view.resume_spool()  # a save to this path that a crash left in the spool
@@ -222,8 +268,11 @@ class AiosnapCheckpointIO(CheckpointIO):
         with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
-            if _is_local(key):
-                os.makedirs(key, exist_ok=True)  # the path exists when save_checkpoint returns
+            if _is_local(key):  # the path exists when save_checkpoint returns
+                if self._single_file.get(key, False):
+                    _make_placeholder(key)
+                else:
+                    os.makedirs(key, exist_ok=True)
             step = self._next_step.get(key)
             if step is None:
                 committed = location.steps()
@@ -244,15 +293,17 @@ class AiosnapCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load the checkpoint at ``path`` (waiting for saves to it in flight). A plain file
-        (``torch.save`` format) is read with Lightning's own loader, for migrating."""
-        if "://" not in os.fspath(path) and Path(path).is_file():
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """Load the checkpoint at ``path`` (waiting for saves to it in flight), checking every
+        tensor's crc32c. A file ``torch.save`` wrote (not by aiosnap) is read with Lightning's
+        own loader, for migrating."""
         key = key_of(path)  # a symlinked ``last`` reads (and waits for) its target
         with self._lock:
             handles = self._handles(key)
-            location = self._location(key)
         concurrent.futures.wait([h.future for h in [*handles, *_saves_in_flight(key)]])
+        if _is_local(key) and os.path.isfile(key) and not is_archive(key):
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        with self._lock:
+            location = self._location(key)
         try:
             state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
         except CheckpointNotFoundError as exc:
@@ -298,7 +349,7 @@ class AiosnapCheckpointIO(CheckpointIO):
                 if _is_local(where) and os.path.islink(where):  # linked since: not ours to follow
                     log.warning("aiosnap: not removing %s: it is a symbolic link now", where)
                     return
-                if _is_local(key) and Path(key).is_file():  # a torch.save file from before aiosnap
+                if _is_local(key) and Path(key).is_file() and not is_archive(key):  # torch.save's, or empty
                     Path(key).unlink()
                     return
                 location = self._location(key)

@@ -32,9 +32,9 @@ import asyncio
 import base64
 import os
 import re
+import stat as stat_module
 import threading
 from contextlib import suppress
-import stat as stat_module
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from ..format.spec import SaveSpec
 from ..names import MANIFEST_FILE, check_object_name, check_save_id, parse_step_dir, step_dir
 from .base import BytesLike, Storage
 
-__all__ = ["ArchiveStorage"]
+__all__ = ["ArchiveStorage", "is_archive"]
 
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<step>[0-9]{12,20})\.(?P<save>[0-9a-f]{16})\.aiosnap-partial")
 _COPY_BLOCK = 8 * 1024**2
@@ -416,6 +416,18 @@ class ArchiveStorage(Storage):
                     os.close(attempt.fd)
                     attempt.fd = None
         self._attempts.clear()
+
+
+def is_archive(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a file aiosnap committed as a single-file checkpoint (blocks:
+    one small read of its end)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            tail = os.pread(f.fileno(), min(size, MAX_TRAILER_BYTES), max(0, size - MAX_TRAILER_BYTES))
+    except OSError:
+        return False
+    return parse_trailer(tail, size) is not None
 
 
 class _NotAnArchive(Exception):

@@ -142,7 +142,7 @@ class _Pickler(pickle.Pickler):
             if ref is None:
                 ref = self._refs[index] = _StorageRef(index, obj)
             shape = torch.Size(obj.shape)
-            args = (ref, 0, shape, _contiguous_stride(tuple(shape)), obj.requires_grad, OrderedDict())
+            args: tuple[Any, ...] = (ref, 0, shape, _contiguous_stride(tuple(shape)), obj.requires_grad, OrderedDict())
             if ref.storage_type is torch.UntypedStorage:
                 return torch._utils._rebuild_tensor_v3, (*args, obj.dtype)
             return torch._utils._rebuild_tensor_v2, args
@@ -159,9 +159,7 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def torch_pickle(
-    state: Any, entry_of: Callable[[torch.Tensor], int | None], stateful_dicts: dict[int, Any]
-) -> bytes:
+def torch_pickle(state: Any, entry_of: Callable[[torch.Tensor], int | None], stateful_dicts: dict[int, Any]) -> bytes:
     """``data.pkl`` of the archive: ``state`` pickled as ``torch.save`` would, each tensor
     that is an entry of the save named by its entry index (``entry_of``); the state dicts
     the flattener took from Stateful objects (by ``id``) are reused, not taken again."""
