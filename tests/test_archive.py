@@ -52,6 +52,16 @@ def checkpointer(tmp_path: Path) -> Any:
     root.close()
 
 
+def _no_partial_files(folder: Path, timeout: float = 10.0) -> bool:
+    """Wait (failed attempts are removed in the background) until no partial file is left."""
+    deadline = time.monotonic() + timeout
+    while list(folder.glob(".*aiosnap-partial")):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _file(root: SyncCheckpointer, path: Path, storage: Any = None) -> SyncCheckpointer:
     return root.at(str(path), keep_last=1, storage=storage or ArchiveStorage(path))
 
@@ -196,10 +206,7 @@ def test_a_failed_save_keeps_the_previous_file_and_leaves_no_partial(
     with pytest.raises(OSError, match="EIO"):
         single.save({"w": torch.ones(60_000)}, step=2).wait()
     assert path.read_bytes() == before
-    deadline = time.monotonic() + 10  # the failed attempt is removed in the background
-    while list(tmp_path.glob(".*aiosnap-partial")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not list(tmp_path.glob(".*aiosnap-partial"))
+    assert _no_partial_files(tmp_path)
 
 
 async def test_a_save_cancelled_while_it_waits_for_ram_keeps_the_previous_file(tmp_path: Path) -> None:
@@ -209,7 +216,7 @@ async def test_a_save_cancelled_while_it_waits_for_ram_keeps_the_previous_file(t
         held = FaultyStorage(ArchiveStorage(path))
         single = root.at(str(path), keep_last=1, storage=held)
         await (await single.save({"w": torch.zeros(50_000)}, step=1))
-        before = path.read_bytes()
+        before = await asyncio.to_thread(path.read_bytes)
         held.hold()  # uploads wait: capture runs out of RAM, save() waits too
         saving = asyncio.create_task(single.save({"w": torch.ones(2_000_000)}, step=2))
         await asyncio.sleep(0.5)
@@ -218,11 +225,8 @@ async def test_a_save_cancelled_while_it_waits_for_ram_keeps_the_previous_file(t
         with pytest.raises(asyncio.CancelledError):
             await saving
         held.release(root._loop.loop)
-        assert await single.steps() == [1] and path.read_bytes() == before
-        deadline = time.monotonic() + 10
-        while list(tmp_path.glob(".*aiosnap-partial")) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert not list(tmp_path.glob(".*aiosnap-partial"))
+        assert await single.steps() == [1] and await asyncio.to_thread(path.read_bytes) == before
+        assert await asyncio.to_thread(_no_partial_files, tmp_path)
         await (await single.save({"w": torch.full((10,), 3.0)}, step=2))  # the path works on
     assert torch.equal(torch.load(path)["w"], torch.full((10,), 3.0))
 
@@ -267,4 +271,4 @@ def test_every_upload_path_writes_the_same_file(tmp_path: Path, settings_: dict[
             loaded = torch.load(path)
             assert torch.equal(loaded["w"], state["w"]) and loaded["tied"].data_ptr() == loaded["w"].data_ptr()
         assert single.steps() == [2] and torch.equal(single.load()["t"], state["t"])
-    assert not list(tmp_path.glob(".*aiosnap-partial"))
+    assert _no_partial_files(tmp_path, timeout=0)
