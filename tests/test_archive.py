@@ -4,6 +4,7 @@ layout other tools read, the commit by rename, and hostile files at the path."""
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import time
 import zipfile
@@ -272,3 +273,21 @@ def test_every_upload_path_writes_the_same_file(tmp_path: Path, settings_: dict[
             assert torch.equal(loaded["w"], state["w"]) and loaded["tied"].data_ptr() == loaded["w"].data_ptr()
         assert single.steps() == [2] and torch.equal(single.load()["t"], state["t"])
     assert _no_partial_files(tmp_path, timeout=0)
+
+
+def test_the_cli_reads_a_single_file_and_gc_removes_only_old_partial_files(
+    tmp_path: Path, checkpointer: SyncCheckpointer
+) -> None:
+    from aiosnap.cli import main
+
+    path = tmp_path / "m.ckpt"
+    _file(checkpointer, path).save({"model": {"w": torch.ones(1000)}}, step=7).wait()
+    crashed = tmp_path / ".m.ckpt.000000000009.0123456789abcdef.aiosnap-partial"  # a process killed mid-save
+    crashed.write_bytes(b"x" * 100)
+    os.utime(crashed, (time.time() - 86_400 * 2,) * 2)
+    running = tmp_path / ".m.ckpt.000000000010.fedcba9876543210.aiosnap-partial"  # a save in progress
+    running.write_bytes(b"y" * 100)
+    assert main(["verify", str(path)]) == 0
+    assert main(["gc", str(path), "--keep-last", "1"]) == 0
+    assert not crashed.exists() and running.exists()
+    assert _file(checkpointer, path).steps() == [7] and torch.equal(torch.load(path)["model"]["w"], torch.ones(1000))

@@ -41,12 +41,12 @@ from typing import Any
 
 from ..aio import complete_before_cancel
 from ..durable import fsync_dir, publish_if_absent
-from ..errors import ManifestError
+from ..errors import CorruptCheckpointError, ManifestError
 from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
-from ..names import MANIFEST_FILE, check_object_name, check_save_id, parse_step_dir, step_dir
-from .base import BytesLike, Storage
+from ..names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
+from .base import BytesLike, ObjectInfo, Storage
 
 __all__ = ["ArchiveStorage", "is_archive"]
 
@@ -363,6 +363,31 @@ class ArchiveStorage(Storage):
             return sorted(names)
 
         return await asyncio.to_thread(list_sync)
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        """The committed step's manifest and objects, and each partial file (as the object
+        ``<step>/<save id>/partial``: what ``aiosnap gc`` removes once it is old)."""
+
+        def walk_sync() -> list[ObjectInfo]:
+            found = []
+            for step, save_id, path in self._partials():
+                with suppress(FileNotFoundError):
+                    stat = path.stat()
+                    found.append(ObjectInfo(f"{step_dir(step)}/{save_id}/partial", stat.st_size, stat.st_mtime))
+            with suppress(FileNotFoundError, _NotAnArchive, CorruptCheckpointError):
+                fd = self._open_committed()
+                try:
+                    mtime = os.fstat(fd).st_mtime
+                    version = self._version(fd)
+                    step = version.trailer.step
+                    found.append(ObjectInfo(manifest_name(step), version.trailer.manifest_nbytes, mtime))
+                    version = self._version(fd, with_objects=True)
+                    found += [ObjectInfo(name, size, mtime) for name, (_, size) in version.objects.items()]
+                finally:
+                    os.close(fd)
+            return sorted((o for o in found if o.name.startswith(prefix)), key=lambda o: o.name)
+
+        return await asyncio.to_thread(walk_sync)
 
     # -- removing -------------------------------------------------------------------
 
