@@ -21,15 +21,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tests.conftest import FaultyStorage, s3_config
 from torch.utils.data import DataLoader, TensorDataset
 
-pytestmark = [
-    pytest.mark.both_executors,
-    pytest.mark.filterwarnings(
-        "ignore:.*does not have many workers.*",
-        "ignore:.*The number of training batches.*",
-        "ignore:.*LeafSpec.*:FutureWarning",
-        "ignore:Checkpoint directory .* exists and is not empty",
-    ),
-]
+QUIET_LIGHTNING = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*The number of training batches.*",
+    "ignore:.*LeafSpec.*:FutureWarning",
+    "ignore:Checkpoint directory .* exists and is not empty",
+    "ignore:Be aware that when using `ckpt_path`",
+)
+"""Lightning's advice for real training runs, which these tiny ones do not need."""
+
+pytestmark = [pytest.mark.both_executors, QUIET_LIGHTNING]
 
 
 class Regressor(pl.LightningModule):

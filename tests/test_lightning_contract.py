@@ -24,18 +24,11 @@ from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_stora
 from aiosnap.storage.archive import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.conftest import FaultyStorage
-from tests.test_lightning import LossLog, Regressor, loader, trainer
+from tests.test_lightning import QUIET_LIGHTNING, LossLog, Regressor, loader, trainer
 
 REPO = Path(__file__).parent.parent
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:.*does not have many workers.*",
-        "ignore:.*The number of training batches.*",
-        "ignore:.*LeafSpec.*:FutureWarning",
-        "ignore:Checkpoint directory .* exists and is not empty",
-    ),
-]
+pytestmark = [QUIET_LIGHTNING]
 
 
 @pytest.fixture

@@ -20,18 +20,9 @@ from aiosnap.integrations.lightning import AiosnapCheckpointIO
 from aiosnap.storage.archive import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.utilities import _scan_checkpoints
-from tests.test_lightning import LossLog, Regressor, loader, trainer
+from tests.test_lightning import QUIET_LIGHTNING, LossLog, Regressor, loader, trainer
 
-pytestmark = [
-    pytest.mark.both_executors,
-    pytest.mark.filterwarnings(
-        "ignore:.*does not have many workers.*",
-        "ignore:.*The number of training batches.*",
-        "ignore:.*LeafSpec.*:FutureWarning",
-        "ignore:Checkpoint directory .* exists and is not empty",
-        "ignore:Be aware that when using `ckpt_path`",
-    ),
-]
+pytestmark = [pytest.mark.both_executors, QUIET_LIGHTNING]
 
 
 @pytest.fixture
