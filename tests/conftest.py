@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class FaultyStorage(Storage):
         self.hang_after_write_when: Callable[[str], bool] | None = None
         self.read_error: BaseException | None = None
         self.delete_delay = 0.0
+        self.read_requests = 0  # read_into and read_scatter calls
 
     def hold(self) -> None:
         """Writes wait from now on until :meth:`release`."""
@@ -97,7 +98,12 @@ class FaultyStorage(Storage):
         return await self.inner.size(name)
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        self.read_requests += 1
         return await self.inner.read_into(name, offset, dest)
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        self.read_requests += 1
+        return await self.inner.read_scatter(name, offset, buffers)
 
     async def exists(self, name: str) -> bool:
         return await self.inner.exists(name)

@@ -1,14 +1,16 @@
 """Load-side I/O: read every byte range of a manifest into fresh tensors and verify it.
 
-Runs on the background loop thread; reads are concurrent (``upload.concurrency``), each
-range goes straight into its tensor's memory, and its crc32c is checked in the default
-executor. Nothing of the caller's state is touched here: the tensors are new, so a corrupt
+Runs on the background loop thread; neighbouring ranges of one object are read with one
+request (one ``preadv`` on local disk, one ranged GET on S3) scattered straight into their
+tensors' memory; runs are read concurrently (``upload.concurrency``) and each range's
+crc32c is checked in a worker thread. Nothing of the caller's state is touched here: the tensors are new, so a corrupt
 checkpoint is refused before any object is modified.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,25 +34,90 @@ def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
         raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
 
 
-async def _read_range(
-    storage: Storage, where: str, path: str, r: ByteRange, dest: memoryview, limit: asyncio.Semaphore
-) -> None:
+MAX_GAP = 4096
+"""Ranges of one object at most this many bytes apart are read with one request (the gap's
+bytes are read and dropped): pieces in a chunk are 64-byte aligned, so neighbours are
+never more than 63 bytes apart."""
+MAX_RUN_BYTES = 64 * 1024**2
+"""A coalesced read never spans more than this (reads of one object still go in parallel)."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    path: str
+    where: ByteRange
+    dest: memoryview
+
+
+@dataclass
+class _Run:
+    """Neighbouring ranges of one object, read with one request."""
+
+    object: str
+    ranges: list[_Range] = field(default_factory=list)
+
+    @property
+    def start(self) -> int:
+        return self.ranges[0].where.offset
+
+    @property
+    def end(self) -> int:
+        last = self.ranges[-1].where
+        return last.offset + last.nbytes
+
+
+def plan_runs(ranges: list[_Range]) -> list[_Run]:
+    """Group ranges into runs: by object, in offset order, neighbours at most
+    :data:`MAX_GAP` apart, each run at most :data:`MAX_RUN_BYTES` long (or one range)."""
+    by_object: dict[str, list[_Range]] = {}
+    for r in ranges:
+        by_object.setdefault(r.where.object, []).append(r)
+    runs: list[_Run] = []
+    for name, found in by_object.items():
+        found.sort(key=lambda r: r.where.offset)
+        run: _Run | None = None
+        for r in found:
+            offset = r.where.offset
+            if run is None or offset - run.end > MAX_GAP or offset + r.where.nbytes - run.start > MAX_RUN_BYTES:
+                run = _Run(name)
+                runs.append(run)
+            run.ranges.append(r)
+    return runs
+
+
+def _verify(where: str, run: _Run) -> None:
+    """Worker thread: every range's crc32c against the manifest."""
+    for r in run.ranges:
+        crc = crc32c_of(r.dest)
+        if crc != r.where.crc32c:
+            raise ChecksumMismatchError(
+                f"{where}: checksum mismatch in {r.path!r} (object {r.where.object!r}, offset {r.where.offset}): "
+                f"crc32c {crc:#010x}, manifest says {r.where.crc32c:#010x}"
+            )
+
+
+async def _read_run(storage: Storage, where: str, run: _Run, limit: asyncio.Semaphore) -> None:
+    buffers: list[memoryview] = []
+    position = run.start
+    for r in run.ranges:  # ranges never overlap (the manifest is checked for that)
+        if r.where.offset > position:
+            buffers.append(memoryview(bytearray(r.where.offset - position)))  # a gap: read, dropped
+        buffers.append(r.dest)
+        position = r.where.offset + r.where.nbytes
     async with limit:
         try:
-            got = await storage.read_into(r.object, r.offset, dest)
+            got = await storage.read_scatter(run.object, run.start, buffers)
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{where}: data object {r.object!r} of {path!r} is missing") from exc
-        if got < len(dest):
+            raise CorruptCheckpointError(
+                f"{where}: data object {run.object!r} of {run.ranges[0].path!r} is missing"
+            ) from exc
+        if got < run.end - run.start:
+            short = next(r for r in run.ranges if r.where.offset + r.where.nbytes > run.start + got)
             raise TruncatedObjectError(
-                f"{where}: data object {r.object!r} is truncated: {path!r} needs {r.nbytes} bytes "
-                f"at offset {r.offset}, only {got} there"
+                f"{where}: data object {run.object!r} is truncated: {short.path!r} needs {short.where.nbytes} "
+                f"bytes at offset {short.where.offset}, only {max(0, run.start + got - short.where.offset)} there"
             )
-        crc = await asyncio.to_thread(crc32c_of, dest)
-    if crc != r.crc32c:
-        raise ChecksumMismatchError(
-            f"{where}: checksum mismatch in {path!r} (object {r.object!r}, offset {r.offset}): "
-            f"crc32c {crc:#010x}, manifest says {r.crc32c:#010x}"
-        )
+        await asyncio.to_thread(_verify, where, run)
 
 
 async def check_object_sizes(storage: Storage, manifest: Manifest, concurrency: int) -> None:
@@ -77,23 +144,26 @@ async def check_object_sizes(storage: Storage, manifest: Manifest, concurrency: 
 
 
 async def fetch_entries(storage: Storage, manifest: Manifest, concurrency: int) -> dict[int, torch.Tensor]:
-    """Every entry of ``manifest`` as a new CPU tensor (pickles as uint8 bytes), verified."""
+    """Every entry of ``manifest`` as a new CPU tensor (pickles as uint8 bytes), verified.
+    Neighbouring ranges of an object are read with one request (:func:`plan_runs`), straight
+    into the tensors; each range's crc32c is still checked on its own."""
     where = f"{storage.url} step {manifest.step}"
     await check_object_sizes(storage, manifest, concurrency)
-    limit = asyncio.Semaphore(concurrency)
     tensors: dict[int, torch.Tensor] = {}
+    ranges: list[_Range] = []
+    for index, entry in enumerate(manifest.entries):
+        tensor = _empty_for(manifest, index)
+        tensors[index] = tensor
+        view = bytes_view(tensor)
+        position = 0
+        for r in entry.ranges:
+            ranges.append(_Range(entry.path, r, view[position : position + r.nbytes]))
+            position += r.nbytes
+    limit = asyncio.Semaphore(concurrency)
     try:
         async with asyncio.TaskGroup() as group:
-            for index, entry in enumerate(manifest.entries):
-                tensor = _empty_for(manifest, index)
-                tensors[index] = tensor
-                view = bytes_view(tensor)
-                position = 0
-                for r in entry.ranges:
-                    group.create_task(
-                        _read_range(storage, where, entry.path, r, view[position : position + r.nbytes], limit)
-                    )
-                    position += r.nbytes
+            for run in plan_runs(ranges):
+                group.create_task(_read_run(storage, where, run, limit))
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
     return tensors

@@ -34,6 +34,7 @@ import os
 import re
 import stat as stat_module
 import threading
+from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, dat
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
 from ..names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
-from .base import BytesLike, ObjectInfo, Storage
+from .base import BytesLike, ObjectInfo, Storage, preadv_all
 
 __all__ = ["ArchiveStorage", "is_archive"]
 
@@ -302,18 +303,20 @@ class ArchiveStorage(Storage):
             raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)") from None
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        return await self.read_scatter(name, offset, [dest])
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
         def read_sync() -> int:
             fd = self._open_committed()
             try:
                 start, nbytes = self._object(self._version(fd, with_objects=True), name)
-                want = max(0, min(len(dest), nbytes - offset))
-                done = 0
-                while done < want:
-                    got = os.preadv(fd, [dest[done:want]], start + offset + done)
-                    if not got:
-                        break
-                    done += got
-                return done
+                room = max(0, nbytes - offset)
+                fitting: list[memoryview] = []
+                for buffer in buffers:  # never past the object's end into the next one
+                    view = memoryview(buffer).cast("B")[:room]
+                    fitting.append(view)
+                    room -= len(view)
+                return preadv_all(fd, fitting, start + offset)
             finally:
                 os.close(fd)
 

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import bisect
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
 from ..format.spec import SaveSpec
 
-__all__ = ["BytesLike", "ObjectInfo", "Storage", "check_spool_file"]
+__all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -38,6 +41,46 @@ def check_spool_file(path: str, found: int, written: int, name: str) -> None:
         raise ChecksumMismatchError(
             f"spool file {path} is corrupt (crc32c {found:#010x}, written {written:#010x}); not committing {name}"
         )
+
+
+class ScatterTarget:
+    """Consecutive buffers seen as one destination of ``size`` bytes: :meth:`window` is the
+    rest of the buffer holding byte ``position`` (what a stream reads into next)."""
+
+    def __init__(self, buffers: Sequence[memoryview]) -> None:
+        self.buffers = [memoryview(b).cast("B") for b in buffers]
+        self.starts: list[int] = []
+        position = 0
+        for buffer in self.buffers:
+            self.starts.append(position)
+            position += len(buffer)
+        self.size = position
+
+    def window(self, position: int) -> memoryview:
+        index = bisect.bisect_right(self.starts, position) - 1
+        while len(self.buffers[index]) == 0 or position - self.starts[index] >= len(self.buffers[index]):
+            index += 1  # past empty buffers
+        return self.buffers[index][position - self.starts[index] :]
+
+
+_IOV_MAX = 1024
+
+
+def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Blocking: fill ``buffers`` in order from ``fd`` at ``offset`` with as few ``preadv``
+    calls as the system allows; returns the bytes read (fewer at end of file)."""
+    target = ScatterTarget(buffers)
+    done = 0
+    while done < target.size:
+        first = target.window(done)
+        batch = [first]
+        index = bisect.bisect_right(target.starts, done)
+        batch += [b for b in target.buffers[index : index + _IOV_MAX - 1] if len(b)]
+        got = os.preadv(fd, batch, offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 @dataclass(frozen=True)
@@ -106,6 +149,19 @@ class Storage(abc.ABC):
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         """Read up to ``len(dest)`` bytes from ``offset`` into ``dest``; returns bytes read
         (fewer only when the object ends early)."""
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Read the consecutive bytes from ``offset`` into ``buffers``, filled in order (one
+        request where the backend can: a coalesced read of many small ranges); returns the
+        bytes read (fewer only when the object ends early). This default reads each buffer
+        with :meth:`read_into`."""
+        total = 0
+        for buffer in buffers:
+            got = await self.read_into(name, offset + total, buffer)
+            total += got
+            if got < len(buffer):
+                break
+        return total
 
     @abc.abstractmethod
     async def exists(self, name: str) -> bool:

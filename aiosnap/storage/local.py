@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from ..durable import (
     temp_name,
 )
 from ..names import check_object_name
-from .base import BytesLike, ObjectInfo, Storage
+from .base import BytesLike, ObjectInfo, Storage, preadv_all
 
 __all__ = ["LocalStorage"]
 
@@ -103,6 +104,17 @@ class LocalStorage(Storage):
                     break
                 total += n
             return total
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        return await complete_before_cancel(asyncio.to_thread(self._read_scatter, self._path(name), offset, buffers))
+
+    @staticmethod
+    def _read_scatter(path: Path, offset: int, buffers: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return preadv_all(fd, buffers, offset)
+        finally:
+            os.close(fd)
 
     async def exists(self, name: str) -> bool:
         return bool(await aiofiles.os.path.isfile(self._path(name)))

@@ -26,7 +26,7 @@ import mmap
 import os
 import random
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -43,7 +43,7 @@ from ..checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32
 from ..config import S3Config
 from ..errors import StorageError, StorageUnavailableError, first_error
 from ..names import check_object_name
-from .base import BytesLike, ObjectInfo, Storage, check_spool_file
+from .base import BytesLike, ObjectInfo, ScatterTarget, Storage, check_spool_file
 
 __all__ = ["S3Storage"]
 
@@ -443,14 +443,19 @@ class S3Storage(Storage):
         return int(response["ContentLength"])
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        return await self.read_scatter(name, offset, [dest])
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """One ranged GET for all of ``buffers`` (a retry resumes after the bytes received)."""
         key = self._key(name)
-        wanted = len(dest)
+        target = ScatterTarget(buffers)
+        wanted = target.size
         got = 0
         if wanted == 0:
             return 0
 
         async def get(c: Any) -> None:
-            nonlocal got  # a retry resumes after the bytes already received
+            nonlocal got
             try:
                 response = await c.get_object(
                     Bucket=self.bucket, Key=key, Range=f"bytes={offset + got}-{offset + wanted - 1}"
@@ -461,7 +466,7 @@ class S3Storage(Storage):
                 raise
             async with response["Body"] as body:
                 while got < wanted:
-                    n = await body.readinto(dest[got:])
+                    n = await body.readinto(target.window(got))
                     if n == 0:
                         return
                     got += n
