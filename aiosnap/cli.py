@@ -173,15 +173,16 @@ def verify_command(
     settings = _config(config)
 
     async def run(storage: Storage) -> tuple[Manifest, list[str]]:
-        manifest = await manifest_of(storage, step)
-        bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
-        if bar is None:
-            return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)
-        with bar:
-            problems = await verify_step(
-                storage, manifest, concurrency=settings.upload.concurrency, progress=advance
-            )  # fmt: skip
-        return manifest, problems
+        async with storage.reading():  # one version of a single-file checkpoint a writer may replace
+            manifest = await manifest_of(storage, step)
+            bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
+            if bar is None:
+                return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)
+            with bar:
+                problems = await verify_step(
+                    storage, manifest, concurrency=settings.upload.concurrency, progress=advance
+                )  # fmt: skip
+            return manifest, problems
 
     manifest, problems = _on_storage(url, settings, run)
     if as_json:

@@ -529,10 +529,12 @@ class Engine:
     async def read(
         self, step: int | None, allow_pickle: bool, storage: Storage
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        """The manifest of ``step`` (latest committed when None) and its verified tensors."""
-        manifest = await self.manifest(step, storage)
-        check_pickles(manifest, allow_pickle)
-        return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency)
+        """The manifest of ``step`` (latest committed when None) and its verified tensors,
+        all from one version of the checkpoint."""
+        async with storage.reading():
+            manifest = await self.manifest(step, storage)
+            check_pickles(manifest, allow_pickle)
+            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency)
 
     async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -100,6 +101,9 @@ class FaultyStorage(Storage):
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         self.read_requests += 1
         return await self.inner.read_into(name, offset, dest)
+
+    def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.inner.reading()
 
     async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
         self.read_requests += 1

@@ -4,6 +4,7 @@ layout other tools read, the commit by rename, and hostile files at the path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import time
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Checkpointer, Config, SyncCheckpointer
-from aiosnap.errors import CheckpointNotFoundError, CorruptCheckpointError
+from aiosnap.catalog.steps import committed_steps, read_manifest
+from aiosnap.errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError, UnsupportedStateError
 from aiosnap.format.archive import (
     ALIGN,
     MANIFEST_RECORD,
@@ -24,7 +26,9 @@ from aiosnap.format.archive import (
     local_header,
     parse_trailer,
 )
+from aiosnap.load.fetch import fetch_entries
 from aiosnap.storage.archive import ArchiveStorage, is_archive
+from aiosnap.trainer.plan import make_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.conftest import FaultyStorage
@@ -61,6 +65,17 @@ def _no_partial_files(folder: Path, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def _deleted_files_open(name: str) -> list[str]:
+    """Files named ``name`` this process still holds open although they were deleted."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if name in target and target.endswith("(deleted)"):
+                found.append(target)
+    return found
 
 
 def _file(root: SyncCheckpointer, path: Path, storage: Any = None) -> SyncCheckpointer:
@@ -291,3 +306,49 @@ def test_the_cli_reads_a_single_file_and_gc_removes_only_old_partial_files(
     assert main(["gc", str(path), "--keep-last", "1"]) == 0
     assert not crashed.exists() and running.exists()
     assert _file(checkpointer, path).steps() == [7] and torch.equal(torch.load(path)["model"]["w"], torch.ones(1000))
+
+
+def test_an_older_step_never_replaces_a_newer_file(tmp_path: Path, checkpointer: SyncCheckpointer) -> None:
+    path = tmp_path / "m.ckpt"
+    slow = FaultyStorage(ArchiveStorage(path))
+    slow.hold_when = lambda name: name.endswith("manifest.json")
+    older = _file(checkpointer, path, slow).save({"w": torch.full((10,), 5.0)}, step=5)  # waits at its commit
+    with SyncCheckpointer(Config(storage={"url": str(tmp_path / "other")})) as other:
+        _file(other, path).save({"w": torch.full((10,), 6.0)}, step=6).wait()
+    slow.release(checkpointer._loop.loop)  # type: ignore[attr-defined]
+    with pytest.raises(StepOrderError, match="holds step 6"):
+        older.wait()
+    assert torch.equal(torch.load(path)["w"], torch.full((10,), 6.0))
+
+
+async def test_a_load_reads_one_version_while_a_writer_replaces_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.ckpt"
+    config = Config(storage={"url": str(tmp_path / "root")}, upload={"chunk_size": "64KiB"})
+    async with Checkpointer(config) as writer:
+        single = writer.at(str(path), keep_last=1, storage=ArchiveStorage(path))
+        await (await single.save({"w": torch.zeros(100_000)}, step=1))
+        reader = ArchiveStorage(path)
+        async with reader.reading():
+            manifest = await read_manifest(reader, 1)
+            await (await single.save({"w": torch.ones(100_000)}, step=2))  # renamed over the file
+            tensors = await fetch_entries(reader, manifest, 4)
+            assert await committed_steps(reader) == [1]  # the snapshot, to the end of the context
+        assert torch.equal(tensors[0], torch.zeros(100_000))
+        assert await committed_steps(reader) == [2]
+        await reader.close()
+    assert not await asyncio.to_thread(_deleted_files_open, "m.ckpt")  # old versions closed
+
+
+def test_a_single_file_is_written_by_one_rank(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedStateError, match="one process"):
+        make_plan({"w": torch.ones(3)}, step=1, chunk_bytes=2**20, rank=1, world_size=2, single_file=True)
+
+
+def test_a_link_at_the_path_keeps_pointing_at_the_checkpoint(tmp_path: Path, checkpointer: SyncCheckpointer) -> None:
+    target = tmp_path / "real.ckpt"
+    link = tmp_path / "last.ckpt"
+    os.symlink(target.name, link)
+    single = _file(checkpointer, link)
+    for step in (1, 2):
+        single.save({"w": torch.full((4,), float(step))}, step=step).wait()
+    assert link.is_symlink() and torch.equal(torch.load(link)["w"], torch.full((4,), 2.0))

@@ -69,6 +69,7 @@ def test_weights_only_torch_load_reads_a_state_dict_checkpoint(tmp_path: Path, c
         "strided": torch.randn(6, 5).t(),
         "epoch": 3,
         "lr": [0.1, 0.01],
+        "params": [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.empty(0))],  # an empty bias
     }
     state["tied"] = state["state_dict"]["w"]
     path = tmp_path / "weights.ckpt"
@@ -83,6 +84,8 @@ def test_weights_only_torch_load_reads_a_state_dict_checkpoint(tmp_path: Path, c
     assert loaded["empty"].shape == (0, 4) and torch.equal(loaded["strided"], state["strided"])
     assert loaded["tied"].data_ptr() == loaded["state_dict"]["w"].data_ptr()  # shared, as with torch.save
     assert loaded["epoch"] == 3 and loaded["lr"] == [0.1, 0.01]
+    assert all(type(p) is torch.nn.Parameter for p in loaded["params"]) and loaded["params"][1].shape == (0,)
+    assert torch.equal(loaded["params"][0], state["params"][0])
     mapped = torch.load(path, mmap=True)  # records are aligned the way mmap loading needs
     assert torch.equal(mapped["state_dict"]["w"], state["state_dict"]["w"])
 
@@ -149,6 +152,17 @@ def test_a_damaged_tensor_is_caught_by_the_plugin(tmp_path: Path, config: Config
     assert not torch.equal(torch.load(path)["state_dict"]["w"], weights)
     with pytest.raises(ChecksumMismatchError):
         plugin.load_checkpoint(path)
+    plugin.teardown()
+
+
+def test_an_empty_file_left_by_a_first_save_that_never_finished(tmp_path: Path, config: Config) -> None:
+    path = tmp_path / "last.ckpt"
+    path.touch()  # what a process killed during its first save to the path leaves
+    plugin = AiosnapCheckpointIO(config)
+    with pytest.raises(FileNotFoundError, match="never completed"):
+        plugin.load_checkpoint(path)
+    plugin.save_checkpoint({"w": torch.ones(3)}, path)  # the path works on
+    assert torch.equal(plugin.load_checkpoint(path)["w"], torch.ones(3))
     plugin.teardown()
 
 

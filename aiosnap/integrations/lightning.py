@@ -301,6 +301,11 @@ class AiosnapCheckpointIO(CheckpointIO):
             handles = self._handles(key)
         concurrent.futures.wait([h.future for h in [*handles, *_saves_in_flight(key)]])
         if _is_local(key) and os.path.isfile(key) and not is_archive(key):
+            if os.path.getsize(key) == 0:  # the placeholder of a first save that never finished
+                raise FileNotFoundError(
+                    f"Checkpoint file not found: {path} is empty: a save to it never completed (the process "
+                    "that made it stopped before its first version was committed)"
+                )
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         with self._lock:
             location = self._location(key)

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import contextvars
+import fcntl
 import os
 import re
 import stat as stat_module
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +45,7 @@ from typing import Any
 
 from ..aio import complete_before_cancel
 from ..durable import fsync_dir, publish_if_absent
-from ..errors import CorruptCheckpointError, ManifestError
+from ..errors import CorruptCheckpointError, ManifestError, StepOrderError
 from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
@@ -66,12 +69,20 @@ class _Attempt:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(frozen=True)
-class _Committed:
-    """The archive at ``P`` as one version of the file saw it."""
+class _Version:
+    """One version of the file at ``P``, open (its fields guarded by the storage's lock)."""
 
-    trailer: Trailer
-    objects: dict[str, tuple[int, int]]  # from its manifest; empty until it was read
+    def __init__(self, fd: int, trailer: Trailer) -> None:
+        self.fd = fd  # -1 once closed
+        self.trailer = trailer
+        self.objects: dict[str, tuple[int, int]] | None = None  # from its manifest, when read
+        self.users = 0
+        self.retired = False  # a newer version was seen: close when unused
+
+
+_PINNED: contextvars.ContextVar[list[_Version] | None] = contextvars.ContextVar("aiosnap_archive_pins", default=None)
+"""The versions a :meth:`ArchiveStorage.reading` context keeps open (worker threads started
+inside the context see the same list)."""
 
 
 class ArchiveStorage(Storage):
@@ -81,16 +92,18 @@ class ArchiveStorage(Storage):
     single_file = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path).expanduser().absolute()
-        self.url = str(self.path)
+        given = Path(path).expanduser().absolute()
+        self.url = str(given)
+        self.path = Path(os.path.realpath(given))  # a link at the path: its target is the checkpoint
         self._fresh()
 
     def _fresh(self) -> None:
         self._attempts: dict[str, _Attempt] = {}
-        self._versions: dict[tuple[int, int, int, int], _Committed] = {}
+        self._lock = threading.Lock()
+        self._versions: dict[str, _Version] = {}  # save id -> open version (the current one, and pinned ones)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Its path only (the upload process makes its own attempts)."""
+        """Its path only (the upload process makes its own attempts and opens its own files)."""
         return {"path": self.path, "url": self.url}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -188,100 +201,195 @@ class ArchiveStorage(Storage):
         with attempt.lock:
             os.close(fd)
             attempt.fd = None
-        if not self.path.exists():
-            publish_if_absent(attempt.path, self.path)
-        else:
-            held = self._trailer()
+        with self._folder_lock():  # another process's commit or removal waits
+            held = self._held_trailer()
+            if held is not None and held.step > step:
+                raise StepOrderError(
+                    f"{self.url}: holds step {held.step}, newer than step {step}, committed while this save "
+                    "ran: not replacing it"
+                )
             if if_absent and held is not None and held.step == step:
                 raise FileExistsError(f"{self.url}: step {step} is there already")
-            os.replace(attempt.path, self.path)
-        fsync_dir(self.path.parent)
+            if self.path.exists():
+                os.replace(attempt.path, self.path)
+            else:
+                publish_if_absent(attempt.path, self.path)
+            fsync_dir(self.path.parent)
         self._attempts.pop(spec.save_id, None)
+        self._retire_all()
+
+    @contextlib.contextmanager
+    def _folder_lock(self) -> Iterator[None]:
+        """Blocking: an exclusive ``flock`` on ``P``'s folder, so that the check of what ``P``
+        holds and the rename or unlink that depends on it are one step for every process."""
+        fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # -- reading --------------------------------------------------------------------
 
-    def _trailer(self) -> Trailer | None:
-        """Worker thread: the trailer of the file at ``P`` now (None: not an archive)."""
+    def _use_current(self) -> _Version | None:
+        """Worker thread: the version of the file at ``P`` now, open and in use by the caller
+        (who releases it), or None when ``P`` is not an aiosnap archive. Older versions are
+        closed once nobody reads them. Inside :meth:`reading`, the first version seen is the
+        one every later call gets (a snapshot), kept open until the context ends."""
+        pins = _PINNED.get()
+        if pins:
+            with self._lock:
+                self._use(pins[0])
+            return pins[0]
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
         try:
-            return self._version(fd).trailer
-        except (FileNotFoundError, _NotAnArchive):
-            return None
-        finally:
+            stat = os.fstat(fd)
+            trailer = None
+            if stat_module.S_ISREG(stat.st_mode):
+                size = stat.st_size
+                tail = os.pread(fd, min(size, MAX_TRAILER_BYTES), max(0, size - MAX_TRAILER_BYTES))
+                trailer = parse_trailer(tail, size)
+        except BaseException:
             os.close(fd)
+            raise
+        if trailer is None:
+            os.close(fd)
+            return None
+        with self._lock:
+            version = self._versions.get(trailer.save_id)
+            if version is None or version.retired:
+                version = self._versions[trailer.save_id] = _Version(fd, trailer)
+            else:
+                os.close(fd)  # the same save: the same bytes
+            for other in list(self._versions.values()):
+                if other is not version:
+                    self._retire(other)
+            self._use(version)
+        return version
 
-    def _version(self, fd: int, *, with_objects: bool = False) -> _Committed:
-        """The archive open as ``fd`` (cached per version of the file); with
-        ``with_objects``, its manifest read and checked too."""
-        stat = os.fstat(fd)
-        key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-        found = self._versions.get(key)
-        if found is None:
-            if not stat_module.S_ISREG(stat.st_mode):
-                raise _NotAnArchive()
-            size = stat.st_size
-            tail = os.pread(fd, min(size, MAX_TRAILER_BYTES), max(0, size - MAX_TRAILER_BYTES))
-            trailer = parse_trailer(tail, size)
-            if trailer is None:
-                raise _NotAnArchive()
-            found = _Committed(trailer, {})
-        if with_objects and not found.objects:
-            found = _Committed(found.trailer, self._objects_of(fd, found.trailer))
-        if len(self._versions) > 8:
-            self._versions.clear()
-        self._versions[key] = found
-        return found
+    def _use_saved(self, name: str) -> _Version:
+        """Worker thread: the version that holds object ``name`` (its save id is in the name),
+        in use by the caller: one read earlier in a :meth:`reading` context, or the file at
+        ``P`` now. FileNotFoundError when neither holds it."""
+        parts = check_object_name(name).split("/")
+        save_id = parts[1] if len(parts) > 2 else ""
+        with self._lock:
+            version = self._versions.get(save_id)
+            if version is not None and version.fd >= 0:
+                self._use(version)
+                return version
+        version = self._use_current()
+        if version is None:
+            raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)")
+        if version.trailer.save_id != save_id:
+            self._release(version)
+            raise FileNotFoundError(f"{self.url}: no object {name!r} in the checkpoint there now")
+        return version
 
-    def _manifest_bytes(self, fd: int, trailer: Trailer) -> bytes:
+    def _use(self, version: _Version) -> None:
+        """With the lock held: one more user (two inside a reading context: it keeps one)."""
+        version.users += 1
+        pins = _PINNED.get()
+        if pins is not None and version not in pins:
+            version.users += 1
+            pins.append(version)
+
+    def _release(self, version: _Version) -> None:
+        with self._lock:
+            version.users -= 1
+            if version.retired and version.users == 0:
+                self._close_version(version)
+
+    def _retire(self, version: _Version) -> None:
+        """With the lock held: close ``version`` once nobody reads it."""
+        version.retired = True
+        if version.users == 0:
+            self._close_version(version)
+
+    def _close_version(self, version: _Version) -> None:
+        if version.fd >= 0:
+            os.close(version.fd)
+            version.fd = -1
+        if self._versions.get(version.trailer.save_id) is version:
+            del self._versions[version.trailer.save_id]
+
+    def _retire_all(self) -> None:
+        with self._lock:
+            for version in list(self._versions.values()):
+                self._retire(version)
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[None]:
+        """Everything read inside comes from the version of the file first seen inside (a
+        snapshot), even when a writer replaces the file meanwhile: a load finds its step,
+        reads its manifest and its data from one version."""
+        pins: list[_Version] = []
+        token = _PINNED.set(pins)
+        try:
+            yield
+        finally:
+            _PINNED.reset(token)
+            for version in pins:
+                self._release(version)
+
+    def _held_trailer(self) -> Trailer | None:
+        """Worker thread: the trailer of the archive at ``P`` now (None: not an archive)."""
+        version = self._use_current()
+        if version is None:
+            return None
+        self._release(version)
+        return version.trailer
+
+    def _manifest_bytes(self, version: _Version) -> bytes:
+        trailer = version.trailer
         if trailer.manifest_nbytes > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{self.url}: {trailer.manifest_nbytes} bytes is too large for a manifest")
-        return os.pread(fd, trailer.manifest_nbytes, trailer.manifest_offset)
+        return os.pread(version.fd, trailer.manifest_nbytes, trailer.manifest_offset)
 
-    def _objects_of(self, fd: int, trailer: Trailer) -> dict[str, tuple[int, int]]:
-        manifest = Manifest.from_json(self._manifest_bytes(fd, trailer), self.url)
-        objects: dict[str, tuple[int, int]] = {}
-        position = 0
-        for obj in manifest.objects:
-            objects[obj.name] = (position, obj.nbytes)
-            position += obj.nbytes
-        return objects
+    def _objects(self, version: _Version) -> dict[str, tuple[int, int]]:
+        """The version's objects (offset in the file, size), from its manifest."""
+        if version.objects is None:
+            manifest = Manifest.from_json(self._manifest_bytes(version), self.url)
+            objects: dict[str, tuple[int, int]] = {}
+            position = 0
+            for obj in manifest.objects:
+                objects[obj.name] = (position, obj.nbytes)
+                position += obj.nbytes
+            version.objects = objects
+        return version.objects
 
-    def _read_sync(self, step: int | None, name: str, limit: int | None) -> bytes:
-        fd = self._open_committed()
+    def _object(self, version: _Version, name: str) -> tuple[int, int]:
+        found = self._objects(version).get(name)
+        if found is None:
+            raise FileNotFoundError(f"{self.url}: no object {name!r} in the checkpoint")
+        return found
+
+    def _read_sync(self, name: str, limit: int | None) -> bytes:
+        step = _manifest_step(name)
+        if step is None:
+            version = self._use_saved(name)
+        else:
+            found = self._use_current()
+            if found is None:
+                raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)")
+            version = found
         try:
-            version = self._version(fd, with_objects=step is None)
             if step is not None:
                 if version.trailer.step != step:
                     raise FileNotFoundError(f"{self.url}: holds step {version.trailer.step}, not {step}")
-                data = self._manifest_bytes(fd, version.trailer)
+                data = self._manifest_bytes(version)
             else:
                 offset, nbytes = self._object(version, name)
-                data = os.pread(fd, nbytes, offset)
+                data = os.pread(version.fd, nbytes, offset)
             return data if limit is None else data[: limit + 1]
         finally:
-            os.close(fd)
-
-    def _open_committed(self) -> int:
-        try:
-            return os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (IsADirectoryError, NotADirectoryError) as exc:
-            raise FileNotFoundError(f"{self.url}: not a file") from exc
-
-    def _object(self, version: _Committed, name: str) -> tuple[int, int]:
-        parts = check_object_name(name).split("/")
-        found = version.objects.get(name)
-        if found is None or len(parts) < 2 or parts[1] != version.trailer.save_id:
-            raise FileNotFoundError(f"{self.url}: no object {name!r} in the checkpoint there now")
-        return found
+            self._release(version)
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
-        try:
-            return await asyncio.to_thread(self._read_sync, _manifest_step(name), name, limit)
-        except _NotAnArchive:
-            raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)") from None
+        return await asyncio.to_thread(self._read_sync, name, limit)
 
     async def size(self, name: str) -> int:
         def size_sync() -> int:
@@ -291,44 +399,38 @@ class ArchiveStorage(Storage):
                 if nbytes < 0 or not attempt.path.exists() or attempt.path.stat().st_size < offset + nbytes:
                     raise FileNotFoundError(f"{self.url}: {name!r} has not landed")
                 return nbytes
-            fd = self._open_committed()
+            version = self._use_saved(name)
             try:
-                return self._object(self._version(fd, with_objects=True), name)[1]
+                return self._object(version, name)[1]
             finally:
-                os.close(fd)
+                self._release(version)
 
-        try:
-            return await asyncio.to_thread(size_sync)
-        except _NotAnArchive:
-            raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)") from None
+        return await asyncio.to_thread(size_sync)
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         return await self.read_scatter(name, offset, [dest])
 
     async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
         def read_sync() -> int:
-            fd = self._open_committed()
+            version = self._use_saved(name)
             try:
-                start, nbytes = self._object(self._version(fd, with_objects=True), name)
+                start, nbytes = self._object(version, name)
                 room = max(0, nbytes - offset)
                 fitting: list[memoryview] = []
                 for buffer in buffers:  # never past the object's end into the next one
                     view = memoryview(buffer).cast("B")[:room]
                     fitting.append(view)
                     room -= len(view)
-                return preadv_all(fd, fitting, start + offset)
+                return preadv_all(version.fd, fitting, start + offset)
             finally:
-                os.close(fd)
+                self._release(version)
 
-        try:
-            return await complete_before_cancel(asyncio.to_thread(read_sync))
-        except _NotAnArchive:
-            raise FileNotFoundError(f"{self.url}: not an aiosnap checkpoint (yet)") from None
+        return await complete_before_cancel(asyncio.to_thread(read_sync))
 
     async def exists(self, name: str) -> bool:
         step = _manifest_step(name)
         if step is not None:
-            held = await asyncio.to_thread(self._trailer)
+            held = await asyncio.to_thread(self._held_trailer)
             return held is not None and held.step == step
         try:
             await self.size(name)
@@ -350,7 +452,7 @@ class ArchiveStorage(Storage):
 
     async def list_children(self, prefix: str = "") -> list[str]:
         def list_sync() -> list[str]:
-            held = self._trailer()
+            held = self._held_trailer()
             wanted = prefix.strip("/")
             if wanted == "":
                 steps = {step for step, _, _ in self._partials()}
@@ -377,17 +479,16 @@ class ArchiveStorage(Storage):
                 with suppress(FileNotFoundError):
                     stat = path.stat()
                     found.append(ObjectInfo(f"{step_dir(step)}/{save_id}/partial", stat.st_size, stat.st_mtime))
-            with suppress(FileNotFoundError, _NotAnArchive, CorruptCheckpointError):
-                fd = self._open_committed()
+            version = self._use_current()
+            if version is not None:
                 try:
-                    mtime = os.fstat(fd).st_mtime
-                    version = self._version(fd)
-                    step = version.trailer.step
-                    found.append(ObjectInfo(manifest_name(step), version.trailer.manifest_nbytes, mtime))
-                    version = self._version(fd, with_objects=True)
-                    found += [ObjectInfo(name, size, mtime) for name, (_, size) in version.objects.items()]
+                    mtime = os.fstat(version.fd).st_mtime
+                    trailer = version.trailer
+                    found.append(ObjectInfo(manifest_name(trailer.step), trailer.manifest_nbytes, mtime))
+                    with suppress(CorruptCheckpointError):
+                        found += [ObjectInfo(name, size, mtime) for name, (_, size) in self._objects(version).items()]
                 finally:
-                    os.close(fd)
+                    self._release(version)
             return sorted((o for o in found if o.name.startswith(prefix)), key=lambda o: o.name)
 
         return await asyncio.to_thread(walk_sync)
@@ -413,10 +514,12 @@ class ArchiveStorage(Storage):
     def _remove(self, step: int, save_id: str | None, *, partials: bool) -> None:
         """Worker thread: unlink ``P`` if it holds ``step`` (of ``save_id``, when given), and
         with ``partials`` the partial files of that step (or attempt)."""
-        held = self._trailer()
-        if held is not None and held.step == step and save_id in (None, held.save_id):
-            with suppress(FileNotFoundError):
-                self.path.unlink()
+        with self._folder_lock():
+            held = self._held_trailer()
+            if held is not None and held.step == step and save_id in (None, held.save_id):
+                with suppress(FileNotFoundError):
+                    self.path.unlink()
+        self._retire_all()
         if partials:
             for found_step, found_save, path in self._partials():
                 if found_step == step and save_id in (None, found_save):
@@ -438,6 +541,7 @@ class ArchiveStorage(Storage):
             raise IsADirectoryError(f"{self.url}: is a folder, not a single-file checkpoint")
 
     async def close(self) -> None:
+        self._retire_all()
         for attempt in list(self._attempts.values()):
             with attempt.lock:
                 if attempt.fd is not None:
@@ -456,10 +560,6 @@ def is_archive(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return parse_trailer(tail, size) is not None
-
-
-class _NotAnArchive(Exception):
-    """The file at ``P`` is not an aiosnap archive."""
 
 
 def _manifest_step(name: str) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import bisect
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,6 +163,12 @@ class Storage(abc.ABC):
             if got < len(buffer):
                 break
         return total
+
+    def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """A context in which what is read comes from one version of the checkpoint, for
+        backends where a writer can replace a whole checkpoint under a reader (one file:
+        :class:`~aiosnap.storage.archive.ArchiveStorage`). This default does nothing."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     async def exists(self, name: str) -> bool:

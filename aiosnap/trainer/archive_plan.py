@@ -96,6 +96,16 @@ not in it (``uint16``, float8, ...) are pickled as ``torch.save`` does them: an 
 storage and ``_rebuild_tensor_v3``."""
 
 
+class _EntryTensor:
+    """A parameter's data, to be pickled as entry ``index`` (inside ``_rebuild_parameter``)."""
+
+    __slots__ = ("index", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, index: int) -> None:
+        self.tensor = tensor
+        self.index = index
+
+
 class _StorageRef:
     """A storage named in the pickle by key: the record ``archive/data/<key>``."""
 
@@ -132,26 +142,35 @@ class _Pickler(pickle.Pickler):
         self._refs: dict[int, _StorageRef] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _EntryTensor):
+            return self._rebuild(obj.tensor, obj.index, False)  # a parameter's data, as torch.save
         if type(obj) is torch.nn.Parameter:
-            return torch._utils._rebuild_parameter, (obj.detach(), obj.requires_grad, OrderedDict())
+            index = self._entry_of(obj)
+            if index is None:
+                return NotImplemented
+            return torch._utils._rebuild_parameter, (_EntryTensor(obj, index), obj.requires_grad, OrderedDict())
         if type(obj) is torch.Tensor:
             index = self._entry_of(obj)
             if index is None:  # not one of the save's entries (inside a pickled object)
                 return NotImplemented
-            ref = self._refs.get(index)
-            if ref is None:
-                ref = self._refs[index] = _StorageRef(index, obj)
-            shape = torch.Size(obj.shape)
-            args: tuple[Any, ...] = (ref, 0, shape, _contiguous_stride(tuple(shape)), obj.requires_grad, OrderedDict())
-            if ref.storage_type is torch.UntypedStorage:
-                return torch._utils._rebuild_tensor_v3, (*args, obj.dtype)
-            return torch._utils._rebuild_tensor_v2, args
+            return self._rebuild(obj, index, obj.requires_grad)
         if is_stateful(obj) and not isinstance(obj, (dict, list, tuple)):
             state = self._stateful_dicts.get(id(obj))
             if state is None:
                 state = obj.state_dict()
             return OrderedDict, (), None, None, iter(state.items())
         return NotImplemented
+
+    def _rebuild(self, obj: torch.Tensor, index: int, requires_grad: bool) -> Any:
+        """The reduction of entry ``index`` (the tensor ``obj``): contiguous, at offset 0."""
+        ref = self._refs.get(index)
+        if ref is None:
+            ref = self._refs[index] = _StorageRef(index, obj)
+        shape = torch.Size(obj.shape)
+        args: tuple[Any, ...] = (ref, 0, shape, _contiguous_stride(tuple(shape)), requires_grad, OrderedDict())
+        if ref.storage_type is torch.UntypedStorage:
+            return torch._utils._rebuild_tensor_v3, (*args, obj.dtype)
+        return torch._utils._rebuild_tensor_v2, args
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):

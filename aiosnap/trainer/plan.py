@@ -269,6 +269,12 @@ def make_plan(
     if single_file:
         from .archive_plan import layout_archive, torch_pickle
 
+        if world_size != 1:
+            raise UnsupportedStateError(
+                f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
+                "into one (save to a folder root, or from one rank)"
+            )
+
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
         archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))
