@@ -29,9 +29,9 @@ from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
+from .singlefile import storage_for
 from .spooldir import Spool
 from .storage.base import Storage
-from .storage.registry import storage_from_url
 from .trainer.capture import CudaOrder
 from .trainer.plan import SavePlan, make_plan
 
@@ -176,7 +176,7 @@ class _Core:
         self.config = Config.coerce(config)
         ram_budget = self.config.ram_budget_bytes()
         if storage is None:
-            storage = storage_from_url(self.config.storage.url, self.config)
+            storage = storage_for(self.config.storage.url, self.config)
         self.rank = group.rank
         self.world_size = group.world_size
         self._storage = storage
@@ -219,7 +219,7 @@ class _Core:
             return self._owner._view(url, keep_last, storage)
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
-        view._storage = storage if storage is not None else storage_from_url(url, self.config)
+        view._storage = storage if storage is not None else storage_for(url, self.config)
         view._keep_last = keep_last
         view._views = []
         view._owner = self

@@ -35,6 +35,7 @@ from .catalog.steps import committed_steps, manifest_of, remove_steps_after
 from .config import Config, load_config
 from .errors import AiosnapError, CheckpointNotFoundError
 from .format.manifest import Manifest
+from .singlefile import storage_for
 from .storage.base import Storage
 from .storage.registry import storage_from_url
 from .transfer.copy import copy_step
@@ -67,7 +68,7 @@ def _config(path: Path | None) -> Config:
 
 def _on_storage(url: str, config: Config, work: Callable[[Storage], Awaitable[T]]) -> T:
     async def run() -> T:
-        storage = storage_from_url(url, config)
+        storage = storage_for(url, config)
         try:
             return await work(storage)
         finally:

@@ -1,4 +1,4 @@
-"""Single-file checkpoints (:class:`~aiosnap.storage.archive.ArchiveStorage`): the zip
+"""Single-file checkpoints (:class:`~aiosnap.singlefile.ArchiveStorage`): the zip
 layout other tools read, the commit by rename, and hostile files at the path."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from aiosnap.format.archive import (
     parse_trailer,
 )
 from aiosnap.load.fetch import fetch_entries
-from aiosnap.storage.archive import ArchiveStorage, is_archive
+from aiosnap.singlefile import ArchiveStorage, is_archive
 from aiosnap.trainer.plan import make_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing"},
     {"service"},
     {"trainer", "transfer"},
-    {"catalog", "load", "staging"},
+    {"catalog", "load", "staging", "singlefile"},
     {"format"},
     {"storage"},
     {"errors", "names", "config", "aio", "durable", "checksums", "budget", "failures", "loop", "events", "rng",

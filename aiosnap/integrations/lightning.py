@@ -1,7 +1,7 @@
 """Lightning ``CheckpointIO`` plugin: ``Trainer(plugins=[AiosnapCheckpointIO(config)])``.
 
 Each local checkpoint path Lightning names (``.../epoch=1-step=20.ckpt``, ``last.ckpt``) is
-one file in the zip format of ``torch.save`` (:class:`~aiosnap.storage.archive.ArchiveStorage`):
+one file in the zip format of ``torch.save`` (:class:`~aiosnap.singlefile.ArchiveStorage`):
 ``torch.load``, ``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)`` without
 the plugin, the loggers' ``log_model`` and ``os.path.isfile`` checks all work on it, and it
 carries aiosnap's manifest (a crc32c per tensor) for the plugin's verified loads. Writing a
@@ -58,7 +58,7 @@ from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..errors import CheckpointNotFoundError
 from ..events import EventHandler
-from ..storage.archive import ArchiveStorage, is_archive
+from ..singlefile import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 

@@ -21,10 +21,10 @@ import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
-from ..format.spec import SaveSpec
 
 __all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
 
@@ -103,11 +103,12 @@ class Storage(abc.ABC):
     a request abandoned mid-way may still land."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
-    (:class:`~aiosnap.storage.archive.ArchiveStorage`): saves to it are planned as one file."""
+    (:class:`~aiosnap.singlefile.ArchiveStorage`): saves to it are planned as one file."""
 
-    def attempt_started(self, spec: SaveSpec) -> None:  # noqa: B027 - optional hook
-        """A save attempt of ``spec`` is about to write its objects here (loop thread; called
-        once per attempt by the transfer side, before any write)."""
+    def attempt_started(self, spec: Any) -> None:  # noqa: B027 - optional hook
+        """A save attempt, described by its :class:`~aiosnap.format.spec.SaveSpec` ``spec``,
+        is about to write its objects here (loop thread; called once per attempt by the
+        transfer side, before any write). (Typed ``Any``: storage sits below the format.)"""
 
     @abc.abstractmethod
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
@@ -167,7 +168,7 @@ class Storage(abc.ABC):
     def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
         """A context in which what is read comes from one version of the checkpoint, for
         backends where a writer can replace a whole checkpoint under a reader (one file:
-        :class:`~aiosnap.storage.archive.ArchiveStorage`). This default does nothing."""
+        :class:`~aiosnap.singlefile.ArchiveStorage`). This default does nothing."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod

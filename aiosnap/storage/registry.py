@@ -6,7 +6,6 @@ is used (S3 pulls in aiobotocore).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -43,12 +42,6 @@ def register_scheme(scheme: str, factory: Factory) -> None:
 
 
 def _local(url: str, path: str, config: Config) -> Storage:
-    """A folder root; a path that is a file is a single-file checkpoint (a Lightning
-    checkpoint saved through aiosnap, say)."""
-    if os.path.isfile(path):
-        from .archive import ArchiveStorage
-
-        return ArchiveStorage(path)
     from .local import LocalStorage
 
     return LocalStorage(path)
@@ -69,7 +62,7 @@ register_scheme("s3", _s3)
 
 def storage_from_url(url: str, config: Config | None = None) -> Storage:
     """A backend for ``url``: a plain path (taken literally) or ``file://`` (local; the path
-    percent-decoded; an existing file is a single-file checkpoint), ``s3://bucket/prefix``
+    percent-decoded), ``s3://bucket/prefix``
     (S3, configured by ``config.s3``; aiobotocore is imported only then), or a scheme
     registered with :func:`register_scheme`. A ``?`` or ``#`` in a URL is refused rather than
     silently cut off (two different URLs are never one root)."""

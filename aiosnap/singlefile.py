@@ -43,16 +43,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..aio import complete_before_cancel
-from ..durable import fsync_dir, publish_if_absent
-from ..errors import CorruptCheckpointError, ManifestError, StepOrderError
-from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
-from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
-from ..format.spec import SaveSpec
-from ..names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
-from .base import BytesLike, ObjectInfo, Storage, preadv_all
+from .aio import complete_before_cancel
+from .config import Config
+from .durable import fsync_dir, publish_if_absent
+from .errors import CorruptCheckpointError, ManifestError, StepOrderError
+from .format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
+from .format.manifest import MAX_MANIFEST_BYTES, Manifest
+from .format.spec import SaveSpec
+from .names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
+from .storage.base import BytesLike, ObjectInfo, Storage, preadv_all
+from .storage.registry import storage_from_url
 
-__all__ = ["ArchiveStorage", "is_archive"]
+__all__ = ["ArchiveStorage", "is_archive", "storage_for"]
 
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<step>[0-9]{12,20})\.(?P<save>[0-9a-f]{16})\.aiosnap-partial")
 _COPY_BLOCK = 8 * 1024**2
@@ -566,3 +568,12 @@ def _manifest_step(name: str) -> int | None:
     """The step whose manifest ``name`` is, or None for any other name."""
     folder, _, leaf = name.partition("/")
     return parse_step_dir(folder) if leaf == MANIFEST_FILE else None
+
+
+def storage_for(url: str, config: Config | None = None) -> Storage:
+    """The backend for a checkpoint location: a local path that is a file is a single-file
+    checkpoint (a Lightning checkpoint saved through aiosnap, say); anything else is the root
+    :func:`~aiosnap.storage.registry.storage_from_url` makes."""
+    if "://" not in url and os.path.isfile(os.path.expanduser(url)):
+        return ArchiveStorage(url)
+    return storage_from_url(url, config)
