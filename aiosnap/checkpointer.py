@@ -26,7 +26,7 @@ from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, Proces
 from .failures import FailureLedger
 from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
-from .load.apply import apply_state, decode_tree
+from .load.apply import apply_state, decode_tree, wanted_entries
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .singlefile import storage_for
@@ -132,9 +132,11 @@ class _LoadScope:
     def elapsed(self) -> float:
         return time.perf_counter() - self._started
 
-    def fetched(self, manifest: Manifest) -> None:
-        """Every byte of ``manifest`` is read and verified."""
-        self.step, self.nbytes = manifest.step, manifest.total_bytes
+    def fetched(self, manifest: Manifest, tensors: dict[int, Any]) -> None:
+        """The entries ``tensors`` of ``manifest`` (all of them, or a partial load's) are read
+        and verified."""
+        self.step = manifest.step
+        self.nbytes = sum(manifest.entries[index].nbytes for index in tensors)
         self.emit("end", "load", self.step, stage="fetch", url=self.url, nbytes=self.nbytes, seconds=self.elapsed())
 
 
@@ -285,12 +287,30 @@ class _Core:
         return plan, CudaOrder.record(plan)
 
     @staticmethod
+    def _wanted(
+        state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool
+    ) -> Callable[[Manifest], set[int] | None]:
+        """What a load reads (caller's thread checks the arguments; the loop thread selects)."""
+        if paths is not None:
+            if state is not None:
+                raise TypeError("load() takes a state to restore into or paths to select, not both")
+            if isinstance(paths, str):
+                raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
+        chosen = None if paths is None else list(paths)
+        return lambda manifest: wanted_entries(manifest, state, chosen, allow_pickle)
+
+    @staticmethod
     def _finish_load(
-        manifest: Manifest, tensors: dict[int, Any], state: dict[str, Any] | None, allow_pickle: bool
+        manifest: Manifest,
+        tensors: dict[int, Any],
+        state: dict[str, Any] | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None = None,
     ) -> Any:
         """Runs on the caller's thread (load_state_dict calls)."""
         if state is None:
-            return decode_tree(manifest, tensors, allow_pickle=allow_pickle)
+            chosen = None if paths is None else list(paths)
+            return decode_tree(manifest, tensors, allow_pickle=allow_pickle, paths=chosen)
         apply_state(manifest, tensors, state, allow_pickle=allow_pickle)
         return state
 
@@ -373,16 +393,25 @@ class Checkpointer(_Core):
         return SaveHandle(step, durable, self._engine.failures)
 
     async def load(
-        self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        step: int | None = None,
+        allow_pickle: bool = False,
+        paths: Sequence[str] | None = None,
     ) -> Any:
         """Restore the latest committed step (or ``step``): into ``state`` in place when
         given (and return it), else as a new nested state. Every checksum is verified before
-        anything in ``state`` is touched."""
+        anything in ``state`` is touched. Only the bytes needed are read: those of the keys
+        ``state`` has, or, without ``state``, those under the key paths ``paths`` selects
+        (glob patterns over dict keys joined by ``/``, such as ``"model/*"``; the result
+        keeps the dicts above them)."""
         self._check_open()
+        wanted = self._wanted(state, paths, allow_pickle)
         with self._load_events(step) as scope:
-            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage))
-            scope.fetched(manifest)
-            return self._finish_load(manifest, tensors, state, allow_pickle)
+            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted))
+            scope.fetched(manifest, tensors)
+            return self._finish_load(manifest, tensors, state, allow_pickle, paths)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -472,13 +501,21 @@ class SyncCheckpointer(_Core):
             raise
         return SyncSaveHandle(step, durable, self._engine.failures)
 
-    def load(self, state: dict[str, Any] | None = None, *, step: int | None = None, allow_pickle: bool = False) -> Any:
+    def load(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        step: int | None = None,
+        allow_pickle: bool = False,
+        paths: Sequence[str] | None = None,
+    ) -> Any:
         """See :meth:`Checkpointer.load`."""
         self._check_open()
+        wanted = self._wanted(state, paths, allow_pickle)
         with self._load_events(step) as scope:
-            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage))
-            scope.fetched(manifest)
-            return self._finish_load(manifest, tensors, state, allow_pickle)
+            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted))
+            scope.fetched(manifest, tensors)
+            return self._finish_load(manifest, tensors, state, allow_pickle, paths)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

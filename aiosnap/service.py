@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -527,14 +528,20 @@ class Engine:
         return await committed_steps(storage)
 
     async def read(
-        self, step: int | None, allow_pickle: bool, storage: Storage
+        self,
+        step: int | None,
+        allow_pickle: bool,
+        storage: Storage,
+        select: Callable[[Manifest], set[int] | None] | None = None,
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        """The manifest of ``step`` (latest committed when None) and its verified tensors,
-        all from one version of the checkpoint."""
+        """The manifest of ``step`` (latest committed when None) and its verified tensors
+        (those ``select(manifest)`` names, when it names any: a partial load), all from one
+        version of the checkpoint."""
         async with storage.reading():
             manifest = await self.manifest(step, storage)
-            check_pickles(manifest, allow_pickle)
-            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency)
+            only = None if select is None else select(manifest)
+            check_pickles(manifest, allow_pickle, only)
+            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, only)
 
     async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""

@@ -56,6 +56,7 @@ class FaultyStorage(Storage):
         self.read_error: BaseException | None = None
         self.delete_delay = 0.0
         self.read_requests = 0  # read_into and read_scatter calls
+        self.read_bytes = 0  # bytes they asked for
 
     def hold(self) -> None:
         """Writes wait from now on until :meth:`release`."""
@@ -100,6 +101,7 @@ class FaultyStorage(Storage):
 
     async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
         self.read_requests += 1
+        self.read_bytes += len(dest)
         return await self.inner.read_into(name, offset, dest)
 
     def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
@@ -107,6 +109,7 @@ class FaultyStorage(Storage):
 
     async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
         self.read_requests += 1
+        self.read_bytes += sum(len(b) for b in buffers)
         return await self.inner.read_scatter(name, offset, buffers)
 
     async def exists(self, name: str) -> bool:

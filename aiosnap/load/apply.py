@@ -14,14 +14,16 @@ from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from ..stateful import is_stateful
 from .decode import TreeDecoder
+from .select import entries_under, needed_for_state, select_paths
 
-__all__ = ["apply_state", "check_pickles", "decode_tree"]
+__all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "wanted_entries"]
 
 
-def check_pickles(manifest: Manifest, allow_pickle: bool) -> None:
-    """Refuse early (before any data is read) a checkpoint holding pickled objects unless
-    the caller opted in. The decoder enforces the same rule on every node it decodes."""
-    pickled = [e.path for e in manifest.entries if e.kind == "pickle"]
+def check_pickles(manifest: Manifest, allow_pickle: bool, only: set[int] | None = None) -> None:
+    """Refuse early (before any data is read) a checkpoint holding pickled objects (among the
+    entries ``only``, when a partial load reads no others) unless the caller opted in. The
+    decoder enforces the same rule on every node it decodes."""
+    pickled = [e.path for i, e in enumerate(manifest.entries) if e.kind == "pickle" and (only is None or i in only)]
     if pickled and not allow_pickle:
         shown = ", ".join(repr(p) for p in pickled[:5]) + (" ..." if len(pickled) > 5 else "")
         raise PickleNotAllowedError(
@@ -40,9 +42,32 @@ def _decoder(manifest: Manifest, tensors: dict[int, torch.Tensor], allow_pickle:
     )
 
 
-def decode_tree(manifest: Manifest, tensors: dict[int, torch.Tensor], *, allow_pickle: bool = False) -> Any:
-    """The saved state as new Python objects (Stateful values come back as state dicts)."""
-    return _decoder(manifest, tensors, allow_pickle)(manifest.tree)
+def decode_tree(
+    manifest: Manifest, tensors: dict[int, torch.Tensor], *, allow_pickle: bool = False, paths: list[str] | None = None
+) -> Any:
+    """The saved state as new Python objects (Stateful values come back as state dicts);
+    with ``paths``, only the parts they select (:func:`~aiosnap.load.select.select_paths`)."""
+    decode = _decoder(manifest, tensors, allow_pickle)
+    tree = manifest.tree if paths is None else select_paths(manifest.tree, paths, key_decoder(manifest, allow_pickle))
+    return decode(tree)
+
+
+def key_decoder(manifest: Manifest, allow_pickle: bool) -> TreeDecoder:
+    """Decodes dict keys without any tensor (a key that is a tensor raises KeyError)."""
+    return _decoder(manifest, {}, allow_pickle)
+
+
+def wanted_entries(
+    manifest: Manifest, state: dict[str, Any] | None, paths: list[str] | None, allow_pickle: bool
+) -> set[int] | None:
+    """The entries a load reads: those ``state`` restores, or ``paths`` selects; None: all.
+    Runs on the loop thread (it reads only the keys of ``state``)."""
+    keys = key_decoder(manifest, allow_pickle)
+    if paths is not None:
+        return entries_under(select_paths(manifest.tree, paths, keys))
+    if state is not None:
+        return needed_for_state(manifest.tree, state, keys)
+    return None
 
 
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:

@@ -120,9 +120,12 @@ async def _read_run(storage: Storage, where: str, run: _Run, limit: asyncio.Sema
         await asyncio.to_thread(_verify, where, run)
 
 
-async def check_object_sizes(storage: Storage, manifest: Manifest, concurrency: int) -> None:
-    """Every data object is there with the size the manifest gives, before anything is
-    allocated for it (a hostile manifest cannot make a load allocate more than is stored)."""
+async def check_object_sizes(
+    storage: Storage, manifest: Manifest, concurrency: int, names: set[str] | None = None
+) -> None:
+    """Every data object (of ``names``, when given) is there with the size the manifest
+    gives, before anything is allocated for it (a hostile manifest cannot make a load
+    allocate more than is stored)."""
     where = f"{storage.url} step {manifest.step}"
     limit = asyncio.Semaphore(concurrency)
 
@@ -138,20 +141,26 @@ async def check_object_sizes(storage: Storage, manifest: Manifest, concurrency: 
     try:
         async with asyncio.TaskGroup() as group:
             for obj in manifest.objects:
-                group.create_task(check(obj.name, obj.nbytes))
+                if names is None or obj.name in names:
+                    group.create_task(check(obj.name, obj.nbytes))
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
 
 
-async def fetch_entries(storage: Storage, manifest: Manifest, concurrency: int) -> dict[int, torch.Tensor]:
-    """Every entry of ``manifest`` as a new CPU tensor (pickles as uint8 bytes), verified.
-    Neighbouring ranges of an object are read with one request (:func:`plan_runs`), straight
-    into the tensors; each range's crc32c is still checked on its own."""
+async def fetch_entries(
+    storage: Storage, manifest: Manifest, concurrency: int, only: set[int] | None = None
+) -> dict[int, torch.Tensor]:
+    """Every entry of ``manifest`` (of ``only``, when given: a partial load reads nothing
+    else) as a new CPU tensor (pickles as uint8 bytes), verified. Neighbouring ranges of an
+    object are read with one request (:func:`plan_runs`), straight into the tensors; each
+    range's crc32c is still checked on its own."""
     where = f"{storage.url} step {manifest.step}"
-    await check_object_sizes(storage, manifest, concurrency)
+    wanted = [(i, e) for i, e in enumerate(manifest.entries) if only is None or i in only]
+    names = None if only is None else {r.object for _, e in wanted for r in e.ranges}
+    await check_object_sizes(storage, manifest, concurrency, names)
     tensors: dict[int, torch.Tensor] = {}
     ranges: list[_Range] = []
-    for index, entry in enumerate(manifest.entries):
+    for index, entry in wanted:
         tensor = _empty_for(manifest, index)
         tensors[index] = tensor
         view = bytes_view(tensor)

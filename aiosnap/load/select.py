@@ -1,0 +1,106 @@
+"""Partial loads: which entries a load needs, so that only their bytes are read.
+
+Pure code on a checked tree (no I/O, no tensors); runs on the loop thread between reading
+the manifest and fetching data.
+
+- :func:`needed_for_state`: ``load(state)`` restores only the keys ``state`` has (see
+  :func:`aiosnap.load.apply.apply_state`), walking nested plain dicts as it does; everything
+  under a key that is restored whole (a tensor, a Stateful object, any other value) is needed.
+- :func:`select_paths`: ``load(paths=[...])`` keeps the parts of the tree whose key path
+  (``"model/layer1/weight"``: dict keys joined by ``/``, a Stateful object's state dict
+  included) matches one of the glob patterns, with the dicts above them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ..errors import StateMismatchError
+from ..stateful import is_stateful
+
+__all__ = ["entries_under", "needed_for_state", "select_paths"]
+
+
+def entries_under(node: Any) -> set[int]:
+    """The entry ids (tensors and pickles) anywhere below ``node``."""
+    found: set[int] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("t") in ("tensor", "pickle"):
+                found.add(current["id"])
+                continue
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
+
+
+def _dict_items(node: Any) -> list[Any] | None:
+    if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
+        return list(node["items"])
+    return None
+
+
+def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any]) -> set[int] | None:
+    """Entries ``load(state)`` reads; None when it cannot tell (keys that are not plain
+    values): then everything is read. Keys missing from the checkpoint are left for
+    :func:`~aiosnap.load.apply.apply_state` to report."""
+    needed: set[int] = set()
+    pending: list[tuple[Any, dict[Any, Any]]] = [(tree, state)]
+    while pending:
+        node, target = pending.pop()
+        items = _dict_items(node)
+        if items is None:
+            return None
+        try:
+            saved = {decode_key(k): v for k, v in items}
+        except Exception:  # a key the selection cannot decode without the data
+            return None
+        for key, current in target.items():
+            if key not in saved:
+                continue
+            child = saved[key]
+            if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
+                pending.append((child, current))
+            else:
+                needed |= entries_under(child)
+    return needed
+
+
+def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any], Any]) -> Any:
+    """The part of ``tree`` that ``patterns`` select (a dict node; nested dicts kept where
+    something below them matches). :class:`StateMismatchError` when nothing matches."""
+    wanted = list(patterns)
+    if not wanted or not all(isinstance(p, str) and p for p in wanted):
+        raise ValueError(f"paths must be non-empty glob patterns, got {wanted!r:.200}")
+
+    def keep(node: Any, prefix: str) -> Any | None:
+        if isinstance(node, dict) and node.get("t") == "stateful":  # its state dict
+            inner = keep(node["v"], prefix)
+            return None if inner is None else {**node, "v": inner}
+        items = _dict_items(node)
+        if items is None:
+            return None
+        kept = []
+        for raw_key, child in items:
+            key = decode_key(raw_key)
+            path = f"{prefix}/{key}" if prefix else str(key)
+            if any(fnmatchcase(path, p) for p in wanted):
+                kept.append([raw_key, child])
+                continue
+            below = keep(child, path)
+            if below is not None:
+                kept.append([raw_key, below])
+        if not kept:
+            return None
+        return {**node, "items": kept}
+
+    selected = keep(tree, "")
+    if selected is None:
+        top = [str(decode_key(k)) for k, _ in (_dict_items(tree) or [])]
+        raise StateMismatchError(f"no key path matches {wanted!r} (the checkpoint's top-level keys: {top!r:.300})")
+    return selected
