@@ -107,6 +107,9 @@ class FaultyStorage(Storage):
     def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.inner.reading()
 
+    async def close(self) -> None:
+        await self.inner.close()
+
     async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
         self.read_requests += 1
         self.read_bytes += sum(len(b) for b in buffers)
