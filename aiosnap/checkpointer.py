@@ -27,6 +27,7 @@ from .failures import FailureLedger
 from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, wanted_entries
+from .load.select import check_patterns
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .singlefile import storage_for
@@ -296,7 +297,7 @@ class _Core:
                 raise TypeError("load() takes a state to restore into or paths to select, not both")
             if isinstance(paths, str):
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
-        chosen = None if paths is None else list(paths)
+        chosen = None if paths is None else check_patterns(paths)
         return lambda manifest: wanted_entries(manifest, state, chosen, allow_pickle)
 
     @staticmethod

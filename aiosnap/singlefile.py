@@ -9,11 +9,13 @@ every backend, so the commit protocol, loads and retention run unchanged:
   (``.<name>.<step>.<save id>.aiosnap-partial``), in any order, from several threads.
 - Writing the step's manifest is the commit: the tail (the pickle, the manifest, the zip
   central directory) is written, the partial file fsynced and renamed over ``P``, the
-  folder fsynced. A reader sees the old file or the new one, never a part. With
-  ``if_absent``, a ``P`` that already holds the step is refused (FileExistsError).
+  folder fsynced, under an ``flock`` of the folder: a reader sees the old file or the new
+  one, never a part; a ``P`` holding a newer step is never replaced (StepOrderError), and
+  with ``if_absent`` one that already holds the step is refused (FileExistsError).
 - Reading a step's manifest or objects reads the archive at ``P`` whose trailer names that
   step (and the object's save id); a file at ``P`` that is not an aiosnap archive (an
-  empty placeholder, a ``torch.save`` file) holds no step.
+  empty placeholder, a ``torch.save`` file) holds no step. Inside :meth:`ArchiveStorage.reading`
+  every read comes from one version of the file, even while a writer replaces it.
 - Deleting a step's manifest (or its attempt) unlinks ``P`` when ``P`` holds that step;
   partial files of the step (or attempt) are deleted with it.
 
@@ -160,13 +162,14 @@ class ArchiveStorage(Storage):
                 attempt.fd = os.open(attempt.path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
             return attempt.fd
 
-    def _pwrite(self, attempt: _Attempt, offset: int, data: BytesLike) -> None:
+    def _pwrite(self, attempt: _Attempt, offset: int, data: BytesLike, *, sync: bool = True) -> None:
         fd = self._open(attempt)
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
-        os.fdatasync(fd)  # landed means on disk (a resumed spool trusts what landed)
+        if sync:
+            os.fdatasync(fd)  # landed means on disk (a resumed spool trusts what landed)
 
     def _copy_in(self, attempt: _Attempt, offset: int, nbytes: int, source: str) -> None:
         if os.path.getsize(source) != nbytes:
@@ -177,7 +180,7 @@ class ArchiveStorage(Storage):
                 block = f.read(min(_COPY_BLOCK, nbytes - done))
                 if not block:
                     raise OSError(f"{source} ended early")
-                self._pwrite(attempt, offset + done, block)
+                self._pwrite(attempt, offset + done, block, sync=done + len(block) == nbytes)
                 done += len(block)
 
     def _commit(self, step: int, manifest_bytes: bytes, if_absent: bool) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,29 @@ def test_paths_select_parts_of_the_tree(saved: tuple[Config, dict[str, Any]]) ->
         with pytest.raises(TypeError, match="list of patterns"):
             ckpt.load(paths="step")  # type: ignore[arg-type]
         assert ckpt.load(paths=["extra"], allow_pickle=True) == {"extra": {"odd": {1, 2}}}
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def test_keys_that_are_tensors_or_pickles_do_not_stop_a_selection(tmp_path: Path) -> None:
+    config = Config(storage={"url": str(tmp_path)})
+    weights = torch.ones(3)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(
+            {"model": {"w": weights}, "meta": {Color.RED: 1, "x": 1}, "lookup": {torch.tensor([1]): 2}}, step=1
+        ).wait()
+        selected = ckpt.load(paths=["model/*"])  # no allow_pickle: nothing pickled is read
+        assert set(selected) == {"model"} and torch.equal(selected["model"]["w"], weights)
+        assert ckpt.load(paths=["meta/x"]) == {"meta": {"x": 1}}
+
+
+def test_a_key_missing_from_the_checkpoint_is_reported_before_reading(saved: tuple[Config, dict[str, Any]]) -> None:
+    config, _ = saved
+    ckpt, counted = _counted(config)
+    with ckpt, pytest.raises(StateMismatchError, match="are not in checkpoint step 1"):
+        ckpt.load({"model": torch.nn.Linear(1, 1), "missing": 0})
+    assert counted.read_bytes == 0
+    with SyncCheckpointer(config) as again, pytest.raises(ValueError, match="non-empty glob patterns"):
+        again.load(paths=[""])

@@ -66,7 +66,7 @@ def wanted_entries(
     if paths is not None:
         return entries_under(select_paths(manifest.tree, paths, keys))
     if state is not None:
-        return needed_for_state(manifest.tree, state, keys)
+        return needed_for_state(manifest.tree, state, keys, manifest.step)
     return None
 
 

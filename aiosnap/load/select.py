@@ -8,7 +8,9 @@ the manifest and fetching data.
   under a key that is restored whole (a tensor, a Stateful object, any other value) is needed.
 - :func:`select_paths`: ``load(paths=[...])`` keeps the parts of the tree whose key path
   (``"model/layer1/weight"``: dict keys joined by ``/``, a Stateful object's state dict
-  included) matches one of the glob patterns, with the dicts above them.
+  included) matches one of the glob patterns (``fnmatch``: escape ``*?[`` in keys as
+  ``[*]``), with the dicts above them. Keys that are tensors or pickled objects are neither
+  matched nor walked into (naming them would need their data).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from ..errors import StateMismatchError
 from ..stateful import is_stateful
 
-__all__ = ["entries_under", "needed_for_state", "select_paths"]
+__all__ = ["check_patterns", "entries_under", "needed_for_state", "select_paths"]
 
 
 def entries_under(node: Any) -> set[int]:
@@ -45,38 +47,48 @@ def _dict_items(node: Any) -> list[Any] | None:
     return None
 
 
-def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any]) -> set[int] | None:
+def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any], step: int) -> set[int] | None:
     """Entries ``load(state)`` reads; None when it cannot tell (keys that are not plain
-    values): then everything is read. Keys missing from the checkpoint are left for
-    :func:`~aiosnap.load.apply.apply_state` to report."""
+    values): then everything is read. A key of ``state`` missing from the checkpoint is a
+    :class:`StateMismatchError` here, before anything is read."""
     needed: set[int] = set()
-    pending: list[tuple[Any, dict[Any, Any]]] = [(tree, state)]
+    pending: list[tuple[Any, dict[Any, Any], str]] = [(tree, state, "")]
     while pending:
-        node, target = pending.pop()
+        node, target, path = pending.pop()
         items = _dict_items(node)
         if items is None:
-            return None
+            return None  # apply_state reports the mismatch
         try:
             saved = {decode_key(k): v for k, v in items}
         except Exception:  # a key the selection cannot decode without the data
             return None
+        missing = [k for k in target if k not in saved]
+        if missing:
+            raise StateMismatchError(
+                f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
+                f"(it has {sorted(map(str, saved))!r})"
+            )
         for key, current in target.items():
-            if key not in saved:
-                continue
             child = saved[key]
             if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
-                pending.append((child, current))
+                pending.append((child, current, f"{path}/{key}" if path else str(key)))
             else:
                 needed |= entries_under(child)
     return needed
 
 
-def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any], Any]) -> Any:
-    """The part of ``tree`` that ``patterns`` select (a dict node; nested dicts kept where
-    something below them matches). :class:`StateMismatchError` when nothing matches."""
+def check_patterns(patterns: Iterable[str]) -> list[str]:
+    """``patterns`` as a list, or ValueError unless it is a non-empty list of non-empty strings."""
     wanted = list(patterns)
     if not wanted or not all(isinstance(p, str) and p for p in wanted):
         raise ValueError(f"paths must be non-empty glob patterns, got {wanted!r:.200}")
+    return wanted
+
+
+def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any], Any]) -> Any:
+    """The part of ``tree`` that ``patterns`` select (a dict node; nested dicts kept where
+    something below them matches). :class:`StateMismatchError` when nothing matches."""
+    wanted = check_patterns(patterns)
 
     def keep(node: Any, prefix: str) -> Any | None:
         if isinstance(node, dict) and node.get("t") == "stateful":  # its state dict
@@ -87,6 +99,8 @@ def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any],
             return None
         kept = []
         for raw_key, child in items:
+            if entries_under(raw_key):  # a tensor or pickled key: needs data to be named
+                continue
             key = decode_key(raw_key)
             path = f"{prefix}/{key}" if prefix else str(key)
             if any(fnmatchcase(path, p) for p in wanted):
