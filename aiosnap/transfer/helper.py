@@ -124,7 +124,10 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
     threading.Thread(target=watch_trainer, name="aiosnap-upload-watch", daemon=True).start()
     reports.send("ready", os.getpid())
     await stop.wait()
-    await transfer.close()  # cancels what still runs: with the trainer gone, nobody waits for it
+    # cancels what still runs: with the trainer gone, nobody waits for it. Its attempts stay
+    # (a spooled save is resumed by the next process, into these very folders: removing them
+    # now could delete what that process has committed meanwhile); gc removes the others.
+    await transfer.close(abandoned=gone)
     if not gone:
         reports.send("closed")
 

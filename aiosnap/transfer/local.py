@@ -61,6 +61,7 @@ class LocalTransfer:
         self._broken_roots: dict[str, BaseException] = {}
         self._saves: dict[str, _Upload] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._abandoned = False
         self._warm_ups: set[asyncio.Task[None]] = set()
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
@@ -135,14 +136,21 @@ class LocalTransfer:
         self._saves.pop(upload.save_id, None)
 
     def clean_up_later(self, storage: Storage, step: int, save_id: str) -> None:
-        """Remove a failed attempt's folder in the background (close waits, bounded)."""
+        """Remove a failed attempt's folder in the background (close waits, bounded); not
+        once the trainer that owned it is gone (see :meth:`close`)."""
+        if self._abandoned:
+            log.info("aiosnap: step %d (save %s) left in place: its trainer is gone", step, save_id)
+            return
         cleanup = asyncio.get_running_loop().create_task(remove_attempt(storage, step, save_id))
         self._cleanups.add(cleanup)
         cleanup.add_done_callback(self._cleanups.discard)
 
-    async def close(self) -> None:
+    async def close(self, *, abandoned: bool = False) -> None:
         """Cancel what still runs, give removals of failed attempts :data:`CLEANUP_WAIT_S`
-        (the rest is left to ``aiosnap gc``), close the storages."""
+        (the rest is left to ``aiosnap gc``), close the storages. ``abandoned``: the trainer
+        died (the upload process outlived it); what was cancelled is left in place, since the
+        next process may resume a spooled save into the same attempt folder meanwhile."""
+        self._abandoned = self._abandoned or abandoned
         running = [u.task for u in self._saves.values() if u.task is not None] + list(self._warm_ups)
         for task in running:
             task.cancel()
