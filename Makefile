@@ -56,6 +56,7 @@ bench: install
 	$(PY) -m aiosnap.bench s3 --cap-mb-s 50
 	$(PY) -m aiosnap.bench spool
 	$(PY) -m aiosnap.bench lightning
+	$(PY) -m aiosnap.bench load
 	$(PY) -m aiosnap.bench interference
 
 clean:

@@ -26,7 +26,9 @@ from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, Proces
 from .failures import FailureLedger
 from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
-from .load.apply import apply_state, decode_tree, wanted_entries
+from .load.apply import apply_state, decode_tree, plan_read
+from .load.fetch import ReadPlan
+from .load.inplace import target_tree
 from .load.select import check_patterns
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
@@ -289,16 +291,18 @@ class _Core:
 
     @staticmethod
     def _wanted(
-        state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool
-    ) -> Callable[[Manifest], set[int] | None]:
-        """What a load reads (caller's thread checks the arguments; the loop thread selects)."""
+        state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool, atomic: bool
+    ) -> Callable[[Manifest], ReadPlan]:
+        """What a load reads and where (caller's thread: checks the arguments, takes the
+        state dicts of Stateful targets; the loop thread plans with the manifest)."""
         if paths is not None:
             if state is not None:
                 raise TypeError("load() takes a state to restore into or paths to select, not both")
             if isinstance(paths, str):
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
-        return lambda manifest: wanted_entries(manifest, state, chosen, allow_pickle)
+        targets = None if state is None or atomic else target_tree(state)
+        return lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle)
 
     @staticmethod
     def _finish_load(
@@ -400,15 +404,21 @@ class Checkpointer(_Core):
         step: int | None = None,
         allow_pickle: bool = False,
         paths: Sequence[str] | None = None,
+        atomic: bool = False,
     ) -> Any:
-        """Restore the latest committed step (or ``step``): into ``state`` in place when
-        given (and return it), else as a new nested state. Every checksum is verified before
-        anything in ``state`` is touched. Only the bytes needed are read: those of the keys
-        ``state`` has, or, without ``state``, those under the key paths ``paths`` selects
-        (glob patterns over dict keys joined by ``/``, such as ``"model/*"``; the result
-        keeps the dicts above them)."""
+        """Restore the latest committed step (or ``step``): into ``state`` when given (and
+        return it), else as a new nested state. Only the bytes needed are read: those of the
+        keys ``state`` has, or, without ``state``, those under the key paths ``paths``
+        selects (glob patterns over dict keys joined by ``/``, such as ``"model/*"``; the
+        result keeps the dicts above them).
+
+        Into ``state``, bytes go straight into its contiguous CPU tensors of the saved dtype
+        and shape (a module's or optimizer's own, through its ``state_dict()``): no second
+        copy of the state. Every range's crc32c is checked; if one fails, the error names
+        the tensors that may hold partly loaded data. ``atomic=True`` reads into new tensors
+        and touches ``state`` only once everything is verified (twice the memory)."""
         self._check_open()
-        wanted = self._wanted(state, paths, allow_pickle)
+        wanted = self._wanted(state, paths, allow_pickle, atomic)
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted))
             scope.fetched(manifest, tensors)
@@ -509,10 +519,11 @@ class SyncCheckpointer(_Core):
         step: int | None = None,
         allow_pickle: bool = False,
         paths: Sequence[str] | None = None,
+        atomic: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
         self._check_open()
-        wanted = self._wanted(state, paths, allow_pickle)
+        wanted = self._wanted(state, paths, allow_pickle, atomic)
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted))
             scope.fetched(manifest, tensors)

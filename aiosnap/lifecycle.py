@@ -5,8 +5,8 @@ A checkpointer is registered here when it starts. If it is garbage collected wit
 waited for and its thread, slabs, spool lock and connections are released, with a
 ``ResourceWarning``. At exit this runs from a ``threading`` exit hook, which comes before
 ``concurrent.futures`` shuts its thread pools down (an ``atexit`` hook would come after, when
-no file I/O can be scheduled any more). When the collection happens on aiosnap's own loop or
-event thread, which cannot wait for themselves, the closing moves to a new thread.
+no file I/O can be scheduled any more). After a garbage collection, the closing runs on a new
+thread: a collection can happen inside any allocation, on any thread, holding any lock.
 """
 
 from __future__ import annotations
@@ -30,12 +30,25 @@ _lock = threading.Lock()
 _hooked = False
 
 
+_at_exit = threading.local()
+_closers: set[threading.Thread] = set()  # closings started after a garbage collection
+
+
 def _close_all_at_exit() -> None:
-    """Runs as the interpreter exits (main thread), before thread pools shut down."""
+    """Runs as the interpreter exits (main thread), before thread pools shut down: closings
+    a collection started finish, then every checkpointer still open is closed."""
+    with _lock:
+        started = list(_closers)
+    for closer in started:
+        closer.join()
     with _lock:
         pending = list(_live)
-    for finalizer in pending:
-        finalizer()
+    _at_exit.closing = True  # these calls may block: this thread holds no lock of anyone's
+    try:
+        for finalizer in pending:
+            finalizer()
+    finally:
+        _at_exit.closing = False
 
 
 def _hook_exit() -> None:
@@ -76,15 +89,28 @@ def close_when_forgotten(
 
 
 def _close_abandoned(loop: LoopThread, engine: Engine, url: str, forget: Any, warn: bool) -> None:
-    """The finalizer: close on this thread, or on a new one when this thread is one the
-    closing must wait for (the loop thread, the event dispatcher)."""
+    """The finalizer: at exit, close on this (the main) thread; after a garbage collection,
+    on a new thread. A collection runs inside whatever allocation triggered it, possibly
+    while that thread holds a lock the closing needs (a thread pool's, taken by another
+    checkpointer's loop thread in ``submit``: waiting there deadlocked), so it never waits."""
     forget()
     if loop.forked():
         return  # a forked child: nothing of it runs here
-    if loop.in_loop_thread() or engine.events.on_dispatcher_thread():
-        threading.Thread(target=_close_now, args=(loop, engine, url, warn), name="aiosnap-close").start()
+    if getattr(_at_exit, "closing", False):
+        _close_now(loop, engine, url, warn)
         return
-    _close_now(loop, engine, url, warn)
+
+    def close() -> None:
+        try:
+            _close_now(loop, engine, url, warn)
+        finally:
+            with _lock:
+                _closers.discard(threading.current_thread())
+
+    closer = threading.Thread(target=close, name="aiosnap-close")
+    with _lock:
+        _closers.add(closer)
+    closer.start()
 
 
 def _close_now(loop: LoopThread, engine: Engine, url: str, warn: bool) -> None:

@@ -34,7 +34,7 @@ from .events import EventBus, ScopeEmitter
 from .failures import FailureLedger
 from .format.manifest import Manifest
 from .load.apply import check_pickles
-from .load.fetch import fetch_entries
+from .load.fetch import ReadPlan, fetch_entries
 from .spooldir import Spool
 from .staging import SlabChunk, Staged, Transfer, TransferOutcome
 from .storage.base import Storage
@@ -532,16 +532,16 @@ class Engine:
         step: int | None,
         allow_pickle: bool,
         storage: Storage,
-        select: Callable[[Manifest], set[int] | None] | None = None,
+        select: Callable[[Manifest], ReadPlan] | None = None,
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
         """The manifest of ``step`` (latest committed when None) and its verified tensors
-        (those ``select(manifest)`` names, when it names any: a partial load), all from one
-        version of the checkpoint."""
+        (as ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
+        from one version of the checkpoint."""
         async with storage.reading():
             manifest = await self.manifest(step, storage)
-            only = None if select is None else select(manifest)
-            check_pickles(manifest, allow_pickle, only)
-            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, only)
+            plan = ReadPlan() if select is None else select(manifest)
+            check_pickles(manifest, allow_pickle, plan.only)
+            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan)
 
     async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""

@@ -69,16 +69,21 @@ def test_missing_data_object_is_refused(small_config: Config, root: Path) -> Non
         ckpt.load()
 
 
-def test_flipped_byte_fails_checksum_and_leaves_state_untouched(small_config: Config, root: Path) -> None:
+def test_flipped_byte_fails_checksum_and_an_atomic_load_leaves_state_untouched(
+    small_config: Config, root: Path
+) -> None:
     _save(small_config, {"x": torch.randn(1000)})
     obj = _first_object(root)
     data = bytearray(obj.read_bytes())
     data[1234] ^= 0x01
     obj.write_bytes(bytes(data))
     target = torch.zeros(1000)
-    with SyncCheckpointer(small_config) as ckpt, pytest.raises(ChecksumMismatchError, match="'x'"):
-        ckpt.load({"x": target})
-    assert torch.count_nonzero(target) == 0, "nothing is written into the caller's tensors"
+    with SyncCheckpointer(small_config) as ckpt:
+        with pytest.raises(ChecksumMismatchError, match="'x'"):
+            ckpt.load({"x": target}, atomic=True)
+        assert torch.count_nonzero(target) == 0, "an atomic load writes nothing into the caller's tensors"
+        with pytest.raises(ChecksumMismatchError, match="in place: 'x' may now hold partly loaded data"):
+            ckpt.load({"x": target})  # the default reads in place, and says what it touched
 
 
 def test_pickled_objects_need_opt_in(small_config: Config) -> None:

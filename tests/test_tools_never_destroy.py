@@ -415,11 +415,11 @@ def test_unclosed_checkpointers_are_closed_when_collected(small_config: Config) 
             ckpt = SyncCheckpointer(small_config)
             ckpt.save({"x": torch.ones(3)}, step=step).wait()
             del ckpt
-        gc.collect()
+        gc.collect()  # each is closed on a thread of its own: never inside the collection
+        deadline = time.monotonic() + 10
+        while threading.active_count() > threads_before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert sum(issubclass(w.category, ResourceWarning) for w in caught) == 20
-    deadline = time.monotonic() + 10
-    while threading.active_count() > threads_before + 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
     assert threading.active_count() <= threads_before + 1
 
 
@@ -600,3 +600,35 @@ def test_a_url_naming_no_folder_is_refused() -> None:
     for url in ("", "file://", "file://localhost", "file:///"):
         with pytest.raises(ConfigError, match="names no folder|empty"):
             storage_from_url(url)
+
+
+def test_a_collection_inside_a_thread_pool_lock_never_waits_for_a_forgotten_checkpointer(
+    small_config: Config, faulty: FaultyStorage
+) -> None:
+    """A garbage collection runs inside whatever allocation triggered it: here, on a thread
+    holding the thread pools' shutdown lock (as another checkpointer's loop thread does in
+    ``submit``). Closing the forgotten checkpointer right there would wait for its loop,
+    whose next ``to_thread`` needs that lock: a deadlock (seen at interpreter exit)."""
+    import concurrent.futures.thread as pool_module
+
+    gc.collect()
+    faulty.delay = 0.3
+    ckpt = SyncCheckpointer(small_config, storage=faulty)
+    view = ckpt.at(str(Path(faulty.url) / "other"))  # owner <-> view: only the cyclic collector frees them
+    handle = view.save({"x": torch.ones(3)}, step=3)
+    del ckpt, view
+    returned = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with pool_module._global_shutdown_lock:
+            gc.collect()
+        returned.set()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+        assert returned.wait(10), "the collection waited for the forgotten checkpointer's saves"
+        assert handle.wait(30).step == 3
+        deadline = time.monotonic() + 10
+        while any(t.name == "aiosnap-close" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)

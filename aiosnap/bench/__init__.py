@@ -15,6 +15,7 @@ BENCHMARKS = {
     "s3": "aiosnap.bench.s3",
     "spool": "aiosnap.bench.spool",
     "lightning": "aiosnap.bench.lightning",
+    "load": "aiosnap.bench.load",
     "interference": "aiosnap.bench.interference",
 }
 """Benchmark name -> module."""

@@ -14,9 +14,11 @@ from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from ..stateful import is_stateful
 from .decode import TreeDecoder
+from .fetch import ReadPlan
+from .inplace import destinations
 from .select import entries_under, needed_for_state, select_paths
 
-__all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "wanted_entries"]
+__all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
 
 
 def check_pickles(manifest: Manifest, allow_pickle: bool, only: set[int] | None = None) -> None:
@@ -57,17 +59,23 @@ def key_decoder(manifest: Manifest, allow_pickle: bool) -> TreeDecoder:
     return _decoder(manifest, {}, allow_pickle)
 
 
-def wanted_entries(
-    manifest: Manifest, state: dict[str, Any] | None, paths: list[str] | None, allow_pickle: bool
-) -> set[int] | None:
-    """The entries a load reads: those ``state`` restores, or ``paths`` selects; None: all.
-    Runs on the loop thread (it reads only the keys of ``state``)."""
+def plan_read(
+    manifest: Manifest, state: dict[str, Any] | None, targets: Any, paths: list[str] | None, allow_pickle: bool
+) -> ReadPlan:
+    """What a load reads: the entries ``state`` restores, or ``paths`` selects (all when
+    neither); with ``targets`` (:func:`~aiosnap.load.inplace.target_tree` of ``state``), which
+    of them go straight into the caller's tensors. Loop thread (it reads only keys and
+    tensor metadata of the caller's objects)."""
     keys = key_decoder(manifest, allow_pickle)
     if paths is not None:
-        return entries_under(select_paths(manifest.tree, paths, keys))
-    if state is not None:
-        return needed_for_state(manifest.tree, state, keys, manifest.step)
-    return None
+        return ReadPlan(only=entries_under(select_paths(manifest.tree, paths, keys)))
+    if state is None:
+        return ReadPlan()
+    only = needed_for_state(manifest.tree, state, keys, manifest.step)
+    into = {} if targets is None else destinations(manifest, targets, keys)
+    if only is not None:
+        into = {i: t for i, t in into.items() if i in only}
+    return ReadPlan(only=only, into=into)
 
 
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
@@ -109,9 +117,20 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
                 raise StateMismatchError(
                     f"{where}: checkpoint shape {tuple(value.shape)} != state shape {tuple(current.shape)}"
                 )
-            with torch.no_grad():
-                current.copy_(value)
+            if not _same_memory(value, current):  # else read in place: already there
+                with torch.no_grad():
+                    current.copy_(value)
         elif isinstance(current, dict) and _dict_node_items(child) is not None:
             _apply(decode, step, child, current, where)
         else:
             target[key] = decode(child)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )

@@ -15,13 +15,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checksums import crc32c_of
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
+from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import ByteRange, Manifest
 from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
 
-__all__ = ["fetch_entries"]
+__all__ = ["ReadPlan", "fetch_entries"]
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What a load reads: the entries ``only`` (None: all of them), and the entries read
+    straight into the caller's tensors ``into`` (see :mod:`aiosnap.load.inplace`)."""
+
+    only: set[int] | None = None
+    into: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
@@ -148,20 +157,25 @@ async def check_object_sizes(
 
 
 async def fetch_entries(
-    storage: Storage, manifest: Manifest, concurrency: int, only: set[int] | None = None
+    storage: Storage, manifest: Manifest, concurrency: int, plan: ReadPlan | None = None
 ) -> dict[int, torch.Tensor]:
-    """Every entry of ``manifest`` (of ``only``, when given: a partial load reads nothing
-    else) as a new CPU tensor (pickles as uint8 bytes), verified. Neighbouring ranges of an
-    object are read with one request (:func:`plan_runs`), straight into the tensors; each
-    range's crc32c is still checked on its own."""
+    """Every entry of ``manifest`` (those of ``plan.only``: a partial load reads nothing
+    else), verified: read into the caller's tensor ``plan.into[index]`` where there is one,
+    else into a new CPU tensor (pickles as uint8 bytes). Neighbouring ranges of an object
+    are read with one request (:func:`plan_runs`); each range's crc32c is checked on its
+    own. If a read or a check fails after in-place reads began, the error names the
+    caller's tensors that may now hold partly loaded bytes."""
+    plan = plan or ReadPlan()
     where = f"{storage.url} step {manifest.step}"
-    wanted = [(i, e) for i, e in enumerate(manifest.entries) if only is None or i in only]
-    names = None if only is None else {r.object for _, e in wanted for r in e.ranges}
+    wanted = [(i, e) for i, e in enumerate(manifest.entries) if plan.only is None or i in plan.only]
+    names = None if plan.only is None else {r.object for _, e in wanted for r in e.ranges}
     await check_object_sizes(storage, manifest, concurrency, names)
     tensors: dict[int, torch.Tensor] = {}
     ranges: list[_Range] = []
     for index, entry in wanted:
-        tensor = _empty_for(manifest, index)
+        tensor = plan.into.get(index)
+        if tensor is None:
+            tensor = _empty_for(manifest, index)
         tensors[index] = tensor
         view = bytes_view(tensor)
         position = 0
@@ -174,5 +188,21 @@ async def fetch_entries(
             for run in plan_runs(ranges):
                 group.create_task(_read_run(storage, where, run, limit))
     except BaseExceptionGroup as group_error:
-        raise (leaf := first_error(group_error)) from leaf.__cause__
+        leaf = first_error(group_error)
+        if plan.into:
+            raise _naming_targets(leaf, [manifest.entries[i].path for i in plan.into]) from leaf.__cause__
+        raise leaf from leaf.__cause__
     return tensors
+
+
+def _naming_targets(error: BaseException, paths: list[str]) -> BaseException:
+    """``error``, saying which of the caller's tensors were being loaded in place."""
+    shown = ", ".join(repr(p) for p in paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    note = (
+        f"the load wrote in place: {shown} may now hold partly loaded data (load again, or use "
+        "load(..., atomic=True) to change nothing unless everything verifies)"
+    )
+    if isinstance(error, AiosnapError):
+        return type(error)(f"{error}; {note}")
+    error.add_note(note)
+    return error

@@ -1,0 +1,119 @@
+"""``load(state)`` in place (issue 12): bytes go straight into the caller's tensors, no second
+copy of the state; integrity is still checked per range; ``atomic=True`` keeps the old
+all-or-nothing behaviour."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
+from aiosnap.load import fetch
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Config, dict[str, Any]]:
+    config = Config(storage={"url": str(tmp_path)}, upload={"chunk_size": "64KiB"})
+    model, optim = _trained(0)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"model": model, "optim": optim, "bias": torch.arange(6.0)}, step=1).wait()
+    expected = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "adam": {i: {k: v.clone() for k, v in s.items()} for i, s in optim.state_dict()["state"].items()},
+    }
+    return config, expected
+
+
+def _count_allocations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    made: list[str] = []
+    real = fetch._empty_for
+
+    def counting(manifest: Any, index: int) -> torch.Tensor:
+        made.append(manifest.entries[index].path)
+        return real(manifest, index)
+
+    monkeypatch.setattr(fetch, "_empty_for", counting)
+    return made
+
+
+def test_a_module_and_its_optimizer_are_loaded_in_place(
+    saved: tuple[Config, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, expected = saved
+    model, optim = _trained(1)  # other values, same shapes
+    bias = torch.zeros(6)
+    addresses = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    moments = {index: state["exp_avg"] for index, state in enumerate(optim.state.values())}
+    made = _count_allocations(monkeypatch)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.load({"model": model, "optim": optim, "bias": bias})
+    assert not [p for p in made if not p.endswith("step")], f"fresh tensors made for {made}"
+    for name, tensor in model.state_dict().items():
+        assert tensor.data_ptr() == addresses[name], f"{name} was replaced, not loaded in place"
+        assert torch.equal(tensor, expected["model"][name]), name
+    assert torch.equal(bias, torch.arange(6.0))
+    for index, state in enumerate(optim.state.values()):
+        assert state["exp_avg"] is moments[index]  # the optimizer's own tensors, updated
+        assert torch.equal(state["exp_avg"], expected["adam"][index]["exp_avg"])
+
+
+def test_targets_that_cannot_take_the_bytes_are_copied_into(saved: tuple[Config, dict[str, Any]]) -> None:
+    config, _ = saved
+    wide = torch.zeros(6, dtype=torch.float64)  # another dtype
+    strided = torch.zeros(12)[::2]  # not contiguous
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.load({"bias": wide})
+        ckpt.load({"bias": strided})
+    assert torch.equal(wide, torch.arange(6.0, dtype=torch.float64))
+    assert torch.equal(strided, torch.arange(6.0))
+
+
+def test_a_damaged_range_names_the_tensors_loaded_in_place_and_atomic_touches_nothing(
+    saved: tuple[Config, dict[str, Any]], tmp_path: Path
+) -> None:
+    config, _ = saved
+    with SyncCheckpointer(config) as ckpt:
+        manifest = ckpt.manifest()
+    victim = next(e for e in manifest.entries if e.path == "model/0.weight").ranges[0]
+    path = tmp_path / victim.object
+    data = bytearray(path.read_bytes())
+    data[victim.offset + 10] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    model, _ = _trained(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with SyncCheckpointer(config) as ckpt:
+        with pytest.raises(ChecksumMismatchError, match="atomic=True") as caught:
+            ckpt.load({"model": model})
+        assert "'model/0.weight'" in str(caught.value) and "partly loaded" in str(caught.value)
+        model, _ = _trained(1)
+        with pytest.raises(ChecksumMismatchError) as caught:
+            ckpt.load({"model": model}, atomic=True)
+        assert "partly loaded" not in str(caught.value)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed although the atomic load failed"
+
+
+def test_tensors_sharing_memory_are_never_both_read_into(tmp_path: Path) -> None:
+    config = Config(storage={"url": str(tmp_path)})
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, step=1).wait()
+        shared = torch.zeros(4)
+        ckpt.load({"a": shared, "b": shared})  # the same tensor twice: copied, the last one wins
+        assert torch.equal(shared, torch.full((4,), 2.0))
+        buffer = torch.zeros(6)
+        ckpt.load({"a": buffer[:4], "b": buffer[2:]})  # overlapping views
+        assert torch.equal(buffer, torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0, 2.0]))
