@@ -31,6 +31,21 @@ _POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.pla
 writable, without touching what they hold -- a capture may be filling them meanwhile."""
 
 
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise(address: int, length: int, advice: int) -> bool:
+    """libc ``madvise`` through ctypes, which lets go of the GIL for the call (``mmap.madvise``
+    holds it: populating 16 MiB would stall every Python thread, the trainer's included, for
+    milliseconds). False when the kernel refuses the advice."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    return bool(_libc.madvise(address, length, advice) == 0)
+
+
 class Arena:
     """``count`` slabs of ``slab_bytes`` each, contiguous, in one mapping."""
 
@@ -85,6 +100,7 @@ class Arena:
 
         def touch() -> None:
             populate = _POPULATE_WRITE
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))  # the export ends here
             try:
                 for start in range(0, self.size, _PREWARM_STEP):
                     self._quiet.wait()
@@ -92,11 +108,9 @@ class Arena:
                         return
                     length = min(_PREWARM_STEP, self.size - start)
                     if populate is not None:
-                        try:
-                            self._map.madvise(populate, start, length)
+                        if _madvise(base + start, length, populate):
                             continue
-                        except OSError:  # an older kernel
-                            populate = None
+                        populate = None  # an older kernel
                     # Read, never write: a slab may hold a capture by now (the check above
                     # and a capture can cross), and a write would clobber it. A read fault
                     # makes a memfd's pages resident; anonymous memory gets the zero page,
@@ -119,7 +133,7 @@ class Arena:
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a capture: the prewarm waits meanwhile. Loop thread."""
+        """Around a capture (or a load): the prewarm waits meanwhile. Loop thread."""
         self._captures += 1
         self._quiet.clear()
         try:

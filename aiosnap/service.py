@@ -537,6 +537,16 @@ class Engine:
         """The manifest of ``step`` (latest committed when None) and its verified tensors
         (as ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
         from one version of the checkpoint."""
+        with self.arena.capturing():  # the staging prewarm waits: a restore is on the critical path too
+            return await self._read(step, allow_pickle, storage, select)
+
+    async def _read(
+        self,
+        step: int | None,
+        allow_pickle: bool,
+        storage: Storage,
+        select: Callable[[Manifest], ReadPlan] | None,
+    ) -> tuple[Manifest, dict[int, torch.Tensor]]:
         async with storage.reading():
             manifest = await self.manifest(step, storage)
             plan = ReadPlan() if select is None else select(manifest)
