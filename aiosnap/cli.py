@@ -35,6 +35,7 @@ from .catalog.steps import committed_steps, manifest_of, remove_steps_after
 from .config import Config, load_config
 from .errors import AiosnapError, CheckpointNotFoundError
 from .format.manifest import Manifest
+from .load.select import entries_under
 from .singlefile import storage_for
 from .storage.base import Storage
 from .storage.registry import storage_from_url
@@ -147,9 +148,11 @@ def info_command(
 ) -> None:
     """A step's manifest in human form: entries, dtypes, shapes, bytes."""
     manifest = _on_storage(url, _config(config), lambda s: manifest_of(s, step))
+    by_key = _bytes_by_top_level_key(manifest)
     if as_json:
         doc = manifest.model_dump(mode="json")
         doc.pop("tree")
+        doc["top_level_bytes"] = by_key
         _emit_json(doc)
         return
     out.print(
@@ -159,11 +162,29 @@ def info_command(
     )
     if manifest.metadata:
         out.print(f"metadata: {json.dumps(manifest.metadata)}")
+    if by_key:
+        keys = Table("top-level key", "bytes", box=None, header_style="bold")
+        for key, nbytes in by_key.items():
+            keys.add_row(key, _size(nbytes))
+        out.print(keys)
     table = Table("entry", "kind", "dtype", "shape", "bytes", "device", box=None, header_style="bold")
     for entry in manifest.entries:
         shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
         table.add_row(entry.path, entry.kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
     out.print(table)
+
+
+def _bytes_by_top_level_key(manifest: Manifest) -> dict[str, int]:
+    """Bytes stored under each top-level key of the state (what ``load(paths=[key])`` reads;
+    a tensor shared by two keys counts under both)."""
+    tree = manifest.tree
+    if not (isinstance(tree, dict) and tree.get("t") in ("dict", "odict")):
+        return {}
+    sizes: dict[str, int] = {}
+    for raw_key, child in tree["items"]:
+        name = raw_key if isinstance(raw_key, str) else json.dumps(raw_key)
+        sizes[name] = sum(manifest.entries[i].nbytes for i in entries_under(child))
+    return sizes
 
 
 @app.command("verify")

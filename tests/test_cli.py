@@ -98,6 +98,8 @@ def test_info_shows_entries_dtypes_shapes_bytes(aiosnap: Runner, filled: tuple[P
     assert "model/b" in shown.stdout and "int64" in shown.stdout
     doc = json.loads(aiosnap("info", str(root), "--json").stdout)  # latest
     assert doc["step"] == 40 and [e["shape"] for e in doc["entries"]] == [[100040], [3]]
+    assert doc["top_level_bytes"] == {"model": 100040 * 4 + 3 * 8}  # what load(paths=["model"]) reads
+    assert "top-level key" in shown.stdout
 
 
 def test_verify_passes_then_finds_a_flipped_byte(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
