@@ -27,7 +27,7 @@ from .failures import FailureLedger
 from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, plan_read
-from .load.fetch import ReadPlan
+from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree
 from .load.select import check_patterns
 from .loop import LoopThread
@@ -141,6 +141,20 @@ class _LoadScope:
         self.step = manifest.step
         self.nbytes = sum(manifest.entries[index].nbytes for index in tensors)
         self.emit("end", "load", self.step, stage="fetch", url=self.url, nbytes=self.nbytes, seconds=self.elapsed())
+
+
+class _ReadChoice:
+    """A load's plan maker (called once, on the loop thread, with the manifest), which keeps
+    the plan's in-place entries for the caller's thread to name if restoring fails."""
+
+    def __init__(self, make: Callable[[Manifest], ReadPlan]) -> None:
+        self._make = make
+        self.in_place: tuple[int, ...] = ()
+
+    def __call__(self, manifest: Manifest) -> ReadPlan:
+        plan = self._make(manifest)
+        self.in_place = tuple(plan.into)
+        return plan
 
 
 def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHandler]:
@@ -292,7 +306,7 @@ class _Core:
     @staticmethod
     def _wanted(
         state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool, atomic: bool
-    ) -> Callable[[Manifest], ReadPlan]:
+    ) -> _ReadChoice:
         """What a load reads and where (caller's thread: checks the arguments, takes the
         state dicts of Stateful targets; the loop thread plans with the manifest)."""
         if paths is not None:
@@ -302,7 +316,7 @@ class _Core:
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
         targets = None if state is None or atomic else target_tree(state)
-        return lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle)
+        return _ReadChoice(lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle))
 
     @staticmethod
     def _finish_load(
@@ -311,12 +325,22 @@ class _Core:
         state: dict[str, Any] | None,
         allow_pickle: bool,
         paths: Sequence[str] | None = None,
+        in_place: Sequence[int] = (),
     ) -> Any:
-        """Runs on the caller's thread (load_state_dict calls)."""
+        """Runs on the caller's thread (load_state_dict calls). ``in_place``: the entries
+        read straight into ``state``'s tensors (an error here names them)."""
         if state is None:
             chosen = None if paths is None else list(paths)
             return decode_tree(manifest, tensors, allow_pickle=allow_pickle, paths=chosen)
-        apply_state(manifest, tensors, state, allow_pickle=allow_pickle)
+        try:
+            apply_state(manifest, tensors, state, allow_pickle=allow_pickle)
+        except Exception as exc:  # a load_state_dict refusing, after bytes landed in place
+            if not in_place:
+                raise
+            named = naming_targets(exc, [manifest.entries[i].path for i in in_place])
+            if named is exc:  # the same exception, with a note
+                raise
+            raise named from exc
         return state
 
     @contextmanager
@@ -422,7 +446,7 @@ class Checkpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths)
+            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -527,7 +551,7 @@ class SyncCheckpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths)
+            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

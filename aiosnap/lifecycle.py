@@ -5,12 +5,14 @@ A checkpointer is registered here when it starts. If it is garbage collected wit
 waited for and its thread, slabs, spool lock and connections are released, with a
 ``ResourceWarning``. At exit this runs from a ``threading`` exit hook, which comes before
 ``concurrent.futures`` shuts its thread pools down (an ``atexit`` hook would come after, when
-no file I/O can be scheduled any more). After a garbage collection, the closing runs on a new
-thread: a collection can happen inside any allocation, on any thread, holding any lock.
+no file I/O can be scheduled any more). Inside a cyclic garbage collection (or on aiosnap's own
+loop or event thread, which cannot wait for themselves) the closing runs on a new thread: a
+collection can happen inside any allocation, on any thread, holding any lock.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import warnings
@@ -88,15 +90,29 @@ def close_when_forgotten(
     return finalizer
 
 
+_collecting = threading.local()
+
+
+def _note_collection(phase: str, info: dict[str, Any]) -> None:
+    """``gc.callbacks`` hook: whether this thread is inside a cyclic garbage collection."""
+    _collecting.active = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
 def _close_abandoned(loop: LoopThread, engine: Engine, url: str, forget: Any, warn: bool) -> None:
-    """The finalizer: at exit, close on this (the main) thread; after a garbage collection,
-    on a new thread. A collection runs inside whatever allocation triggered it, possibly
-    while that thread holds a lock the closing needs (a thread pool's, taken by another
-    checkpointer's loop thread in ``submit``: waiting there deadlocked), so it never waits."""
+    """The finalizer: close on this thread (the last reference was dropped here, or the
+    interpreter exits), or on a new thread when waiting here could deadlock: inside a
+    cyclic garbage collection, which runs within whatever allocation triggered it, possibly
+    while this thread holds a lock the closing needs (a thread pool's, taken by another
+    checkpointer's loop thread in ``submit``: waiting there deadlocked); or on a thread the
+    closing must wait for (the loop thread, the event dispatcher)."""
     forget()
     if loop.forked():
         return  # a forked child: nothing of it runs here
-    if getattr(_at_exit, "closing", False):
+    in_collection = getattr(_collecting, "active", False) and not getattr(_at_exit, "closing", False)
+    if not (in_collection or loop.in_loop_thread() or engine.events.on_dispatcher_thread()):
         _close_now(loop, engine, url, warn)
         return
 

@@ -117,3 +117,62 @@ def test_tensors_sharing_memory_are_never_both_read_into(tmp_path: Path) -> None
         buffer = torch.zeros(6)
         ckpt.load({"a": buffer[:4], "b": buffer[2:]})  # overlapping views
         assert torch.equal(buffer, torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0, 2.0]))
+
+
+class _Accumulating:
+    """A Stateful whose state_dict() cannot be taken before it is set up."""
+
+    def __init__(self) -> None:
+        self.w: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.w is None:
+            raise RuntimeError("not set up yet")
+        return {"w": self.w}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.w = state["w"].clone()
+
+
+class _Refusing:
+    def __init__(self) -> None:
+        self.w = torch.full((4,), 2.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError("incompatible version")
+
+
+def test_found_by_review_lists_stateful_objects_autograd_and_aliases(tmp_path: Path) -> None:
+    config = Config(storage={"url": str(tmp_path)})
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(
+            {"l": [torch.ones(4)], "obj": {"w": torch.arange(4.0)}, "p": torch.ones(3), "a": torch.arange(4.0)},
+            step=1,
+        ).wait()
+        kept = torch.zeros(4)
+        state: dict[str, Any] = {"l": [kept]}
+        ckpt.load(state)  # a list of the state is replaced, as with atomic=True: its old tensors stay
+        assert torch.count_nonzero(kept) == 0 and torch.equal(state["l"][0], torch.ones(4))
+
+        late = _Accumulating()  # state_dict() raises: restored from new tensors
+        ckpt.load({"obj": late})
+        assert late.w is not None and torch.equal(late.w, torch.arange(4.0))
+
+        refusing = _Refusing()
+        with pytest.raises(ValueError, match="incompatible") as caught:
+            ckpt.load({"obj": refusing})
+        assert any("partly loaded" in note for note in getattr(caught.value, "__notes__", []))
+
+        leaf = torch.nn.Parameter(torch.zeros(3))
+        loss = (leaf * leaf).sum()
+        ckpt.load({"p": leaf})  # written in place: autograd must know
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+        buffer = torch.zeros(4)
+        view = buffer[:]  # another tensor the load writes, over the same bytes
+        ckpt.load({"a": buffer, "p": view[:3]})
+        assert torch.equal(buffer, torch.tensor([1.0, 1.0, 1.0, 3.0]))

@@ -632,3 +632,23 @@ def test_a_collection_inside_a_thread_pool_lock_never_waits_for_a_forgotten_chec
         deadline = time.monotonic() + 10
         while any(t.name == "aiosnap-close" for t in threading.enumerate()) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def test_a_checkpointer_dropped_without_close_is_closed_at_once(small_config: Config, tmp_path: Path) -> None:
+    """Dropped by its last reference (no garbage collection involved), it is closed on the
+    spot, as before the collector's closings moved to threads: its spool lock is free for
+    the next checkpointer at once, and its ResourceWarning is raised where it was dropped."""
+    config = small_config.model_copy(
+        update={"spool": small_config.spool.model_copy(update={"dir": str(tmp_path / "spool"), "mode": "always"})}
+    )
+
+    def forget() -> None:
+        ckpt = SyncCheckpointer(config)
+        ckpt.save({"x": torch.ones(100_000)}, step=1)  # not waited for, not closed
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forget()
+        assert any(issubclass(w.category, ResourceWarning) for w in caught)
+    with SyncCheckpointer(config) as again:  # the spool lock is free
+        assert again.steps() == [1]

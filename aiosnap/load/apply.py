@@ -117,20 +117,9 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
                 raise StateMismatchError(
                     f"{where}: checkpoint shape {tuple(value.shape)} != state shape {tuple(current.shape)}"
                 )
-            if not _same_memory(value, current):  # else read in place: already there
-                with torch.no_grad():
-                    current.copy_(value)
+            with torch.no_grad():  # read in place: the same memory, torch returns at once (and
+                current.copy_(value)  # bumps the version counter, so autograd knows it changed)
         elif isinstance(current, dict) and _dict_node_items(child) is not None:
             _apply(decode, step, child, current, where)
         else:
             target[key] = decode(child)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.device == b.device
-    )

@@ -21,7 +21,7 @@ from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
 
-__all__ = ["ReadPlan", "fetch_entries"]
+__all__ = ["ReadPlan", "fetch_entries", "naming_targets"]
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,12 @@ async def fetch_entries(
     except BaseExceptionGroup as group_error:
         leaf = first_error(group_error)
         if plan.into:
-            raise _naming_targets(leaf, [manifest.entries[i].path for i in plan.into]) from leaf.__cause__
+            raise naming_targets(leaf, [manifest.entries[i].path for i in plan.into]) from leaf.__cause__
         raise leaf from leaf.__cause__
     return tensors
 
 
-def _naming_targets(error: BaseException, paths: list[str]) -> BaseException:
+def naming_targets(error: BaseException, paths: list[str]) -> BaseException:
     """``error``, saying which of the caller's tensors were being loaded in place."""
     shown = ", ".join(repr(p) for p in paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
     note = (

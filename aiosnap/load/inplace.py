@@ -27,17 +27,24 @@ from .select import entries_under
 __all__ = ["destinations", "target_tree"]
 
 
-def target_tree(state: Any) -> Any:
-    """Caller's thread: ``state`` with Stateful objects replaced by their state dicts;
-    dicts, lists and tuples walked, tensors kept, anything else None."""
+def target_tree(state: Any, *, inside_stateful: bool = False) -> Any:
+    """Caller's thread: ``state`` as the load restores it: tensors (copied into) kept, dicts
+    walked, Stateful objects replaced by their state dicts (walked, lists included: they are
+    handed to ``load_state_dict``); anything else None -- among them lists and tuples of the
+    state itself, which a load replaces rather than writes into, and a Stateful whose
+    ``state_dict()`` fails (it is restored from new tensors)."""
     if isinstance(state, torch.Tensor):
         return state
     if is_stateful(state) and not isinstance(state, (dict, list, tuple)):
-        return target_tree(state.state_dict())
+        try:
+            own = state.state_dict()
+        except Exception:  # restorable before it can be saved (not set up yet): no in-place read
+            return None
+        return target_tree(own, inside_stateful=True)
     if isinstance(state, dict):
-        return {key: target_tree(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [target_tree(value) for value in state]
+        return {key: target_tree(value, inside_stateful=inside_stateful) for key, value in state.items()}
+    if inside_stateful and isinstance(state, (list, tuple)):
+        return [target_tree(value, inside_stateful=True) for value in state]
     return None
 
 
@@ -82,18 +89,43 @@ def destinations(manifest: Manifest, targets: Any, decode_key: Callable[[Any], A
                     pending.append((child, target[key]))
         elif tag in ("list", "tuple") and isinstance(target, list) and len(target) == len(node["items"]):
             pending.extend(zip(node["items"], target, strict=True))
-    return _without_overlaps(found)
+    return _without_overlaps(found, _cpu_tensors(targets))
 
 
-def _without_overlaps(found: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Drop destinations whose memory overlaps another's (tensors sharing a storage, views):
-    two reads must never land in the same bytes."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in found.items())
-    clash: set[int] = set()
+def _cpu_tensors(targets: Any) -> list[torch.Tensor]:
+    """Every CPU tensor the load may write (in place or by copying), each time it appears."""
+    found: list[torch.Tensor] = []
+    pending = [targets]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, torch.Tensor):
+            if current.device.type == "cpu" and current.layout == torch.strided and not current.is_meta:
+                found.append(current)
+        elif isinstance(current, dict):
+            pending.extend(current.values())
+        elif isinstance(current, list):
+            pending.extend(current)
+    return found
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` can touch: its extent in memory, whatever its (non-negative) strides."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def _without_overlaps(found: dict[int, torch.Tensor], written: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Keep only destinations whose memory no other tensor the load writes can touch (a
+    tensor given twice, views of one buffer, tensors sharing a storage): a read must never
+    land in bytes that another write, read or copy, also reaches."""
+    spans = sorted((*_span(t), id(t)) for t in written)
+    crowded: set[int] = set()  # ids of tensors overlapping another (or themselves, given twice)
     reach, holder = -1, -1
-    for start, end, index in spans:
-        if start < reach:
-            clash |= {index, holder}
+    for start, end, owner in spans:
+        if start < reach and end > start:
+            crowded |= {owner, holder}
         if end > reach:
-            reach, holder = end, index
-    return {i: t for i, t in found.items() if i not in clash}
+            reach, holder = end, owner
+    return {i: t for i, t in found.items() if id(t) not in crowded}
