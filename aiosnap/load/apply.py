@@ -16,7 +16,7 @@ from ..stateful import is_stateful
 from .decode import TreeDecoder
 from .fetch import ReadPlan
 from .inplace import destinations
-from .select import entries_under, needed_for_state, select_paths
+from .select import check_keys_present, entries_under, needed_for_state, select_paths
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
 
@@ -98,12 +98,7 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
     if items is None:
         raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
     saved = {decode(k): v for k, v in items}
-    missing = [k for k in target if k not in saved]
-    if missing:
-        raise StateMismatchError(
-            f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
-            f"(it has {sorted(map(str, saved))!r})"
-        )
+    check_keys_present(target, saved, step, path)
     for key, current in target.items():
         child = saved[key]
         where = f"{path}/{key}" if path else str(key)

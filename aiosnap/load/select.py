@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import StateMismatchError
 from ..stateful import is_stateful
 
-__all__ = ["check_patterns", "entries_under", "needed_for_state", "select_paths"]
+__all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
 
 
 def entries_under(node: Any) -> set[int]:
@@ -47,6 +47,16 @@ def _dict_items(node: Any) -> list[Any] | None:
     return None
 
 
+def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
+    """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s."""
+    missing = [k for k in target if k not in saved]
+    if missing:
+        raise StateMismatchError(
+            f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
+            f"(it has {sorted(map(str, saved))!r})"
+        )
+
+
 def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any], step: int) -> set[int] | None:
     """Entries ``load(state)`` reads; None when it cannot tell (keys that are not plain
     values): then everything is read. A key of ``state`` missing from the checkpoint is a
@@ -62,12 +72,7 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
             saved = {decode_key(k): v for k, v in items}
         except Exception:  # a key the selection cannot decode without the data
             return None
-        missing = [k for k in target if k not in saved]
-        if missing:
-            raise StateMismatchError(
-                f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
-                f"(it has {sorted(map(str, saved))!r})"
-            )
+        check_keys_present(target, saved, step, path)
         for key, current in target.items():
             child = saved[key]
             if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
