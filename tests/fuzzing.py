@@ -43,8 +43,20 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
 
 
 def mutate_document(doc: Any, rng: random.Random) -> Any:
-    """A copy of ``doc`` with one to three structural mutations."""
-    doc = copy.deepcopy(doc)
+    """A copy of ``doc`` with one to three structural mutations, still a document JSON can
+    write (deep nesting applied twice can outgrow Python's recursion limit in ``deepcopy`` or
+    ``json.dumps``: such a draw is made again)."""
+    for _ in range(10):
+        try:
+            mutated = _mutate(copy.deepcopy(doc), rng)
+            json.dumps(mutated)
+            return mutated
+        except RecursionError:
+            continue
+    return copy.deepcopy(doc)
+
+
+def _mutate(doc: Any, rng: random.Random) -> Any:
     for _ in range(rng.randint(1, 3)):
         paths = _paths(doc)
         path = rng.choice(paths)
