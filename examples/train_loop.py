@@ -35,6 +35,13 @@ def main() -> int:
     target = torch.randn(64, 10)
     handles = []
     with aiosnap.SyncCheckpointer(config) as ckpt:
+        earlier = ckpt.steps()
+        if earlier:  # steps only move forward: this run starts again at step 1
+            if args.config:
+                print(f"{ckpt.url} already holds steps {earlier}; use an empty root (or `aiosnap rollback`)")
+                return 1
+            print(f"{ckpt.url} holds steps {earlier} of an earlier demo run: removing them to start afresh")
+            ckpt.purge()
         print(
             f"aiosnap demo: {args.steps} steps, a checkpoint every {args.every}, into {ckpt.url} "
             f"(loop: {ckpt.loop_kind})"
