@@ -35,6 +35,7 @@ import base64
 import contextlib
 import contextvars
 import fcntl
+import json
 import os
 import re
 import stat as stat_module
@@ -185,10 +186,10 @@ class ArchiveStorage(Storage):
 
     def _commit(self, step: int, manifest_bytes: bytes, if_absent: bool) -> None:
         """Worker thread: finish the partial file and put it at ``P``."""
-        manifest = Manifest.from_json(manifest_bytes, f"{self.url} (manifest being committed)")
-        attempt = self._attempts.get(manifest.save_id)
-        if attempt is None or manifest.step != step:
-            raise FileNotFoundError(f"{self.url}: no save in progress for step {step} (save {manifest.save_id})")
+        named_step, save_id = _whose_manifest(manifest_bytes, self.url)
+        attempt = self._attempts.get(save_id)
+        if attempt is None or named_step != step:
+            raise FileNotFoundError(f"{self.url}: no save in progress for step {step} (save {save_id})")
         spec = attempt.spec
         assert spec.archive is not None
         records = [
@@ -355,14 +356,20 @@ class ArchiveStorage(Storage):
         return os.pread(version.fd, trailer.manifest_nbytes, trailer.manifest_offset)
 
     def _objects(self, version: _Version) -> dict[str, tuple[int, int]]:
-        """The version's objects (offset in the file, size), from its manifest."""
+        """The version's objects (offset in the file, size), from its manifest's object table.
+        A load has the whole manifest checked by the catalog already (the same version: see
+        :meth:`reading`); here only the table is taken, its types checked, and a table that
+        is not well-formed has the whole manifest checked (which raises ManifestError)."""
         if version.objects is None:
-            manifest = Manifest.from_json(self._manifest_bytes(version), self.url)
+            data = self._manifest_bytes(version)
+            table = _object_table(data)
+            if table is None:
+                table = [(o.name, o.nbytes) for o in Manifest.from_json(data, self.url).objects]
             objects: dict[str, tuple[int, int]] = {}
             position = 0
-            for obj in manifest.objects:
-                objects[obj.name] = (position, obj.nbytes)
-                position += obj.nbytes
+            for name, nbytes in table:
+                objects[name] = (position, nbytes)
+                position += nbytes
             version.objects = objects
         return version.objects
 
@@ -565,6 +572,31 @@ def is_archive(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return parse_trailer(tail, size) is not None
+
+
+_MANIFEST_HEAD = re.compile(rb'\{"format":"aiosnap","format_version":\d+,"step":(\d+),"save_id":"([0-9a-f]{16})"')
+
+
+def _object_table(data: bytes) -> list[tuple[str, int]] | None:
+    """``objects`` of a manifest as (name, size) pairs, or None when it is not well-formed."""
+    try:
+        table = [(o["name"], o["nbytes"]) for o in json.loads(data)["objects"]]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if all(type(name) is str and type(nbytes) is int and 0 <= nbytes < 2**63 for name, nbytes in table):
+        return table
+    return None
+
+
+def _whose_manifest(data: bytes, where: str) -> tuple[int, str]:
+    """The step and save id of a manifest being committed: read from its first bytes, as
+    :meth:`Manifest.to_json` writes them (a 40,000-entry manifest takes a second to parse,
+    and the commit has just built it); anything else is parsed and checked whole."""
+    head = _MANIFEST_HEAD.match(data)
+    if head is not None:
+        return int(head[1]), head[2].decode("ascii")
+    manifest = Manifest.from_json(data, f"{where} (manifest being committed)")
+    return manifest.step, manifest.save_id
 
 
 def _manifest_step(name: str) -> int | None:

@@ -347,6 +347,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("upload_executor", ["thread"] if thread_only else ["thread", "process"], indirect=True)
 
 
+def damage_entry(config: Config, path: str, at: int = 0, mask: int = 0xFF) -> None:
+    """Flip the bits ``mask`` of byte ``at`` of entry ``path`` in the latest step of the local
+    root ``config`` names (a disk that rotted after the commit)."""
+    with SyncCheckpointer(config) as ckpt:
+        manifest = ckpt.manifest()
+    where = next(e for e in manifest.entries if e.path == path).ranges[0]
+    target = Path(config.storage.url) / where.object
+    data = bytearray(target.read_bytes())
+    data[where.offset + at] ^= mask
+    target.write_bytes(bytes(data))
+
+
 def rot_after_writing(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Local files named ``name`` get a byte flipped right after aiosnap wrote them (a disk
     that rots what it was given): through ``durable.write_file``, which every spool write uses."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
 from aiosnap.load import fetch
+from tests.conftest import damage_entry
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -82,16 +83,10 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into(saved: tuple[Config,
 
 
 def test_a_damaged_range_names_the_tensors_loaded_in_place_and_atomic_touches_nothing(
-    saved: tuple[Config, dict[str, Any]], tmp_path: Path
+    saved: tuple[Config, dict[str, Any]],
 ) -> None:
     config, _ = saved
-    with SyncCheckpointer(config) as ckpt:
-        manifest = ckpt.manifest()
-    victim = next(e for e in manifest.entries if e.path == "model/0.weight").ranges[0]
-    path = tmp_path / victim.object
-    data = bytearray(path.read_bytes())
-    data[victim.offset + 10] ^= 0x01
-    path.write_bytes(bytes(data))
+    damage_entry(config, "model/0.weight", at=10, mask=0x01)
 
     model, _ = _trained(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}

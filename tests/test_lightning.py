@@ -87,6 +87,27 @@ def config() -> Config:
     return Config(ram_budget="16MiB", upload={"chunk_size": "64KiB"})
 
 
+def stop_and_resume(
+    tmp_path: Path, config: Config, epochs: int, **checkpointing: Any
+) -> tuple[LossLog, LossLog, LossLog]:
+    """An uninterrupted run of ``epochs``, and the same run stopped half way and resumed
+    with ``ckpt_path="last"`` through the plugin (``ModelCheckpoint(**checkpointing)``):
+    the losses of the straight run, of the first half, of the resumed half."""
+    torch.manual_seed(0)
+    straight = LossLog()
+    trainer(epochs, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
+    torch.manual_seed(0)
+    first = LossLog()
+    keep = ModelCheckpoint(dirpath=tmp_path / "ckpt", **checkpointing)
+    trainer(epochs // 2, AiosnapCheckpointIO(config), [first, keep], tmp_path).fit(Regressor(), loader())
+    resumed = LossLog()
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", **checkpointing)
+    trainer(epochs, AiosnapCheckpointIO(config), [resumed, again], tmp_path).fit(
+        Regressor(), loader(), ckpt_path="last"
+    )
+    return straight, first, resumed
+
+
 def test_topk_last_and_resume_continue_identically(tmp_path: Path, config: Config) -> None:
     torch.manual_seed(0)
     straight = LossLog()

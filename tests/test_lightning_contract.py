@@ -24,7 +24,7 @@ from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_stora
 from aiosnap.singlefile import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.conftest import FaultyStorage
-from tests.test_lightning import QUIET_LIGHTNING, LossLog, Regressor, loader, trainer
+from tests.test_lightning import QUIET_LIGHTNING, Regressor, loader, stop_and_resume, trainer
 
 REPO = Path(__file__).parent.parent
 
@@ -143,16 +143,7 @@ def test_a_checkpoint_saved_at_the_end_of_a_script_is_on_disk_after_it_exits(tmp
 
 
 def test_resume_from_last_link_continues_identically(tmp_path: Path, config: Config) -> None:
-    torch.manual_seed(0)
-    straight = LossLog()
-    trainer(4, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
-    torch.manual_seed(0)
-    first = LossLog()
-    ModelCheckpoint_ = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, save_last="link")
-    trainer(2, AiosnapCheckpointIO(config), [first, ModelCheckpoint_], tmp_path).fit(Regressor(), loader())
-    resumed = LossLog()
-    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, save_last="link")
-    trainer(4, AiosnapCheckpointIO(config), [resumed, again], tmp_path).fit(Regressor(), loader(), ckpt_path="last")
+    straight, _, resumed = stop_and_resume(tmp_path, config, 4, save_top_k=-1, save_last="link")
     assert resumed.losses and all(resumed.losses[s] == straight.losses[s] for s in resumed.losses)
 
 

@@ -20,7 +20,7 @@ from aiosnap.integrations.lightning import AiosnapCheckpointIO
 from aiosnap.singlefile import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.utilities import _scan_checkpoints
-from tests.test_lightning import QUIET_LIGHTNING, LossLog, Regressor, loader, trainer
+from tests.test_lightning import QUIET_LIGHTNING, Regressor, loader, stop_and_resume, trainer
 
 pytestmark = [pytest.mark.both_executors, QUIET_LIGHTNING]
 
@@ -125,16 +125,7 @@ def test_a_loggers_scan_finds_the_checkpoints(tmp_path: Path, config: Config) ->
 
 
 def test_resume_with_ckpt_path_last_is_bit_identical(tmp_path: Path, config: Config) -> None:
-    torch.manual_seed(0)
-    straight = LossLog()
-    trainer(4, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
-    torch.manual_seed(0)
-    first = LossLog()
-    keep = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer(2, AiosnapCheckpointIO(config), [first, keep], tmp_path).fit(Regressor(), loader())
-    resumed = LossLog()
-    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer(4, AiosnapCheckpointIO(config), [resumed, again], tmp_path).fit(Regressor(), loader(), ckpt_path="last")
+    straight, first, resumed = stop_and_resume(tmp_path, config, 4, save_last=True)
     assert sorted(resumed.losses) == [s for s in sorted(straight.losses) if s > max(first.losses)]
     assert all(resumed.losses[s] == straight.losses[s] for s in resumed.losses)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from aiosnap import Config, StateMismatchError, SyncCheckpointer
 from aiosnap.storage.local import LocalStorage
-from tests.conftest import FaultyStorage
+from tests.conftest import FaultyStorage, damage_entry
 
 
 def _state() -> dict[str, Any]:
@@ -56,16 +56,10 @@ def test_loading_the_model_reads_only_its_bytes(saved: tuple[Config, dict[str, A
 
 
 def test_a_damaged_part_nobody_loads_does_not_fail_a_partial_load(
-    saved: tuple[Config, dict[str, Any]], tmp_path: Path
+    saved: tuple[Config, dict[str, Any]],
 ) -> None:
     config, _ = saved
-    with SyncCheckpointer(config) as ckpt:
-        manifest = ckpt.manifest()
-    big = next(e for e in manifest.entries if e.path == "big")
-    target = tmp_path / big.ranges[0].object
-    data = bytearray(target.read_bytes())
-    data[big.ranges[0].offset] ^= 0xFF
-    target.write_bytes(bytes(data))
+    damage_entry(config, "big")
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     with SyncCheckpointer(config) as ckpt:
         ckpt.load({"model": model, "step": 0})

@@ -261,6 +261,11 @@ def make_plan(
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if single_file and world_size != 1:
+        raise UnsupportedStateError(
+            f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
+            "into one (save to a folder root, or from one rank)"
+        )
     flattener = _Flattener()
     tree = flattener.encode(state, "")
     save_id = uuid.uuid4().hex[:16]
@@ -268,12 +273,6 @@ def make_plan(
     archive: ArchiveSpec | None = None
     if single_file:
         from .archive_plan import layout_archive, torch_pickle
-
-        if world_size != 1:
-            raise UnsupportedStateError(
-                f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
-                "into one (save to a folder root, or from one rank)"
-            )
 
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
