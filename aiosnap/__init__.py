@@ -14,9 +14,13 @@ from .errors import (
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedError,
     ForkedProcessError,
     ManifestError,
     PickleNotAllowedError,
+    RankFailedError,
+    RanksDisagreeError,
+    RankTimeoutError,
     SpoolBusyError,
     StateMismatchError,
     StepOrderError,
@@ -31,6 +35,7 @@ from .errors import (
 if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does not import torch
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
+    from .distributed.stateful import ShardedState
     from .events import Event, JsonlHandler, LoggingHandler
     from .format.manifest import Manifest
     from .rng import RNGState
@@ -48,6 +53,7 @@ _LAZY = {
     "LoggingHandler": "events",
     "Manifest": "format.manifest",
     "RNGState": "rng",
+    "ShardedState": "distributed.stateful",
 }
 
 
@@ -73,6 +79,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptCheckpointError",
+    "DistributedError",
     "Event",
     "ForkedProcessError",
     "JsonlHandler",
@@ -81,8 +88,12 @@ __all__ = [
     "ManifestError",
     "PickleNotAllowedError",
     "RNGState",
+    "RankFailedError",
+    "RankTimeoutError",
+    "RanksDisagreeError",
     "SaveHandle",
     "SaveResult",
+    "ShardedState",
     "SpoolBusyError",
     "StateMismatchError",
     "StepOrderError",

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
+from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .failures import FailureLedger
@@ -175,10 +176,12 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
 class _Core:
     """What both APIs share: config, the loop thread, the engine, the lifecycle.
 
-    ``rank``/``world_size`` default to the position in ``process_group`` when one is given
-    (else 0 and 1); events name that group's backend and size (the default group's when
-    none is given and torch.distributed is initialised). ``event_handlers`` are callables
-    receiving every :class:`~aiosnap.events.Event`, after the ones ``config.events`` sets up.
+    ``rank``/``world_size`` default to this process's place in ``process_group`` (the
+    default group when none is given and torch.distributed is initialised; else 0 and 1).
+    With more than one rank, making the checkpointer is collective: every rank of the group
+    makes one, and aiosnap makes its own gloo group over those ranks, on which ``save()`` and
+    ``load()`` agree (events name that group). ``event_handlers`` are callables receiving
+    every :class:`~aiosnap.events.Event`, after the ones ``config.events`` sets up.
     """
 
     def __init__(
@@ -191,8 +194,11 @@ class _Core:
         process_group: Any | None = None,
         event_handlers: Sequence[EventHandler] = (),
     ) -> None:
-        group = ProcessGroupInfo.of(process_group, rank, world_size)
         self.config = Config.coerce(config)
+        self._job = DistributedJob(
+            self.config.distributed, ProcessGroupInfo.of(process_group, rank, world_size), process_group
+        )
+        group = self._job.info
         ram_budget = self.config.ram_budget_bytes()
         if storage is None:
             storage = storage_for(self.config.storage.url, self.config)
@@ -207,6 +213,7 @@ class _Core:
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
         events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         with ExitStack() as undo:  # a failure below releases what was acquired so far
+            undo.callback(self._job.close)
             undo.callback(events.close)
             spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
             if spool is not None:
@@ -281,9 +288,14 @@ class _Core:
             self._loop.submit(asyncio.sleep(0))  # raises ForkedProcessError
 
     def _plan(
-        self, state: dict[str, Any], step: int, metadata: dict[str, Any] | None
+        self,
+        state: dict[str, Any],
+        step: int,
+        metadata: dict[str, Any] | None,
+        rank_local: Sequence[str] | None = None,
     ) -> tuple[SavePlan, CudaOrder | None]:
-        """Runs on the caller's thread: take state dicts, flatten, lay out chunks."""
+        """Runs on the caller's thread: take state dicts, flatten, (with several ranks)
+        agree with the other ranks, lay out chunks."""
         self._check_open()
         if metadata is not None:
             if not isinstance(metadata, dict):
@@ -300,6 +312,8 @@ class _Core:
             world_size=self.world_size,
             metadata=metadata,
             single_file=self._storage.single_file,
+            rank_local=self._job.rank_local(rank_local) if self._job.multi_rank else list(rank_local or ()),
+            agree=self._job.agreement(step),
         )
         return plan, CudaOrder.record(plan)
 
@@ -377,6 +391,7 @@ class _Core:
             return
         self._loop.stop()
         self._engine.events.close()
+        self._job.close()
         failures = self._engine.failures.take_all()
         for failure in failures[1:] if raise_failure else failures:
             log.warning("aiosnap: a save failed and nobody waited for it: %r", failure)
@@ -407,13 +422,25 @@ class Checkpointer(_Core):
         view: Checkpointer = self._view(url, keep_last, storage)
         return view
 
-    async def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    async def save(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        rank_local: Sequence[str] | None = None,
+    ) -> SaveHandle:
         """Capture ``state`` and return once every byte is captured (the state may then be
         mutated). ``await`` the handle for durability. Waits first while
         ``max_pending_saves`` saves are in flight. Raises a background failure of an earlier
-        save (original type) instead of starting a new one, once."""
+        save (original type) instead of starting a new one, once.
+
+        With several ranks every rank calls it for the same step: replicated values are
+        written once, DTensors as their shards, and ``rank_local`` path patterns (added to
+        ``distributed.rank_local``) name values each rank saves for itself. The handle
+        resolves when the step is committed (every rank's data landed) on every rank."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata)
+        plan, order = self._plan(state, step, metadata, rank_local)
         try:
             durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
         except asyncio.CancelledError:
@@ -429,6 +456,7 @@ class Checkpointer(_Core):
         allow_pickle: bool = False,
         paths: Sequence[str] | None = None,
         atomic: bool = False,
+        skip_rank_local: bool = False,
     ) -> Any:
         """Restore the latest committed step (or ``step``): into ``state`` when given (and
         return it), else as a new nested state. Only the bytes needed are read: those of the
@@ -440,11 +468,23 @@ class Checkpointer(_Core):
         and shape (a module's or optimizer's own, through its ``state_dict()``): no second
         copy of the state. Every range's crc32c is checked; if one fails, the error names
         the tensors that may hold partly loaded data. ``atomic=True`` reads into new tensors
-        and touches ``state`` only once everything is verified (twice the memory)."""
+        and touches ``state`` only once everything is verified (twice the memory).
+
+        A multi-rank checkpoint loads into any number of ranks (every rank calls ``load()``
+        with the same arguments): DTensors in ``state`` get the bytes of their own shard,
+        read from whichever saved shards overlap it; a load without ``state`` returns full
+        tensors. Rank-local values go back to the rank that saved them; with another world
+        size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
+        if self._job.needs_latest(step):
+            found: list[int] = await self._call(self._engine.steps(self._storage))
+            step = self._job.load_step(step, found[-1] if found else None)
+        else:
+            step = self._job.load_step(step, None)
+        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted))
+            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
             return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
 
@@ -524,11 +564,18 @@ class SyncCheckpointer(_Core):
         view: SyncCheckpointer = self._view(url, keep_last, storage)
         return view
 
-    def save(self, state: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
+    def save(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        rank_local: Sequence[str] | None = None,
+    ) -> SyncSaveHandle:
         """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
-        Same waiting and failure rules as :meth:`Checkpointer.save`."""
+        Same waiting, failure and multi-rank rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata)
+        plan, order = self._plan(state, step, metadata, rank_local)
         try:
             durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
         except BaseException:
@@ -544,12 +591,19 @@ class SyncCheckpointer(_Core):
         allow_pickle: bool = False,
         paths: Sequence[str] | None = None,
         atomic: bool = False,
+        skip_rank_local: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
+        if self._job.needs_latest(step):
+            found = self._loop.run(self._engine.steps(self._storage))
+            step = self._job.load_step(step, found[-1] if found else None)
+        else:
+            step = self._job.load_step(step, None)
+        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted))
+            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
             return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
 

@@ -168,6 +168,22 @@ class EventsConfig(_Section):
     """Append every event as one JSON line to this file."""
 
 
+class DistributedConfig(_Section):
+    """Multi-rank checkpoints (torch.distributed with more than one rank)."""
+
+    commit_timeout: float = Field(600.0, gt=0, le=86400)
+    """Seconds the coordinator (rank 0) waits for every rank's part of a save once its own is
+    written; then the save fails on every rank, naming the ranks missing, and the previous
+    checkpoint stays the latest."""
+    agree_timeout: float = Field(600.0, gt=0, le=86400)
+    """Seconds ``save()``/``load()`` wait for every rank to arrive (ranks agree on the save on
+    aiosnap's own CPU group); then they raise, naming the ranks that did not."""
+    rank_local: list[str] = []
+    """Path patterns (``fnmatch``, keys joined by ``/``: ``"rng"``, ``"loader/*"``) whose
+    values each rank saves for itself and gets back (RNG states, data-loader positions);
+    ``save(rank_local=...)`` adds to these."""
+
+
 class S3Config(_Section):
     """S3 and S3-compatible stores (used when ``storage.url`` is ``s3://bucket/prefix``).
 
@@ -232,6 +248,7 @@ class Config(BaseSettings):
     s3: S3Config = S3Config()
     spool: SpoolConfig = SpoolConfig()
     events: EventsConfig = EventsConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __init__(self, **values: Any) -> None:
         """Validate ``values`` over the environment, the YAML file being loaded and the

@@ -13,6 +13,10 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
     ├── StateMismatchError           load(state): the checkpoint does not fit the given state
     ├── UploadProcessError           the upload process (upload.executor: process) died
+    ├── DistributedError             a multi-rank save or load could not be coordinated
+    │   ├── RanksDisagreeError       ranks saved different steps or differently shaped states
+    │   ├── RankTimeoutError         ranks missing (named) when the timeout ran out
+    │   └── RankFailedError          another rank's part of the save failed: nothing committed
     ├── StorageError                 a remote store refused or failed a request (botocore chained)
     │   └── StorageUnavailableError  retries (throttling, 5xx, resets, timeouts) ran out of time
     ├── CorruptCheckpointError       a checkpoint exists but must not be trusted
@@ -35,9 +39,13 @@ __all__ = [
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DistributedError",
     "ForkedProcessError",
     "ManifestError",
     "PickleNotAllowedError",
+    "RankFailedError",
+    "RankTimeoutError",
+    "RanksDisagreeError",
     "SpoolBusyError",
     "StateMismatchError",
     "StepOrderError",
@@ -96,6 +104,25 @@ class StateMismatchError(AiosnapError, ValueError):
 class UploadProcessError(AiosnapError, RuntimeError):
     """The upload process (``upload.executor: process``) died or stopped answering: the saves
     it had are failed (their spooled chunks stay for resume); the next save starts a new one."""
+
+
+class DistributedError(AiosnapError, RuntimeError):
+    """A multi-rank save or load could not be coordinated; no step was committed by it."""
+
+
+class RanksDisagreeError(DistributedError, ValueError):
+    """Ranks called ``save()``/``load()`` for different steps, or with states whose replicated
+    entries differ (paths, dtypes, shapes, placements); the message names the first difference."""
+
+
+class RankTimeoutError(DistributedError, TimeoutError):
+    """Ranks did not arrive (at ``save()``'s agreement) or did not deliver their part of a save
+    (at its commit) within the timeout; the message names them."""
+
+
+class RankFailedError(DistributedError):
+    """Another rank's part of the save failed or the coordinator gave the save up; the
+    message carries the reason it recorded. Nothing was committed."""
 
 
 class StorageError(AiosnapError):

@@ -70,7 +70,9 @@ class ProcessGroupInfo:
             group = process_group if process_group is not None else dist.group.WORLD
             backend = str(dist.get_backend(group))
             group_size = dist.get_world_size(group)
-            if process_group is not None:
+            if rank is None and world_size is None:  # this process's place in the group
+                rank, world_size = dist.get_rank(group), group_size
+            elif process_group is not None:
                 rank = dist.get_rank(group) if rank is None else rank
                 world_size = group_size if world_size is None else world_size
         rank = 0 if rank is None else rank

@@ -533,12 +533,14 @@ class Engine:
         allow_pickle: bool,
         storage: Storage,
         select: Callable[[Manifest], ReadPlan] | None = None,
+        view: Callable[[Manifest], Manifest] | None = None,
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        """The manifest of ``step`` (latest committed when None) and its verified tensors
-        (as ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
+        """The manifest of ``step`` (latest committed when None) as ``view`` shows it (a
+        rank's view of a multi-rank checkpoint) and its verified tensors (as
+        ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
         from one version of the checkpoint."""
         with self.arena.capturing():  # the staging prewarm waits: a restore is on the critical path too
-            return await self._read(step, allow_pickle, storage, select)
+            return await self._read(step, allow_pickle, storage, select, view)
 
     async def _read(
         self,
@@ -546,9 +548,12 @@ class Engine:
         allow_pickle: bool,
         storage: Storage,
         select: Callable[[Manifest], ReadPlan] | None,
+        view: Callable[[Manifest], Manifest] | None,
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
         async with storage.reading():
             manifest = await self.manifest(step, storage)
+            if view is not None:
+                manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
             check_pickles(manifest, allow_pickle, plan.only)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan)

@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,6 +24,7 @@ from ..errors import ManifestError
 from ..names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
+from .tiling import check_tiling
 from .tree import check_tree
 
 __all__ = [
@@ -34,13 +36,18 @@ __all__ = [
     "DataObject",
     "EntryRecord",
     "Manifest",
+    "RankLocalRecord",
+    "ShardRecord",
     "build_manifest",
     "manifest_name",
 ]
 
-FORMAT_VERSION = 2
-"""Written by this aiosnap: version 1 plus a crc32c of the manifest's own bytes (versions 1
-and 2 are read)."""
+FORMAT_VERSION = 3
+"""Read by this aiosnap: 1; 2 added a crc32c of the manifest's own bytes; 3 added multi-rank
+checkpoints (sharded entries, rank-local values). A manifest is written with the oldest
+version that holds it (:data:`PLAIN_VERSION` unless it has multi-rank parts), so that older
+readers keep reading what they can and refuse the rest by its version."""
+PLAIN_VERSION = 2
 _CRC_FIELD = b',"crc32c":'
 MAX_MANIFEST_BYTES = 128 * 1024**2
 """A manifest larger than this is refused unread (a hostile file must not exhaust memory)."""
@@ -68,21 +75,38 @@ class DataObject(_Frozen):
     _check_name = field_validator("name")(check_object_name)
 
 
+class ShardRecord(_Frozen):
+    """One stored shard of a sharded entry: where it sits in the global tensor (``offsets``,
+    ``shape``) and its bytes (contiguous, row-major), written by one rank."""
+
+    offsets: list[int]
+    shape: list[int]
+    ranges: list[ByteRange]
+
+
 class EntryRecord(_Frozen):
+    """A stored tensor or pickle (its ``ranges``), or, of kind ``sharded``, a tensor of
+    global ``shape`` stored as ``shards`` that tile it (a DTensor saved by several ranks)."""
+
     path: str
-    kind: Literal["tensor", "pickle"]
+    kind: Literal["tensor", "pickle", "sharded"]
     dtype: str
     shape: list[int]
     stride: list[int]
     device: str
     nbytes: int = Field(ge=0, lt=_MAX_INT)
     ranges: list[ByteRange]
+    shards: list[ShardRecord] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> EntryRecord:
-        if sum(r.nbytes for r in self.ranges) != self.nbytes:
-            raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
         itemsize = dtype_itemsize(self.dtype)
+        if (self.kind == "sharded") != (self.shards is not None):
+            raise ValueError(f"{self.path}: shards belong to sharded entries, and only to them")
+        if self.shards is not None:
+            _check_shards(self, itemsize)
+        elif sum(r.nbytes for r in self.ranges) != self.nbytes:
+            raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
         if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > 64:
             raise ValueError(f"{self.path}: invalid shape {self.shape}")
         if len(self.stride) != len(self.shape):
@@ -93,6 +117,30 @@ class EntryRecord(_Frozen):
         if self.kind == "pickle" and (self.dtype != "uint8" or len(self.shape) != 1):
             raise ValueError(f"{self.path}: a pickle entry is a flat uint8 blob")
         return self
+
+
+def _check_shards(entry: EntryRecord, itemsize: int) -> None:
+    if entry.ranges:
+        raise ValueError(f"{entry.path}: a sharded entry's bytes are in its shards")
+    for shard in entry.shards or ():
+        if any(not 0 <= v < _MAX_INT for v in (*shard.offsets, *shard.shape)):
+            raise ValueError(f"{entry.path}: invalid shard at {shard.offsets} of shape {shard.shape}")
+        nbytes = math.prod(shard.shape) * itemsize
+        if sum(r.nbytes for r in shard.ranges) != nbytes:
+            raise ValueError(f"{entry.path}: the shard at {shard.offsets} is {nbytes} bytes, its ranges are not")
+    try:
+        check_tiling(entry.shape, [(tuple(s.offsets), tuple(s.shape)) for s in entry.shards or ()])
+    except ValueError as exc:
+        raise ValueError(f"{entry.path}: {exc}") from None
+
+
+class RankLocalRecord(_Frozen):
+    """What one rank saved of the paths declared ``rank_local``: one tree per
+    ``{"t": "rank_local", "slot": N}`` node of the manifest's tree (in slot order), whose
+    tensor and pickle nodes name this record's own ``entries``."""
+
+    values: list[Any]
+    entries: list[EntryRecord]
 
 
 class Manifest(_Frozen):
@@ -106,6 +154,8 @@ class Manifest(_Frozen):
     entries: list[EntryRecord]
     tree: Any
     metadata: dict[str, Any]
+    rank_local: list[RankLocalRecord] | None = None
+    """One record per rank (``world_size`` of them) when the save declared rank-local paths."""
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -121,20 +171,43 @@ class Manifest(_Frozen):
             if sizes.setdefault(obj.name, obj.nbytes) != obj.nbytes:
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
         spans: dict[str, list[tuple[int, int]]] = {}
-        for entry in self.entries:
-            for r in entry.ranges:
-                if r.object not in sizes:
-                    raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
-                if r.offset + r.nbytes > sizes[r.object]:
-                    raise ValueError(f"{entry.path}: range runs past the end of {r.object!r}")
-                spans.setdefault(r.object, []).append((r.offset, r.offset + r.nbytes))
+        for entry, r in self._all_ranges():
+            if r.object not in sizes:
+                raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
+            if r.offset + r.nbytes > sizes[r.object]:
+                raise ValueError(f"{entry.path}: range runs past the end of {r.object!r}")
+            spans.setdefault(r.object, []).append((r.offset, r.offset + r.nbytes))
         for name, found in spans.items():  # no byte stored once may be loaded twice
             found.sort()
             for (_, end), (start, _) in itertools.pairwise(found):
                 if start < end:
                     raise ValueError(f"byte ranges overlap in object {name!r}")
-        check_tree(self.tree, [e.kind for e in self.entries])
+        slots = check_tree(self.tree, [e.kind for e in self.entries])
+        if self.rank_local is not None and len(self.rank_local) != self.world_size:
+            raise ValueError(f"rank-local values of {len(self.rank_local)} ranks in a world of {self.world_size}")
+        if slots and self.rank_local is None:
+            raise ValueError(f"the tree has {slots} rank-local value(s) but no rank holds any")
+        for rank, part in enumerate(self.rank_local or ()):
+            if len(part.values) != slots:
+                raise ValueError(f"rank {rank}: {len(part.values)} rank-local values, the tree has {slots}")
+            kinds = [e.kind for e in part.entries]
+            if "sharded" in kinds:
+                raise ValueError(f"rank {rank}: a rank-local value cannot be sharded")
+            for value in part.values:
+                if check_tree(value, kinds, local=True):
+                    raise ValueError(f"rank {rank}: rank-local values cannot nest")
+        if self.format_version < 3 and (slots or any(e.kind == "sharded" for e in self.entries)):
+            raise ValueError(f"format version {self.format_version} has no multi-rank parts")
         return self
+
+    def _all_ranges(self) -> Iterator[tuple[EntryRecord, ByteRange]]:
+        for entry in self.entries:
+            yield from ((entry, r) for r in entry.ranges)
+            for shard in entry.shards or ():
+                yield from ((entry, r) for r in shard.ranges)
+        for part in self.rank_local or ():
+            for entry in part.entries:
+                yield from ((entry, r) for r in entry.ranges)
 
     @property
     def total_bytes(self) -> int:
@@ -142,7 +215,7 @@ class Manifest(_Frozen):
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""
-        body = self.model_dump_json().encode("utf-8")
+        body = self.model_dump_json(exclude_none=True).encode("utf-8")
         return body[:-1] + _CRC_FIELD + b"%d}" % crc32c_of(body)
 
     @classmethod
@@ -223,8 +296,10 @@ def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
         )
         for index, e in enumerate(spec.entries)
     ]
+    if spec.distributed is not None:
+        raise ValueError(f"step {spec.step}: a multi-rank save is committed by its coordinator, from every rank's part")
     return Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=PLAIN_VERSION,
         step=spec.step,
         save_id=spec.save_id,
         created_at=time.time(),

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter
 
-__all__ = ["ArchiveSpec", "ChunkSpec", "EntrySpec", "PieceSpec", "SaveSpec"]
+__all__ = ["ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
 
 _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no coercion
 
@@ -71,6 +71,36 @@ class ArchiveSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """Entry ``entry`` (kind ``sharded``) is this rank's shard of a DTensor: its box."""
+
+    __pydantic_config__ = _STRICT
+
+    entry: int
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DistSpec:
+    """A rank's part of a multi-rank save (see :mod:`aiosnap.distributed`).
+
+    Entries ``[0, main_entries)`` are the state's shared table (the same on every rank);
+    the rest are this rank's rank-local values, whose trees ``local_values`` (one per
+    ``rank_local`` slot of the tree) name them. This rank writes the main entries
+    ``written`` and all of its rank-local ones."""
+
+    __pydantic_config__ = _STRICT
+
+    coordinator: int
+    commit_timeout: float
+    main_entries: int
+    written: tuple[int, ...]
+    shards: tuple[ShardSpec, ...]
+    local_values: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Everything about one save attempt except its bytes."""
 
@@ -85,10 +115,17 @@ class SaveSpec:
     entries: tuple[EntrySpec, ...]
     chunks: tuple[ChunkSpec, ...]
     archive: ArchiveSpec | None = None
+    distributed: DistSpec | None = None
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        """The bytes this save writes (of a multi-rank save: this rank's part)."""
+        if self.distributed is None:
+            return sum(e.nbytes for e in self.entries)
+        dist = self.distributed
+        return sum(self.entries[i].nbytes for i in dist.written) + sum(
+            e.nbytes for e in self.entries[dist.main_entries :]
+        )
 
     def to_document(self) -> dict[str, Any]:
         """A JSON-able document (the spool journal's)."""

@@ -2,7 +2,9 @@
 
 The tree is JSON: plain leaves (``None``, ``bool``, ``int``, ``float``, ``str``) inline, and
 nodes ``{"t": TAG, ...}`` for everything else. ``{"t": "tensor", "id": N}`` and
-``{"t": "pickle", "id": N}`` point into the manifest's entry table.
+``{"t": "pickle", "id": N}`` point into the manifest's entry table; in a multi-rank
+checkpoint ``{"t": "dtensor", "id": N}`` names a sharded entry and ``{"t": "rank_local",
+"slot": N}`` stands for a value every rank saved for itself (kept beside the tree, per rank).
 
 A manifest is read back from storage that other people may write, so :func:`check_tree`
 validates every node (tags, field types, entry references whose kind must match the tag,
@@ -30,6 +32,9 @@ MAX_TREE_DEPTH = 100
 _CONTAINERS = {"dict", "odict", "list", "tuple", "stateful"}
 _HASHABLE_TAGS = {"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"}
 _MAX_DIM = 2**62
+_MAX_SLOTS = 2**20
+_ENTRY_KINDS = {"tensor": "tensor", "pickle": "pickle", "dtensor": "sharded"}
+"""Tree tags that name an entry, and the kind of entry each must name."""
 
 
 DEVICE_TYPES = (
@@ -102,8 +107,10 @@ class _TreeError(ValueError):
 
 
 class _Checker:
-    def __init__(self, kinds: Sequence[str]) -> None:
+    def __init__(self, kinds: Sequence[str], local: bool) -> None:
         self.kinds = kinds
+        self.local = local
+        self.slots: set[int] = set()
 
     def check(self, node: Any, path: str, depth: int) -> bool:
         """Validate ``node``; returns whether the value it decodes to is hashable."""
@@ -124,14 +131,21 @@ class _Checker:
         if not isinstance(node, dict) or type(node.get("t")) is not str:
             raise ValueError(f"malformed tree node {node!r:.60}")
         tag = node["t"]
-        if tag in ("tensor", "pickle"):
+        if tag in _ENTRY_KINDS:
             _fields(node, "id")
             index = node["id"]
             if type(index) is not int or not 0 <= index < len(self.kinds):
                 raise ValueError(f"{tag} node names no entry ({index!r:.20})")
-            if self.kinds[index] != tag:
+            if self.kinds[index] != _ENTRY_KINDS[tag]:
                 raise ValueError(f"{tag} node names entry {index}, which is a {self.kinds[index]}")
             return True
+        if tag == "rank_local":
+            _fields(node, "slot")
+            slot = node["slot"]
+            if self.local or type(slot) is not int or not 0 <= slot < _MAX_SLOTS or slot in self.slots:
+                raise ValueError(f"invalid rank-local node (slot {slot!r:.20})")
+            self.slots.add(slot)
+            return False
         if tag not in _CONTAINERS:
             _check_leaf_node(node)
             return tag in _HASHABLE_TAGS
@@ -161,12 +175,17 @@ def _key_text(node: Any) -> str:
     return node if isinstance(node, str) else repr(node)[:40]
 
 
-def check_tree(tree: Any, entry_kinds: Sequence[str]) -> None:
+def check_tree(tree: Any, entry_kinds: Sequence[str], *, local: bool = False) -> int:
     """Raise ValueError (naming the place) unless ``tree`` is a well-formed tree whose
-    tensor and pickle nodes name entries of that kind. Iterative in effect: bounded by
+    tensor, pickle and dtensor nodes name entries of their kind (``tensor``, ``pickle``,
+    ``sharded``). Returns how many ``rank_local`` nodes it has (numbered 0..N-1, each once;
+    none in a ``local`` tree: a rank's own values). Iterative in effect: bounded by
     :data:`MAX_TREE_DEPTH`, so no input can exhaust the stack."""
-    checker = _Checker(entry_kinds)
+    checker = _Checker(entry_kinds, local)
     try:
         checker.check(tree, "", 0)
     except RecursionError:  # pragma: no cover - the depth bound is far below the stack limit
         raise ValueError("tree nested too deeply") from None
+    if checker.slots != set(range(len(checker.slots))):
+        raise ValueError(f"rank-local slots {sorted(checker.slots)[:8]} are not numbered from 0")
+    return len(checker.slots)

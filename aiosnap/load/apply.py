@@ -13,9 +13,10 @@ import torch
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from ..stateful import is_stateful
-from .decode import TreeDecoder
+from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations
+from .reshard import shard_targets
 from .select import check_keys_present, entries_under, needed_for_state, select_paths
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
@@ -73,9 +74,11 @@ def plan_read(
         return ReadPlan()
     only = needed_for_state(manifest.tree, state, keys, manifest.step)
     into = {} if targets is None else destinations(manifest, targets, keys)
+    shards = {} if targets is None else shard_targets(manifest, targets, keys)
     if only is not None:
         into = {i: t for i, t in into.items() if i in only}
-    return ReadPlan(only=only, into=into)
+        shards = {i: t for i, t in shards.items() if i in only}
+    return ReadPlan(only=only, into=into, shards=shards)
 
 
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
@@ -101,6 +104,8 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
     check_keys_present(target, saved, step, path)
     for key, current in target.items():
         child = saved[key]
+        if is_skipped(child):  # a rank-local value this load leaves as it is
+            continue
         where = f"{path}/{key}" if path else str(key)
         if is_stateful(current) and not isinstance(current, dict):
             current.load_state_dict(decode(child))

@@ -20,7 +20,12 @@ from ..format.dtypes import dtype_itemsize
 from ..format.tree import float_text
 from ..tensorio import bytes_view
 
-__all__ = ["TreeDecoder", "torch_dtype"]
+__all__ = ["TreeDecoder", "is_skipped", "torch_dtype"]
+
+
+def is_skipped(node: Any) -> bool:
+    """A rank-local value the load skips (see :mod:`aiosnap.load.ranks`): left out."""
+    return isinstance(node, dict) and node.get("t") == "skipped"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -74,6 +79,8 @@ class TreeDecoder:
         tag = node["t"]
         if tag == "tensor":
             return self.tensor_of(self._entry(node, "tensor"))
+        if tag == "dtensor":
+            return self.tensor_of(self._entry(node, "sharded"))
         if tag == "pickle":
             index = self._entry(node, "pickle")
             if not self.allow_pickle:
@@ -84,7 +91,7 @@ class TreeDecoder:
             blob = bytes(bytes_view(self.tensor_of(index)))
             return pickle.loads(blob)  # noqa: S301 - the caller opted in
         if tag in ("dict", "odict"):
-            items = [(self._decode(k), self._decode(v)) for k, v in node["items"]]
+            items = [(self._decode(k), self._decode(v)) for k, v in node["items"] if not is_skipped(v)]
             if tag == "dict":
                 return dict(items)
             ordered: OrderedDict[Any, Any] = OrderedDict(items)
@@ -92,7 +99,7 @@ class TreeDecoder:
                 ordered._metadata = self._decode(node["meta"])  # type: ignore[attr-defined]
             return ordered
         if tag == "list":
-            return [self._decode(v) for v in node["items"]]
+            return [None if is_skipped(v) else self._decode(v) for v in node["items"]]
         if tag == "tuple":
             return tuple(self._decode(v) for v in node["items"])
         if tag == "stateful":

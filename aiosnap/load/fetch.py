@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checksums import crc32c_of
-from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from ..format.manifest import ByteRange, Manifest
+from ..errors import AiosnapError, CorruptCheckpointError, TruncatedObjectError, first_error
+from ..format.manifest import Manifest
 from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
+from .fetch_runs import Range, Run, plan_runs, read_run
+from .reshard import ShardTarget, overlaps, read_into_targets, whole_target
 
 __all__ = ["ReadPlan", "fetch_entries", "naming_targets"]
 
@@ -31,6 +32,8 @@ class ReadPlan:
 
     only: set[int] | None = None
     into: dict[int, torch.Tensor] = field(default_factory=dict)
+    shards: dict[int, ShardTarget] = field(default_factory=dict)
+    """Entries read into the caller's DTensors (see :mod:`aiosnap.load.reshard`)."""
 
 
 def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
@@ -41,92 +44,6 @@ def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
         return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     except RuntimeError as exc:  # cannot allocate: refuse the checkpoint, not crash the caller
         raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
-
-
-MAX_GAP = 4096
-"""Ranges of one object at most this many bytes apart are read with one request (the gap's
-bytes are read and dropped): pieces in a chunk are 64-byte aligned, so neighbours are
-never more than 63 bytes apart."""
-MAX_RUN_BYTES = 64 * 1024**2
-"""A coalesced read never spans more than this (reads of one object still go in parallel)."""
-
-
-@dataclass(frozen=True)
-class _Range:
-    path: str
-    where: ByteRange
-    dest: memoryview
-
-
-@dataclass
-class _Run:
-    """Neighbouring ranges of one object, read with one request."""
-
-    object: str
-    ranges: list[_Range] = field(default_factory=list)
-
-    @property
-    def start(self) -> int:
-        return self.ranges[0].where.offset
-
-    @property
-    def end(self) -> int:
-        last = self.ranges[-1].where
-        return last.offset + last.nbytes
-
-
-def plan_runs(ranges: list[_Range]) -> list[_Run]:
-    """Group ranges into runs: by object, in offset order, neighbours at most
-    :data:`MAX_GAP` apart, each run at most :data:`MAX_RUN_BYTES` long (or one range)."""
-    by_object: dict[str, list[_Range]] = {}
-    for r in ranges:
-        by_object.setdefault(r.where.object, []).append(r)
-    runs: list[_Run] = []
-    for name, found in by_object.items():
-        found.sort(key=lambda r: r.where.offset)
-        run: _Run | None = None
-        for r in found:
-            offset = r.where.offset
-            if run is None or offset - run.end > MAX_GAP or offset + r.where.nbytes - run.start > MAX_RUN_BYTES:
-                run = _Run(name)
-                runs.append(run)
-            run.ranges.append(r)
-    return runs
-
-
-def _verify(where: str, run: _Run) -> None:
-    """Worker thread: every range's crc32c against the manifest."""
-    for r in run.ranges:
-        crc = crc32c_of(r.dest)
-        if crc != r.where.crc32c:
-            raise ChecksumMismatchError(
-                f"{where}: checksum mismatch in {r.path!r} (object {r.where.object!r}, offset {r.where.offset}): "
-                f"crc32c {crc:#010x}, manifest says {r.where.crc32c:#010x}"
-            )
-
-
-async def _read_run(storage: Storage, where: str, run: _Run, limit: asyncio.Semaphore) -> None:
-    buffers: list[memoryview] = []
-    position = run.start
-    for r in run.ranges:  # ranges never overlap (the manifest is checked for that)
-        if r.where.offset > position:
-            buffers.append(memoryview(bytearray(r.where.offset - position)))  # a gap: read, dropped
-        buffers.append(r.dest)
-        position = r.where.offset + r.where.nbytes
-    async with limit:
-        try:
-            got = await storage.read_scatter(run.object, run.start, buffers)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(
-                f"{where}: data object {run.object!r} of {run.ranges[0].path!r} is missing"
-            ) from exc
-        if got < run.end - run.start:
-            short = next(r for r in run.ranges if r.where.offset + r.where.nbytes > run.start + got)
-            raise TruncatedObjectError(
-                f"{where}: data object {run.object!r} is truncated: {short.path!r} needs {short.where.nbytes} "
-                f"bytes at offset {short.where.offset}, only {max(0, run.start + got - short.where.offset)} there"
-            )
-        await asyncio.to_thread(_verify, where, run)
 
 
 async def check_object_sizes(
@@ -168,11 +85,26 @@ async def fetch_entries(
     plan = plan or ReadPlan()
     where = f"{storage.url} step {manifest.step}"
     wanted = [(i, e) for i, e in enumerate(manifest.entries) if plan.only is None or i in plan.only]
-    names = None if plan.only is None else {r.object for _, e in wanted for r in e.ranges}
+    names = None
+    if plan.only is not None:
+        names = {r.object for _, e in wanted for r in e.ranges}
+        names |= {r.object for _, e in wanted for shard in e.shards or () for r in shard.ranges}
     await check_object_sizes(storage, manifest, concurrency, names)
-    tensors: dict[int, torch.Tensor] = {}
-    ranges: list[_Range] = []
+    sharded: dict[int, ShardTarget] = {}
     for index, entry in wanted:
+        if index in plan.shards:
+            sharded[index] = plan.shards[index]
+        elif entry.kind == "sharded":
+            try:
+                sharded[index] = whole_target(entry)
+            except RuntimeError as exc:
+                raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
+    pieces = overlaps(manifest, sharded)
+    tensors: dict[int, torch.Tensor] = {i: target.value for i, target in sharded.items()}
+    ranges: list[Range] = []
+    for index, entry in wanted:
+        if index in sharded:
+            continue
         tensor = plan.into.get(index)
         if tensor is None:
             tensor = _empty_for(manifest, index)
@@ -180,17 +112,25 @@ async def fetch_entries(
         view = bytes_view(tensor)
         position = 0
         for r in entry.ranges:
-            ranges.append(_Range(entry.path, r, view[position : position + r.nbytes]))
+            ranges.append(Range(entry.path, r, view[position : position + r.nbytes]))
             position += r.nbytes
     limit = asyncio.Semaphore(concurrency)
+
+    async def read(run: Run) -> None:
+        async with limit:
+            await read_run(storage, where, run)
+
     try:
         async with asyncio.TaskGroup() as group:
             for run in plan_runs(ranges):
-                group.create_task(_read_run(storage, where, run, limit))
+                group.create_task(read(run))
+            if pieces:
+                group.create_task(read_into_targets(storage, where, pieces, limit))
     except BaseExceptionGroup as group_error:
         leaf = first_error(group_error)
-        if plan.into:
-            raise naming_targets(leaf, [manifest.entries[i].path for i in plan.into]) from leaf.__cause__
+        written = [*plan.into, *plan.shards]
+        if written:
+            raise naming_targets(leaf, [manifest.entries[i].path for i in written]) from leaf.__cause__
         raise leaf from leaf.__cause__
     return tensors
 

@@ -32,7 +32,7 @@ def entries_under(node: Any) -> set[int]:
     while stack:
         current = stack.pop()
         if isinstance(current, dict):
-            if current.get("t") in ("tensor", "pickle"):
+            if current.get("t") in ("tensor", "pickle", "dtensor"):
                 found.add(current["id"])
                 continue
             stack.extend(current.values())

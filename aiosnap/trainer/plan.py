@@ -17,18 +17,21 @@ import math
 import pickle
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
+from ..distributed.shards import DTensorShard, dtensor_shard, is_dtensor
 from ..errors import UnsupportedStateError
-from ..format.spec import ArchiveSpec, ChunkSpec, EntrySpec, PieceSpec, SaveSpec
+from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH
 from ..names import object_prefix
 from ..stateful import is_stateful
 
-__all__ = ["ALIGN", "Chunk", "Entry", "Piece", "SavePlan", "make_plan"]
+__all__ = ["ALIGN", "Agreement", "Chunk", "Entry", "Flattened", "Piece", "SavePlan", "make_plan"]
 
 ALIGN = 64
 """Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
@@ -40,7 +43,7 @@ class Entry:
 
     index: int
     path: str
-    kind: str  # "tensor" | "pickle"
+    kind: str  # "tensor" | "pickle" | "sharded" (a DTensor's local shard)
     tensor: torch.Tensor  # the source; for "pickle", a uint8 tensor of the pickled bytes
     nbytes: int
 
@@ -95,8 +98,8 @@ def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
     kind = type(tensor).__name__
     if kind == "DTensor":
         raise UnsupportedStateError(
-            f"{path}: DTensor (torch.distributed) state is not supported yet; save its full_tensor() "
-            "or its to_local() shard per rank"
+            f"{path}: a DTensor cannot be saved here (in a rank-local value, or in a single-file "
+            "checkpoint); save it in the shared state of a multi-rank folder checkpoint"
         )
     if tensor.layout != torch.strided:
         raise UnsupportedStateError(f"{path}: {tensor.layout} tensors are not supported")
@@ -111,21 +114,39 @@ def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    """Flattens a state into a tree and an entry table. ``rank_local``: path patterns whose
+    values are flattened apart (:attr:`local`), each leaving a ``rank_local`` node behind;
+    ``dtensors``: DTensors are saved as their local shards (else refused)."""
+
+    def __init__(self, rank_local: Sequence[str] = (), *, dtensors: bool = True) -> None:
         self.entries: list[Entry] = []
         self._seen: dict[tuple[Any, ...], int] = {}
         self.by_id: dict[int, int] = {}  # id(tensor) -> entry, for the tensors met
         self.stateful_dicts: dict[int, Any] = {}  # id(Stateful) -> the state dict it gave
         self._depth = 0
+        self._patterns = tuple(rank_local)
+        self._dtensors = dtensors
+        self.shards: dict[int, DTensorShard] = {}  # entry -> its DTensor shard
+        self.local: _Flattener | None = None
+        self.local_values: list[Any] = []  # one tree per rank_local node, ids into local.entries
 
     def encode(self, value: Any, path: str) -> Any:
         self._depth += 1
         try:
             if self._depth > MAX_TREE_DEPTH:
                 raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
+            if self._patterns and path and any(fnmatchcase(path, p) for p in self._patterns):
+                return self._rank_local(value, path)
             return self._encode(value, path)
         finally:
             self._depth -= 1
+
+    def _rank_local(self, value: Any, path: str) -> Any:
+        if self.local is None:
+            self.local = _Flattener(dtensors=False)
+            self.local._depth = self._depth
+        self.local_values.append(self.local.encode(value, path))
+        return {"t": "rank_local", "slot": len(self.local_values) - 1}
 
     def _encode(self, value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -135,7 +156,8 @@ class _Flattener:
         if type(value) is float:
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
         if isinstance(value, torch.Tensor):
-            return {"t": "tensor", "id": self._tensor(value, path)}
+            index = self._tensor(value, path)
+            return {"t": "dtensor" if index in self.shards else "tensor", "id": index}
         if is_stateful(value) and not isinstance(value, (dict, list, tuple)):
             state = self.stateful_dicts[id(value)] = value.state_dict()
             return {"t": "stateful", "v": self.encode(state, path)}
@@ -165,6 +187,15 @@ class _Flattener:
         return {"t": "pickle", "id": self._pickle(value, path)}
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
+        if self._dtensors and is_dtensor(tensor):
+            index = len(self.entries)
+            shard = self.shards[index] = dtensor_shard(tensor, path, index)
+            _plain_tensor_or_refuse(shard.local, path)
+            self.entries.append(
+                Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
+            )
+            self.by_id[id(tensor)] = index
+            return index
         _plain_tensor_or_refuse(tensor, path)
         key = _view_key(tensor)
         if key in self._seen and tensor.numel() > 0:
@@ -245,6 +276,40 @@ def layout_chunks(entries: list[Entry], chunk_bytes: int, prefix: str) -> list[C
     return chunks
 
 
+@dataclass(frozen=True)
+class Flattened:
+    """A state flattened on the caller's thread, before ranks agree on who writes what."""
+
+    tree: Any
+    entries: list[Entry]  # the shared table, then this rank's rank-local entries
+    main_entries: int
+    shards: dict[int, DTensorShard]
+    local_values: list[Any]  # ids into ``entries`` (past ``main_entries``)
+
+    def signatures(self) -> list[str]:
+        """The shared table as every rank must hold it (a pickle's bytes may differ)."""
+        found = []
+        for entry in self.entries[: self.main_entries]:
+            shard = self.shards.get(entry.index)
+            if shard is not None:
+                found.append(f"{entry.path}: DTensor {shard.signature}")
+            elif entry.kind == "pickle":
+                found.append(f"{entry.path}: pickle")
+            else:
+                found.append(f"{entry.path}: {entry.tensor.dtype} {tuple(entry.tensor.shape)}")
+        return found
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on for one save (:mod:`aiosnap.distributed.group`)."""
+
+    save_id: str
+    written: frozenset[int]  # the shared entries this rank writes
+    coordinator: int
+    commit_timeout: float
+
+
 def make_plan(
     state: dict[str, Any],
     *,
@@ -254,9 +319,13 @@ def make_plan(
     world_size: int = 1,
     metadata: dict[str, Any] | None = None,
     single_file: bool = False,
+    rank_local: Sequence[str] = (),
+    agree: Callable[[Flattened], Agreement] | None = None,
 ) -> SavePlan:
     """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks;
-    with ``single_file``, as one ``torch.load``-readable file (:mod:`.archive_plan`)."""
+    with ``single_file``, as one ``torch.load``-readable file (:mod:`.archive_plan`). A
+    multi-rank save (``agree``: how the ranks agree, :meth:`Flattened` in, who writes what
+    out) lays out only what this rank writes."""
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -266,8 +335,17 @@ def make_plan(
             f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
             "into one (save to a folder root, or from one rank)"
         )
-    flattener = _Flattener()
+    if rank_local and agree is None:
+        raise ValueError("rank_local paths belong to multi-rank saves (torch.distributed with more than one rank)")
+    flattener = _Flattener(rank_local, dtensors=not single_file)
     tree = flattener.encode(state, "")
+    if agree is not None:
+        return _distributed_plan(flattener, tree, step, chunk_bytes, rank, world_size, metadata, agree)
+    if flattener.shards:
+        raise UnsupportedStateError(
+            f"{flattener.entries[min(flattener.shards)].path}: a DTensor is saved by every rank of its mesh "
+            "together; this checkpointer is not multi-rank (make it after torch.distributed is initialised)"
+        )
     save_id = uuid.uuid4().hex[:16]
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
@@ -287,13 +365,73 @@ def make_plan(
         tree=tree,
         metadata=dict(metadata or {}),
         entries=tuple(_entry_spec(e) for e in flattener.entries),
-        chunks=tuple(
-            ChunkSpec(c.object_name, c.nbytes, tuple(PieceSpec(p.entry, p.nbytes, p.dst_offset) for p in c.pieces))
-            for c in chunks
-        ),
+        chunks=_chunk_specs(chunks),
         archive=archive,
     )
     return SavePlan(spec=spec, entries=flattener.entries, chunks=chunks)
+
+
+def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:
+    return tuple(
+        ChunkSpec(c.object_name, c.nbytes, tuple(PieceSpec(p.entry, p.nbytes, p.dst_offset) for p in c.pieces))
+        for c in chunks
+    )
+
+
+def _distributed_plan(
+    flattener: _Flattener,
+    tree: Any,
+    step: int,
+    chunk_bytes: int,
+    rank: int,
+    world_size: int,
+    metadata: dict[str, Any] | None,
+    agree: Callable[[Flattened], Agreement],
+) -> SavePlan:
+    """Caller's thread: join the rank-local entries to the table, agree, lay out this rank's part."""
+    main = len(flattener.entries)
+    entries = list(flattener.entries)
+    local_values: list[Any] = []
+    if flattener.local is not None:
+        entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
+        local_values = [_shift_ids(value, main) for value in flattener.local_values]
+    flat = Flattened(tree, entries, main, flattener.shards, local_values)
+    agreed = agree(flat)
+    writes = [e for e in entries[:main] if e.index in agreed.written] + entries[main:]
+    chunks = layout_chunks(writes, chunk_bytes, object_prefix(step, agreed.save_id, rank))
+    dist = DistSpec(
+        coordinator=agreed.coordinator,
+        commit_timeout=agreed.commit_timeout,
+        main_entries=main,
+        written=tuple(sorted(agreed.written)),
+        shards=tuple(
+            ShardSpec(index, shard.offsets, shard.global_shape) for index, shard in sorted(flattener.shards.items())
+        ),
+        local_values=tuple(local_values),
+    )
+    spec = SaveSpec(
+        step=step,
+        save_id=agreed.save_id,
+        rank=rank,
+        world_size=world_size,
+        tree=tree,
+        metadata=dict(metadata or {}),
+        entries=tuple(_entry_spec(e) for e in entries),
+        chunks=_chunk_specs(chunks),
+        distributed=dist,
+    )
+    return SavePlan(spec=spec, entries=entries, chunks=chunks)
+
+
+def _shift_ids(node: Any, by: int) -> Any:
+    """A rank-local tree with its entry ids moved past the shared table."""
+    if isinstance(node, dict):
+        if node.get("t") in ("tensor", "pickle"):
+            return {**node, "id": node["id"] + by}
+        return {k: _shift_ids(v, by) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_shift_ids(v, by) for v in node]
+    return node
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -20,6 +20,15 @@ from ..aio import finish_despite_cancel
 from ..arena import Arena
 from ..catalog.steps import apply_retention
 from ..config import Config
+from ..distributed.commit import (
+    deliver_part,
+    gather_manifest,
+    give_up,
+    is_aborted,
+    remove_own_data,
+    report_failure,
+    wait_for_commit,
+)
 from ..errors import first_error
 from ..format.manifest import Checksums, build_manifest
 from ..format.spec import SaveSpec
@@ -134,6 +143,11 @@ class LocalTransfer:
 
     def forget(self, upload: _Upload) -> None:
         self._saves.pop(upload.save_id, None)
+
+    @property
+    def abandoned(self) -> bool:
+        """The trainer that owned these saves is gone (see :meth:`close`)."""
+        return self._abandoned
 
     def clean_up_later(self, storage: Storage, step: int, save_id: str) -> None:
         """Remove a failed attempt's folder in the background (close waits, bounded); not
@@ -271,7 +285,18 @@ class _Upload:
         decided = await look
         decided.check(self.storage.url)
         started = time.perf_counter()
-        manifest = build_manifest(self.spec, crcs)
+        dist = self.spec.distributed
+        if dist is not None and dist.coordinator != self.spec.rank:
+            self.commit_started = True  # the coordinator may commit with our part from now on
+            part_bytes = await deliver_part(self.storage, self.spec, crcs)
+            await wait_for_commit(self.storage, self.spec)
+            self._stages["commit"] = time.perf_counter() - started
+            self.owner.listener.stage_ended(self.save_id, "commit", part_bytes, self._stages["commit"])
+            return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
+        if dist is not None:
+            manifest = await gather_manifest(self.storage, self.spec, crcs)
+        else:
+            manifest = build_manifest(self.spec, crcs)
         self.commit_started = True
         manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
         self._stages["commit"] = time.perf_counter() - started
@@ -305,6 +330,8 @@ class _Upload:
         """A save that raised ``exc``: committed after all, or failed (its attempt removed in
         the background, or left for gc when the commit's outcome cannot be read back)."""
         step = self.spec.step
+        if self.spec.distributed is not None:
+            return await self._settle_distributed(exc)
         if self.commit_started:
             # a refusal (another writer's manifest is there) is definite; anything else may
             # have been a request abandoned mid-way, which on an object store can still land
@@ -321,3 +348,28 @@ class _Upload:
                 return TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
         self.owner.clean_up_later(self.storage, step, self.save_id)
         return TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
+
+    async def _settle_distributed(self, exc: BaseException) -> TransferOutcome:
+        """A rank's part of a multi-rank save raised ``exc``: committed after all, or failed
+        (this rank's own data removed only once the save can no longer be committed)."""
+        spec, failed = self.spec, TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
+        assert spec.distributed is not None
+        if self.commit_started:  # the manifest (coordinator) or our part (other ranks) was being written
+            verdict = await whose_commit(self.storage, spec.step, self.save_id, write_interrupted=True)
+            if verdict == "ours":
+                return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
+            coordinator = spec.distributed.coordinator == spec.rank
+            if verdict == "other" and coordinator:
+                await give_up(self.storage, spec, exc)
+            if not await is_aborted(self.storage, spec):
+                log.warning(
+                    "aiosnap: step %d (rank %d) may still be committed; its data is left for gc", spec.step, spec.rank
+                )
+                return failed
+        elif spec.distributed.coordinator == spec.rank:
+            await give_up(self.storage, spec, exc)  # before removing anything: no manifest of this save from now on
+        else:
+            await report_failure(self.storage, spec, exc)  # the coordinator gives up at once
+        if not self.owner.abandoned:
+            await remove_own_data(self.storage, spec)
+        return failed

@@ -1,0 +1,126 @@
+"""aiosnap's own process group, and what ranks agree on inside ``save()`` and ``load()``.
+
+Everything here runs on the caller's thread, inside ``save()``/``load()``, which every rank
+calls: never on aiosnap's loop thread (a collective there would hang the moment ranks'
+background work diverges) and never on the trainer's group (NCCL watchdogs kill jobs whose
+collectives wait on slow copies). The group is a gloo (CPU) group made once, when the
+checkpointer is made, over the ranks of the group the checkpointer was given (the default
+group when none), by those ranks only.
+
+Agreement is one monitored barrier (on timeout it names the ranks that did not arrive) and
+one ``all_gather_object`` of a few dozen bytes per rank: rank 0's save id, each rank's step,
+a digest of its replicated entries (paths, kinds, dtypes, shapes, DTensor placements) and
+the bytes it writes anyway. Ranks that disagree all raise :class:`RanksDisagreeError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RanksDisagreeError, RankTimeoutError
+
+__all__ = ["RankGroup", "SaveProposal"]
+
+log = logging.getLogger("aiosnap")
+
+
+@dataclass(frozen=True)
+class SaveProposal:
+    """What one rank brings to a save's agreement."""
+
+    step: int
+    save_id: str
+    digest: str
+    preload: int  # bytes this rank writes whatever the assignment (shards, rank-local values)
+    slots: int  # rank-local values it declares
+
+
+class RankGroup:
+    """aiosnap's gloo group over ``ranks`` (global ranks), this process at ``rank`` in it."""
+
+    def __init__(self, process_group: Any | None, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        parent = process_group if process_group is not None else dist.group.WORLD
+        self.ranks: list[int] = dist.get_process_group_ranks(parent)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(self.ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+
+    def _arrive(self, what: str) -> None:
+        """All ranks reach this point, or :class:`RankTimeoutError` naming those that did not."""
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise RankTimeoutError(
+                f"rank {self.rank}: not every rank of aiosnap's group reached {what} within "
+                f"{self.timeout.total_seconds():g} s ({exc})"
+            ) from exc
+
+    def _gather(self, mine: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        found: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(found, mine, group=self.group)
+        except RuntimeError as exc:
+            raise RankTimeoutError(f"rank {self.rank}: exchanging with the other ranks failed ({exc})") from exc
+        return found
+
+    def agree_save(self, mine: SaveProposal, signatures: Callable[[], list[str]]) -> list[SaveProposal]:
+        """Every rank's proposal, once all agree on step, state and rank-local values.
+        ``signatures()`` lists this rank's replicated entries ("path: kind dtype shape"): the
+        ranks exchange them only when digests differ, to name the first difference."""
+        self._arrive(f"save(step={mine.step})")
+        found: list[SaveProposal] = self._gather(mine)
+        steps = {p.step for p in found}
+        if len(steps) > 1:
+            by_step = {s: [r for r, p in enumerate(found) if p.step == s] for s in sorted(steps)}
+            raise RanksDisagreeError(
+                "ranks called save() for different steps: "
+                + "; ".join(f"step {s} by rank(s) {ranks}" for s, ranks in by_step.items())
+            )
+        hint = "every rank must save the same structure (declare values that differ per rank with rank_local=[...])"
+        slots = [r for r, p in enumerate(found) if p.slots != found[0].slots]
+        if slots:
+            raise RanksDisagreeError(
+                f"step {mine.step}: rank(s) {slots} match a different number of rank-local paths than rank 0"
+            )
+        if any(p.digest != found[0].digest for p in found):
+            listed: list[list[str]] = self._gather(signatures())
+            raise RanksDisagreeError(f"step {mine.step}: {_first_difference(listed)}; {hint}")
+        return found
+
+    def agree_step(self, step: int | None) -> int | None:
+        """Rank 0's choice of step for a load, for every rank."""
+        self._arrive("load()")
+        return self._gather(step)[0]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(self.group)
+        except Exception as exc:  # the job is tearing down torch.distributed itself
+            log.debug("aiosnap: destroying its process group failed: %r", exc)
+
+
+def _first_difference(listed: list[list[str]]) -> str:
+    """Where the ranks' replicated entries first differ from rank 0's."""
+    base = listed[0]
+    for rank, theirs in enumerate(listed[1:], start=1):
+        for position in range(max(len(base), len(theirs))):
+            ours = base[position] if position < len(base) else "nothing"
+            other = theirs[position] if position < len(theirs) else "nothing"
+            if ours != other:
+                return f"rank {rank} saves {other!r} where rank 0 saves {ours!r} (replicated entry {position})"
+    return "the ranks' replicated entries differ"

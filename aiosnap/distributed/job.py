@@ -1,0 +1,108 @@
+"""A checkpointer's place in a torch.distributed job (caller's thread).
+
+Made with the checkpointer, by every rank of the group it is given (the default group when
+none): with more than one rank, it makes aiosnap's own gloo group (:mod:`.group`). Each
+``save()`` then agrees with the other ranks on a save id and on who writes which replicated
+entry (:mod:`.assign`), and each ``load()`` of the latest step on which step that is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import DistributedConfig
+from ..events import ProcessGroupInfo
+from ..format.manifest import Manifest
+from ..load.ranks import rank_view
+from ..trainer.plan import Agreement, Flattened
+from .assign import assign_writers
+from .group import RankGroup, SaveProposal
+
+__all__ = ["DistributedJob"]
+
+COORDINATOR = 0
+PICKLE_WEIGHT = 4096
+"""Bytes a pickled entry counts for when balancing writers (its size may differ per rank)."""
+
+
+class DistributedJob:
+    """``rank`` of ``world_size``; ``group`` is None for a single rank."""
+
+    def __init__(self, config: DistributedConfig, info: ProcessGroupInfo, process_group: Any | None) -> None:
+        self.config = config
+        self.rank = info.rank
+        self.world_size = info.world_size
+        self.group: RankGroup | None = None
+        if info.world_size > 1 and info.backend is not None:
+            self.group = RankGroup(process_group, config.agree_timeout)
+            if (self.group.rank, self.group.size) != (info.rank, info.world_size):
+                self.group.close()
+                raise ValueError(
+                    f"rank {info.rank} of {info.world_size} given, but this process is rank {self.group.rank} "
+                    f"of {self.group.size} in the group: leave rank and world_size out"
+                )
+            info = ProcessGroupInfo(info.rank, info.world_size, self.group.backend, self.group.size)
+        self.info = info
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.world_size > 1
+
+    def agreement(self, step: int) -> Callable[[Flattened], Agreement] | None:
+        """How this rank agrees with the others on a save of ``step`` (None: one rank)."""
+        if not self.multi_rank:
+            return None
+        group = self.group
+        if group is None:
+            raise RuntimeError(
+                f"rank {self.rank} of {self.world_size}: a multi-rank save needs torch.distributed initialised "
+                "before the checkpointer is made (the ranks agree on each save over it)"
+            )
+
+        def agree(flat: Flattened) -> Agreement:
+            signatures = flat.signatures()
+            digest = hashlib.blake2b("\n".join(signatures).encode(), digest_size=16).hexdigest()
+            main = flat.main_entries
+            preload = sum(flat.entries[i].nbytes for i, shard in flat.shards.items() if shard.writes)
+            preload += sum(e.nbytes for e in flat.entries[main:])
+            mine = SaveProposal(step, uuid.uuid4().hex[:16], digest, preload, len(flat.local_values))
+            found = group.agree_save(mine, lambda: signatures)
+            sizes = [
+                None if e.index in flat.shards else (e.nbytes if e.kind == "tensor" else PICKLE_WEIGHT)
+                for e in flat.entries[:main]
+            ]
+            writers = assign_writers(sizes, [p.preload for p in found])
+            written = {i for i, w in enumerate(writers) if w == self.rank}
+            written |= {i for i, shard in flat.shards.items() if shard.writes}
+            return Agreement(found[COORDINATOR].save_id, frozenset(written), COORDINATOR, self.config.commit_timeout)
+
+        return agree
+
+    def rank_local(self, extra: Sequence[str] | None) -> list[str]:
+        patterns = [*self.config.rank_local, *(extra or ())]
+        if any(not isinstance(p, str) or not p for p in patterns):
+            raise ValueError(f"rank_local must be a list of non-empty path patterns, got {patterns!r:.200}")
+        return patterns
+
+    def needs_latest(self, step: int | None) -> bool:
+        """Whether this rank must look up the latest step for :meth:`load_step`."""
+        return self.group is not None and step is None and self.rank == COORDINATOR
+
+    def load_step(self, step: int | None, latest: int | None) -> int | None:
+        """The step every rank loads: ``step``, or the latest committed step as rank 0 saw
+        it (``latest``: rank 0's lookup), so that a commit landing meanwhile cannot make
+        ranks load different steps. Every rank calls ``load()`` with the same ``step``."""
+        if self.group is None or step is not None:
+            return step
+        return self.group.agree_step(latest)
+
+    def view(self, skip_rank_local: bool) -> Callable[[Manifest], Manifest]:
+        return lambda manifest: rank_view(manifest, self.rank, self.world_size, skip_rank_local=skip_rank_local)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

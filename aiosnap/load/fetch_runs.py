@@ -1,0 +1,104 @@
+"""Coalesced, verified reads of byte ranges (loop thread): the load's I/O primitive.
+
+Neighbouring ranges of one object are read with one request (one ``preadv`` on local disk,
+one ranged GET on S3) scattered straight into their destinations; each range's crc32c is
+then checked on its own, in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..checksums import crc32c_of
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError
+from ..format.manifest import ByteRange
+from ..storage.base import Storage
+
+__all__ = ["MAX_GAP", "MAX_RUN_BYTES", "Range", "Run", "plan_runs", "read_run"]
+
+
+MAX_GAP = 4096
+"""Ranges of one object at most this many bytes apart are read with one request (the gap's
+bytes are read and dropped): pieces in a chunk are 64-byte aligned, so neighbours are
+never more than 63 bytes apart."""
+MAX_RUN_BYTES = 64 * 1024**2
+"""A coalesced read never spans more than this (reads of one object still go in parallel)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    path: str
+    where: ByteRange
+    dest: memoryview
+
+
+@dataclass
+class Run:
+    """Neighbouring ranges of one object, read with one request."""
+
+    object: str
+    ranges: list[Range] = field(default_factory=list)
+
+    @property
+    def start(self) -> int:
+        return self.ranges[0].where.offset
+
+    @property
+    def end(self) -> int:
+        last = self.ranges[-1].where
+        return last.offset + last.nbytes
+
+
+def plan_runs(ranges: list[Range]) -> list[Run]:
+    """Group ranges into runs: by object, in offset order, neighbours at most
+    :data:`MAX_GAP` apart, each run at most :data:`MAX_RUN_BYTES` long (or one range)."""
+    by_object: dict[str, list[Range]] = {}
+    for r in ranges:
+        by_object.setdefault(r.where.object, []).append(r)
+    runs: list[Run] = []
+    for name, found in by_object.items():
+        found.sort(key=lambda r: r.where.offset)
+        run: Run | None = None
+        for r in found:
+            offset = r.where.offset
+            if run is None or offset - run.end > MAX_GAP or offset + r.where.nbytes - run.start > MAX_RUN_BYTES:
+                run = Run(name)
+                runs.append(run)
+            run.ranges.append(r)
+    return runs
+
+
+def _verify(where: str, run: Run) -> None:
+    """Worker thread: every range's crc32c against the manifest."""
+    for r in run.ranges:
+        crc = crc32c_of(r.dest)
+        if crc != r.where.crc32c:
+            raise ChecksumMismatchError(
+                f"{where}: checksum mismatch in {r.path!r} (object {r.where.object!r}, offset {r.where.offset}): "
+                f"crc32c {crc:#010x}, manifest says {r.where.crc32c:#010x}"
+            )
+
+
+async def read_run(storage: Storage, where: str, run: Run) -> None:
+    """Read ``run`` with one request into its ranges' destinations and verify each range."""
+    buffers: list[memoryview] = []
+    position = run.start
+    for r in run.ranges:  # ranges never overlap (the manifest is checked for that)
+        if r.where.offset > position:
+            buffers.append(memoryview(bytearray(r.where.offset - position)))  # a gap: read, dropped
+        buffers.append(r.dest)
+        position = r.where.offset + r.where.nbytes
+    try:
+        got = await storage.read_scatter(run.object, run.start, buffers)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(
+            f"{where}: data object {run.object!r} of {run.ranges[0].path!r} is missing"
+        ) from exc
+    if got < run.end - run.start:
+        short = next(r for r in run.ranges if r.where.offset + r.where.nbytes > run.start + got)
+        raise TruncatedObjectError(
+            f"{where}: data object {run.object!r} is truncated: {short.path!r} needs {short.where.nbytes} "
+            f"bytes at offset {short.where.offset}, only {max(0, run.start + got - short.where.offset)} there"
+        )
+    await asyncio.to_thread(_verify, where, run)

@@ -1,0 +1,199 @@
+"""Loading sharded entries, and any entry into a DTensor: resharding reads.
+
+A checkpoint saved by N ranks loads into M ranks with any mesh and placements. Each target
+is a box of the global tensor: a DTensor's local shard (where this rank's mesh coordinate and
+placements put it), or the whole tensor (a plain target, or a load without a state, which
+assembles full tensors). For each stored shard that overlaps the box, only the byte ranges
+that cover the overlap are read (a stored shard is contiguous and row-major, so the overlap
+lies within one span of it), each range's crc32c is checked, and the overlap is copied into
+the target's memory: in place, into the DTensor's own local tensor. Where the stored shard
+is exactly the target (the same sharding as at save time) it is read straight into it.
+
+- :func:`shard_targets` runs on the loop thread while the load is planned (tensor metadata only).
+- :func:`read_into_targets` runs on the loop thread; copies run in worker threads, at most
+  ``concurrency`` overlaps at a time, so staging memory stays bounded by the largest shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import first_error
+from ..format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
+from ..format.tiling import Box, overlap
+from ..storage.base import Storage
+from ..tensorio import bytes_view
+from .decode import torch_dtype
+from .fetch_runs import Range, plan_runs, read_run
+from .select import entries_under
+
+__all__ = ["ShardTarget", "read_into_targets", "shard_targets", "whole_target"]
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """Where entry's bytes go: ``dest`` holds the box (``offsets``, ``shape``) of the
+    global tensor; ``value`` is what the load hands back for the entry."""
+
+    dest: torch.Tensor
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    value: torch.Tensor
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
+
+
+def dtensor_target(target: torch.Tensor) -> ShardTarget:
+    """The box of this rank's local shard of DTensor ``target``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = target.device_mesh, target.placements  # type: ignore[attr-defined]
+    shape, offsets = compute_local_shape_and_global_offset(target.shape, mesh, placements)
+    local = target._local_tensor  # type: ignore[attr-defined]  # the DTensor's own memory
+    return ShardTarget(local, tuple(offsets), tuple(shape), target)
+
+
+def whole_target(entry: EntryRecord) -> ShardTarget:
+    """A new tensor for the whole of ``entry`` (a full tensor assembled from its shards)."""
+    dest = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    return ShardTarget(dest, (0,) * len(entry.shape), tuple(entry.shape), dest)
+
+
+def shard_targets(manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]) -> dict[int, ShardTarget]:
+    """Loop thread: entry id -> the caller's DTensor its bytes go to (a sharded entry or a
+    whole one, of the same global shape and dtype)."""
+    found: dict[int, ShardTarget] = {}
+    pending: list[tuple[Any, Any]] = [(manifest.tree, targets)]
+    while pending:
+        node, target = pending.pop()
+        if target is None or not isinstance(node, dict):
+            continue
+        tag = node.get("t")
+        if tag in ("tensor", "dtensor") and _is_dtensor(target):
+            entry = manifest.entries[node["id"]]
+            if list(target.shape) == entry.shape and str(target.dtype).removeprefix("torch.") == entry.dtype:
+                found[node["id"]] = dtensor_target(target)
+        elif tag == "stateful":
+            pending.append((node["v"], target))
+        elif tag in ("dict", "odict") and isinstance(target, dict):
+            for raw_key, child in node["items"]:
+                if entries_under(raw_key):
+                    continue
+                key = decode_key(raw_key)
+                if key in target:
+                    pending.append((child, target[key]))
+        elif tag in ("list", "tuple") and isinstance(target, list) and len(target) == len(node["items"]):
+            pending.extend(zip(node["items"], target, strict=True))
+    return found
+
+
+def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= d
+    return stride[::-1]
+
+
+def _sources(entry: EntryRecord) -> list[ShardRecord]:
+    if entry.shards is not None:
+        return entry.shards
+    return [ShardRecord(offsets=[0] * len(entry.shape), shape=list(entry.shape), ranges=entry.ranges)]
+
+
+@dataclass(frozen=True)
+class _Overlap:
+    path: str
+    source: ShardRecord
+    box: Box
+    target: ShardTarget
+    dtype: torch.dtype
+
+
+def overlaps(manifest: Manifest, targets: dict[int, ShardTarget]) -> list[_Overlap]:
+    """Every (stored shard, target) pair that shares elements."""
+    found = []
+    for index, target in targets.items():
+        entry = manifest.entries[index]
+        dtype = torch_dtype(entry.dtype)
+        for source in _sources(entry):
+            box = overlap((tuple(source.offsets), tuple(source.shape)), (target.offsets, target.shape))
+            if box is not None and math.prod(box[1]) > 0:
+                found.append(_Overlap(entry.path, source, box, target, dtype))
+    return found
+
+
+def _direct(item: _Overlap) -> bool:
+    """The stored shard is exactly the target and can be read straight into its memory."""
+    dest, source = item.target.dest, item.source
+    return (
+        tuple(source.offsets) == item.target.offsets
+        and tuple(source.shape) == item.target.shape
+        and dest.device.type == "cpu"
+        and dest.is_contiguous()
+        and dest.dtype == item.dtype
+        and not dest.is_conj()
+        and not dest.is_neg()
+    )
+
+
+async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
+    source, (offsets, shape) = item.source, item.box
+    itemsize = torch.empty(0, dtype=item.dtype).element_size()
+    strides = _strides(source.shape)
+    local = [o - s for o, s in zip(offsets, source.offsets, strict=True)]
+    first = sum(i * st for i, st in zip(local, strides, strict=True))
+    last = first + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    lo, hi = first * itemsize, (last + 1) * itemsize
+    picked: list[ByteRange] = []
+    position = start = 0
+    for r in source.ranges:  # the shard's bytes, in order
+        if position < hi and position + r.nbytes > lo:
+            if not picked:
+                start = position
+            picked.append(r)
+        position += r.nbytes
+    direct = _direct(item)
+    buffer = bytes_view(item.target.dest) if direct else memoryview(bytearray(sum(r.nbytes for r in picked)))
+    ranges, at = [], 0
+    for r in picked:
+        ranges.append(Range(item.path, r, buffer[at : at + r.nbytes]))
+        at += r.nbytes
+    for run in plan_runs(ranges):
+        await read_run(storage, where, run)
+    if direct:
+        return
+    held = torch.frombuffer(buffer, dtype=item.dtype) if len(buffer) else torch.empty(0, dtype=item.dtype)
+    view = held.as_strided(shape, strides, first - start // itemsize)
+    dest = item.target.dest
+    for dim, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+        dest = dest.narrow(dim, o - item.target.offsets[dim], n)
+    await asyncio.to_thread(_copy, dest, view)
+
+
+def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
+    with torch.no_grad():
+        dest.copy_(view)
+
+
+async def read_into_targets(storage: Storage, where: str, items: list[_Overlap], limit: asyncio.Semaphore) -> None:
+    """Read and verify every overlap, copying each into its target (``limit`` at a time)."""
+
+    async def one(item: _Overlap) -> None:
+        async with limit:
+            await _copy_overlap(storage, where, item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for item in items:
+                group.create_task(one(item))
+    except BaseExceptionGroup as group_error:
+        raise (leaf := first_error(group_error)) from leaf.__cause__

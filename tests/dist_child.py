@@ -1,0 +1,288 @@
+"""One rank of a multi-rank test: ``python dist_child.py SCENARIO RANK WORLD PORT WORKDIR PARAMS``.
+
+Joins a gloo job on 127.0.0.1:PORT, runs the scenario function of that name, and writes
+``WORKDIR/result-RANK.json``: what the scenario returned, or the exception it raised (type
+and message). Launched by :func:`dist_launch.run_ranks`, which kills what is left after its
+timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUICK = {"commit_timeout": 30, "agree_timeout": 30}
+
+
+def config(root: str, **distributed: Any) -> dict[str, Any]:
+    return {
+        "storage": {"url": root},
+        "ram_budget": "64MiB",
+        "upload": {"chunk_size": "1MiB"},
+        "retention": {"keep_last": None},
+        "events": {"log": False},
+        "distributed": {**QUICK, **distributed},
+    }
+
+
+def arange(shape: list[int], dtype: torch.dtype = torch.float32, base: float = 0.0) -> torch.Tensor:
+    return (torch.arange(int(torch.tensor(shape).prod().item()), dtype=torch.float64) + base).to(dtype).reshape(shape)
+
+
+def placements_of(spec: list[str]) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
+
+
+def dtensors(layouts: dict[str, Any], zero: bool = False) -> dict[str, Any]:
+    """{name: [shape, mesh shape, placements such as ["S0"], ["R", "S1"]]} as DTensors of
+    known values (``arange`` + a base per name), or zeros."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    found = {}
+    for index, (name, (shape, mesh_shape, spec)) in enumerate(sorted(layouts.items())):
+        mesh = init_device_mesh("cpu", tuple(mesh_shape))
+        full = torch.zeros(shape) if zero else arange(shape, base=1000.0 * index)
+        found[name] = distribute_tensor(full, mesh, placements_of(spec))
+    return found
+
+
+class CountingStorage:
+    """Counts the bytes a load reads (wraps a LocalStorage's read_scatter)."""
+
+    @staticmethod
+    def wrap(root: str) -> Any:
+        from aiosnap.storage.local import LocalStorage
+
+        class Counting(LocalStorage):
+            read_bytes = 0
+
+            async def read_scatter(self, name: str, offset: int, buffers: Any) -> int:
+                type(self).read_bytes += sum(len(b) for b in buffers)
+                return await super().read_scatter(name, offset, buffers)
+
+        return Counting(root)
+
+
+# --- scenarios: (rank, world, workdir, params) -> JSON-able result
+
+
+def ddp_roundtrip(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+
+    torch.manual_seed(0)  # every rank the same replicated model, as DDP keeps it
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    torch.manual_seed(100 + rank)  # per-rank RNG streams
+    rng = aiosnap.RNGState()
+    state = {"model": model, "optim": optim, "rng": rng, "loader": {"position": 10 * rank}, "epoch": 3}
+    with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
+        result = ckpt.save(state, step=7, rank_local=["rng", "loader"]).wait(timeout=40)
+        after_save = torch.rand(3).tolist()
+        torch.manual_seed(0)
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        torch.nn.init.zeros_(fresh[0].weight)
+        fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        target = {"model": fresh, "optim": fresh_optim, "rng": aiosnap.RNGState(), "loader": {"position": -1}}
+        ckpt.load(target)
+        restored_draw = torch.rand(3).tolist()
+    same_model = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    same_optim = all(
+        torch.equal(a, b)
+        for s, t in zip(optim.state.values(), fresh_optim.state.values())
+        for a, b in zip(s.values(), t.values())
+    )
+    return {
+        "committed": result.step,
+        "nbytes": result.nbytes,
+        "same_model": same_model,
+        "same_optim": same_optim and len(fresh_optim.state) == len(optim.state),
+        "position": target["loader"]["position"],
+        "rng_restored": restored_draw == after_save,
+    }
+
+
+def save_dtensors(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+
+    state = {"dt": dtensors(params["layouts"]), "plain": arange([5, 3], base=-50.0)}
+    with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
+        result = ckpt.save(state, step=params.get("step", 1)).wait(timeout=40)
+    return {"nbytes": result.nbytes}
+
+
+def load_dtensors(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+
+    targets = dtensors(params["layouts"], zero=True)
+    layouts = sorted(params["layouts"].items())
+    expected = {name: arange(shape, base=1000.0 * i) for i, (name, (shape, _, _)) in enumerate(layouts)}
+    storage = CountingStorage.wrap(params["root"])
+    state = {"dt": targets, "plain": torch.zeros(5, 3)}
+    locals_before = {name: t.to_local().data_ptr() for name, t in targets.items()}
+    with aiosnap.SyncCheckpointer(config(params["root"]), storage=storage) as ckpt:
+        ckpt.load(state)
+    equal = {name: bool(torch.equal(t.full_tensor(), expected[name])) for name, t in targets.items()}
+    in_place = all(targets[n].to_local().data_ptr() == p for n, p in locals_before.items())
+    local_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in targets.values())
+    return {
+        "equal": equal,
+        "plain": bool(torch.equal(state["plain"], arange([5, 3], base=-50.0))),
+        "in_place": in_place,
+        "read_bytes": type(storage).read_bytes,
+        "local_bytes": local_bytes,
+    }
+
+
+def fsdp_resume(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            generator = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+            x = torch.randn(8, 16, generator=generator)
+            loss = (model(x) - torch.rand(8, 4)).pow(2).mean()  # the global RNG: rank-local state
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(50 + rank)
+    model, optim = build(0)
+    uninterrupted = train(model, optim, range(8))
+    torch.manual_seed(50 + rank)
+    model, optim = build(0)
+    first = train(model, optim, range(4))
+    cfg = config(params["root"])
+    with aiosnap.SyncCheckpointer(cfg) as ckpt:
+        state = {"train": aiosnap.ShardedState(model, optim), "rng": aiosnap.RNGState()}
+        ckpt.save(state, step=4, rank_local=["rng"]).wait(timeout=40)
+    model, optim = build(123)  # a restarted job: other weights, no optimizer state yet
+    torch.manual_seed(999)
+    with aiosnap.SyncCheckpointer(cfg) as ckpt:
+        ckpt.load({"train": aiosnap.ShardedState(model, optim), "rng": aiosnap.RNGState()})
+    resumed = first + train(model, optim, range(4, 8))
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def fail_or_vanish(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Step 1 commits; in step 2 rank ``params["victim"]`` fails its data writes (``how``:
+    "error") or is killed while they hang ("kill"), or never calls save() ("skip")."""
+    import asyncio
+
+    import aiosnap
+    from aiosnap.storage.local import LocalStorage
+
+    victim, how = params["victim"], params["how"]
+
+    class Failing(LocalStorage):
+        async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+            if rank == victim and name.startswith("000000000002/") and name.endswith(".bin"):
+                if how == "error":
+                    raise OSError(28, "No space left on device (injected)")
+                await asyncio.sleep(3600)
+            await super().write(name, data, if_absent=if_absent)
+
+    cfg = config(params["root"], commit_timeout=params["commit_timeout"], agree_timeout=params["agree_timeout"])
+    state = {"w": arange([256, 64], base=float(rank == 0)), "r": torch.zeros(3)}
+    ckpt = aiosnap.SyncCheckpointer(cfg, storage=Failing(params["root"]))
+    ckpt.save(state, step=1).wait(timeout=40)
+    if rank == victim and how == "skip":
+        time.sleep(params["agree_timeout"] + 3)  # the others give up on this rank meanwhile
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        handle = ckpt.save(state, step=2)
+        if rank == victim and how == "kill":
+            os._exit(9)  # killed with its upload in flight
+        handle.wait(timeout=60)
+        outcome = "committed"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - started
+    steps = ckpt.steps()
+    try:
+        ckpt.close(timeout=5)
+    except Exception:
+        pass  # the failure was reported above
+    return {"outcome": outcome, "elapsed": elapsed, "steps": steps}
+
+
+def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+
+    state = {"model": {"a": torch.zeros(4), "b": torch.zeros(3 if rank == 0 else 5)}}
+    with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
+        try:
+            ckpt.save(state, step=1)
+            return {"outcome": "saved"}
+        except Exception as exc:
+            return {"outcome": f"{type(exc).__name__}: {exc}", "steps": ckpt.steps()}
+
+
+def events_in_subgroup(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
+
+    members = params["members"]
+    group = dist.new_group(members)  # collective over the whole world
+    if rank not in members:
+        dist.barrier()
+        return {"member": False}
+    seen: list[Any] = []
+    with aiosnap.SyncCheckpointer(config(params["root"]), process_group=group, event_handlers=[seen.append]) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, step=1).wait(timeout=40)
+        ckpt.flush_events()
+    dist.barrier()
+    return {
+        "member": True,
+        "seen": sorted({(e.rank, e.world_size, e.backend, e.group_size) for e in seen}),
+    }
+
+
+def main() -> None:
+    scenario, rank, world, port, work, raw = sys.argv[1:7]
+    params = json.loads(raw)
+    out = Path(work) / f"result-{rank}.json"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world),
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        result = {"ok": globals()[scenario](int(rank), int(world), work, params)}
+    except BaseException as exc:
+        result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+    out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
