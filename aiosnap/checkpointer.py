@@ -312,7 +312,7 @@ class _Core:
             world_size=self.world_size,
             metadata=metadata,
             single_file=self._storage.single_file,
-            rank_local=self._job.rank_local(rank_local) if self._job.multi_rank else list(rank_local or ()),
+            rank_local=self._job.rank_local(rank_local),
             agree=self._job.agreement(step),
         )
         return plan, CudaOrder.record(plan)

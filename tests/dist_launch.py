@@ -38,7 +38,8 @@ def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **para
     for rank in range(world):
         log = open(work / f"rank-{rank}.log", "w")  # noqa: SIM115 - closed below
         args = [sys.executable, str(CHILD), scenario, str(rank), str(world), str(port), str(work), json.dumps(params)]
-        procs.append((subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log))
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append((proc, log))
     deadline = time.monotonic() + timeout
     try:
         for proc, _ in procs:

@@ -14,6 +14,8 @@ INTERESTING: list[Any] = [
     "stateful", "float", "bytes", "size", "uint8", "float32", "os.system", "cpu", "warp:9", "\x00", "é" * 3,
     [], {}, [[]], {"t": "pickle", "id": 0}, {"t": "tensor", "id": 0}, {"t": "tensor", "id": 10**9},
     {"t": "dict", "items": [[[], 1]]}, {"t": "list", "items": 3},
+    "sharded", "dtensor", {"t": "dtensor", "id": 0}, {"t": "rank_local", "slot": 0}, {"t": "skipped"},
+    [0, 0], [2**62, 1], [-1, 4],
 ]  # fmt: skip
 
 

@@ -7,13 +7,19 @@ deadline after which every rank is killed (:mod:`dist_launch`).
 from __future__ import annotations
 
 import json
+import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from aiosnap import SyncCheckpointer
+from aiosnap import AiosnapError, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.errors import StateMismatchError
+from aiosnap.load import fetch
+from tests.conftest import assert_same
+from tests.fuzzing import mutate_document, mutated_text, sign_manifest
+
 from dist_child import arange
 from dist_launch import ok, run_ranks
 
@@ -88,7 +94,10 @@ def test_sharded_checkpoint_loads_as_full_tensors_in_one_process(saved_by_4: Pat
     assert torch.equal(loaded["plain"], arange([5, 3], base=-50.0))
 
 
-@pytest.mark.parametrize(("world", "layouts"), [(2, LAYOUTS_2), (1, {k: [s, [1], ["S0"]] for k, (s, _, _) in LAYOUTS_4.items()})])
+LAYOUTS_1 = {name: [shape, [1], ["S0"]] for name, (shape, _, _) in LAYOUTS_4.items()}
+
+
+@pytest.mark.parametrize(("world", "layouts"), [(2, LAYOUTS_2), (1, LAYOUTS_1)])
 def test_reshard_4_to_fewer_ranks(saved_by_4: Path, tmp_path: Path, world: int, layouts: dict[str, Any]) -> None:
     results = ok(
         run_ranks("load_dtensors", world, tmp_path, root=str(saved_by_4), layouts=layouts),
@@ -134,3 +143,118 @@ def test_fsdp2_resumed_training_matches_uninterrupted(tmp_path: Path) -> None:
     for result in results:
         assert result["resumed"] == result["uninterrupted"]
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # ranks had their own batches
+
+
+FAULT_TIMEOUTS = {"commit_timeout": 4.0, "agree_timeout": 4.0}
+
+
+@pytest.mark.parametrize("how", ["error", "kill"])
+def test_a_rank_failing_mid_save_commits_nothing(tmp_path: Path, how: str) -> None:
+    root = tmp_path / "root"
+    results = run_ranks("fail_or_vanish", 2, tmp_path / "job", root=str(root), victim=1, how=how, **FAULT_TIMEOUTS)
+    coordinator = results[0]["ok"]
+    if how == "error":
+        victim = results[1]["ok"]
+        assert victim["outcome"].startswith("OSError") and "No space left" in victim["outcome"]
+        # the coordinator hears of it at once, not after its commit_timeout
+        assert coordinator["outcome"].startswith("RankFailedError") and "OSError" in coordinator["outcome"]
+        assert coordinator["elapsed"] < FAULT_TIMEOUTS["commit_timeout"]
+    else:
+        assert results[1] == {"exit": 9}
+        assert coordinator["outcome"].startswith("RankTimeoutError") and "rank(s) [1]" in coordinator["outcome"]
+        assert coordinator["elapsed"] < FAULT_TIMEOUTS["commit_timeout"] + 10
+    assert coordinator["steps"] == [1]  # the previous checkpoint stays the latest
+    with SyncCheckpointer(str(root)) as ckpt:
+        assert ckpt.steps() == [1]
+        assert torch.equal(ckpt.load()["w"], arange([256, 64], base=1.0))
+    assert not (root / "000000000002" / "manifest.json").exists()
+
+
+def test_a_rank_that_skips_a_save_is_named_not_waited_for(tmp_path: Path) -> None:
+    results = run_ranks(
+        "fail_or_vanish", 2, tmp_path / "job", root=str(tmp_path / "root"), victim=1, how="skip", **FAULT_TIMEOUTS
+    )
+    coordinator = results[0]["ok"]
+    assert coordinator["outcome"].startswith("RankTimeoutError"), coordinator
+    assert "save(step=2)" in coordinator["outcome"] and "1" in coordinator["outcome"]
+    assert coordinator["elapsed"] < FAULT_TIMEOUTS["agree_timeout"] + 10
+    assert coordinator["steps"] == [1]
+
+
+def test_ranks_with_different_replicated_entries_are_refused_by_path(tmp_path: Path) -> None:
+    results = ok(run_ranks("disagree", 2, tmp_path / "job", root=str(tmp_path / "root")), tmp_path / "job")
+    for result in results:
+        assert result["outcome"].startswith("RanksDisagreeError"), result
+        assert "model/b" in result["outcome"] and "(3,)" in result["outcome"] and "(5,)" in result["outcome"]
+        assert result["steps"] == []
+
+
+def test_events_name_the_group_aiosnap_used(tmp_path: Path) -> None:
+    results = ok(
+        run_ranks("events_in_subgroup", 4, tmp_path / "job", root=str(tmp_path / "root"), members=[1, 3]),
+        tmp_path / "job",
+    )
+    assert [r["member"] for r in results] == [False, True, False, True]
+    # ranks 1 and 3 of the world are ranks 0 and 1 of the group; aiosnap's own group is gloo, of 2
+    assert results[1]["seen"] == [[0, 2, "gloo", 2]]
+    assert results[3]["seen"] == [[1, 2, "gloo", 2]]
+
+
+def test_sharded_save_and_reshard_on_the_s3_server(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    s3 = {"endpoint_url": s3_endpoint, "addressing_style": "path", "retry_deadline": 20, "request_timeout": 10}
+    url = f"s3://{s3_bucket}/run"
+    ok(run_ranks("save_dtensors", 4, tmp_path / "save", root=url, s3=s3, layouts=LAYOUTS_4), tmp_path / "save")
+    results = ok(
+        run_ranks("load_dtensors", 2, tmp_path / "load", root=url, s3=s3, layouts=LAYOUTS_2), tmp_path / "load"
+    )
+    for result in results:
+        assert all(result["equal"].values()) and result["plain"] and result["in_place"], result
+    with SyncCheckpointer({"storage": {"url": url}, "s3": s3}) as ckpt:
+        assert ckpt.steps() == [1]
+        full = ckpt.load()
+    for name, expected in expected_full(LAYOUTS_4).items():
+        assert torch.equal(full["dt"][name], expected), name
+
+
+def test_fuzzed_multi_rank_manifests_fail_cleanly(
+    saved_by_4: Path, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Damaged (bytes or fields) multi-rank manifests load bit-exact or raise a
+    CorruptCheckpointError; forged ones (checksum recomputed) raise an AiosnapError: never
+    another exception, never an allocation larger than what is stored."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_by_4, root)
+    path = next(root.glob("*/manifest.json"))
+    document = json.loads(path.read_bytes())
+    stored = sum(p.stat().st_size for p in root.rglob("*.bin"))
+    largest = 0
+    real_whole_target = fetch.whole_target
+
+    def watched(entry: Any) -> Any:
+        nonlocal largest
+        target = real_whole_target(entry)
+        largest = max(largest, target.dest.numel() * target.dest.element_size())
+        return target
+
+    monkeypatch.setattr(fetch, "whole_target", watched)
+    rng = random.Random(11)
+    outcomes: dict[str, int] = {}
+    cases = max(1, int(request.config.getoption("--fuzz-cases")) // 4)
+    with SyncCheckpointer({"storage": {"url": str(root)}, "events": {"log": False}}) as ckpt:
+        expected = ckpt.load()
+        for case in range(cases):
+            forged = case % 2 == 1
+            path.write_bytes(sign_manifest(mutate_document(document, rng)) if forged else mutated_text(document, rng))
+            try:
+                result = ckpt.load()
+            except AiosnapError as exc:
+                if not forged and not isinstance(exc, CorruptCheckpointError):
+                    raise AssertionError(f"case {case}: damage reported as {exc!r}") from exc
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                continue
+            outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+            if not forged:
+                assert_same(result, expected)
+    assert largest <= stored, f"a load allocated {largest} bytes; only {stored} are stored"
+    assert outcomes.get("loaded", 0) < cases
+    print(f"\nmulti-rank manifest fuzz: {cases} cases: {dict(sorted(outcomes.items()))}")

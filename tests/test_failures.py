@@ -119,7 +119,7 @@ def test_unsupported_values_fail_in_save_itself(small_config: Config) -> None:
         assert ckpt.steps() == []
 
 
-def test_dtensor_state_is_refused_by_name(small_config: Config, tmp_path: Path) -> None:
+def test_dtensor_of_a_one_rank_mesh_round_trips(small_config: Config, tmp_path: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -129,9 +129,11 @@ def test_dtensor_state_is_refused_by_name(small_config: Config, tmp_path: Path) 
         mesh = init_device_mesh("cpu", (1,))
         sharded = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
         with SyncCheckpointer(small_config) as ckpt:
-            with pytest.raises(UnsupportedStateError, match=r"model/w: DTensor"):
-                ckpt.save({"model": {"w": sharded}}, step=1)
-            assert ckpt.steps() == []
+            ckpt.save({"model": {"w": sharded}}, step=1).wait()
+            target = {"model": {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}}
+            ckpt.load(target)
+            assert torch.equal(target["model"]["w"].full_tensor(), sharded.full_tensor())
+            assert ckpt.manifest().entries[0].kind == "sharded"
     finally:
         dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).parent.parent / "aiosnap"
 
 LAYERS: list[set[str]] = [
     {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing"},
-    {"service"},
+    {"service", "distributed"},
     {"trainer", "transfer"},
     {"catalog", "load", "staging", "singlefile"},
     {"format"},

@@ -1,10 +1,15 @@
-"""Multi-rank checkpoints on torch.distributed.
+"""Multi-rank checkpoints on torch.distributed: the caller's side.
 
-- :mod:`.group`: aiosnap's own CPU (gloo) group and what ranks agree on inside ``save()`` and
-  ``load()``, on the caller's thread (never on the loop thread, never on the trainer's group).
-- :mod:`.shards`: a DTensor's local shard and its box in the global tensor (save side).
+- :mod:`.job`: a checkpointer's place in the job; what each ``save()``/``load()`` agrees on.
+- :mod:`.group`: aiosnap's own CPU (gloo) group; agreement on the caller's thread (never on
+  aiosnap's loop thread, never on the trainer's group).
 - :mod:`.assign`: which rank writes each replicated entry (pure).
-- :mod:`.parts`: a rank's part of a save (the per-rank manifest) and the coordinator's merge (pure).
-- :mod:`.commit`: the storage-based commit of a multi-rank save (loop thread).
-- :mod:`.restore`: the view of a multi-rank manifest one rank loads, and resharding reads.
+- :mod:`.stateful`: model and optimizer state of sharded models through torch's own
+  ``get_state_dict``/``set_state_dict``.
+
+The rest lives with the layer it belongs to: a DTensor's shard on the save side
+(:mod:`aiosnap.trainer.dtensor`), a rank's part and the coordinator's merge
+(:mod:`aiosnap.format.parts`), shard tiling (:mod:`aiosnap.format.tiling`), the commit through
+storage (:mod:`aiosnap.transfer.rank_commit`), resharding reads (:mod:`aiosnap.load.reshard`)
+and a rank's view of a checkpoint (:mod:`aiosnap.load.ranks`).
 """

@@ -229,7 +229,9 @@ class AiosnapCheckpointIO(CheckpointIO):
 
     def _root(self) -> SyncCheckpointer:
         if self._checkpointer is None:
-            self._checkpointer = SyncCheckpointer(self.config, event_handlers=self.event_handlers)
+            # Lightning's CheckpointIO: one process writes each file (global rank 0), every rank
+            # may read it; so aiosnap acts as a job of one rank here, whatever the job's size
+            self._checkpointer = SyncCheckpointer(self.config, rank=0, world_size=1, event_handlers=self.event_handlers)
             self._checkpointer._closed_at_exit_by_its_owner()  # Lightning may never call teardown
         return self._checkpointer
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from ..distributed.shards import DTensorShard, dtensor_shard, is_dtensor
 from ..errors import UnsupportedStateError
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH
 from ..names import object_prefix
 from ..stateful import is_stateful
+from .dtensor import DTensorShard, dtensor_shard, is_dtensor
 
 __all__ = ["ALIGN", "Agreement", "Chunk", "Entry", "Flattened", "Piece", "SavePlan", "make_plan"]
 
@@ -335,17 +335,16 @@ def make_plan(
             f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
             "into one (save to a folder root, or from one rank)"
         )
-    if rank_local and agree is None:
-        raise ValueError("rank_local paths belong to multi-rank saves (torch.distributed with more than one rank)")
+    if rank_local and single_file:
+        raise UnsupportedStateError("rank_local values need a folder checkpoint (a single file holds one rank's state)")
     flattener = _Flattener(rank_local, dtensors=not single_file)
     tree = flattener.encode(state, "")
+    if agree is None and (flattener.shards or flattener.local is not None):
+        if world_size != 1:
+            raise ValueError(f"rank {rank} of {world_size}: a multi-rank save needs the ranks' agreement")
+        agree = _one_rank  # DTensors of a one-rank mesh, or rank-local values: the multi-rank format
     if agree is not None:
         return _distributed_plan(flattener, tree, step, chunk_bytes, rank, world_size, metadata, agree)
-    if flattener.shards:
-        raise UnsupportedStateError(
-            f"{flattener.entries[min(flattener.shards)].path}: a DTensor is saved by every rank of its mesh "
-            "together; this checkpointer is not multi-rank (make it after torch.distributed is initialised)"
-        )
     save_id = uuid.uuid4().hex[:16]
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
@@ -369,6 +368,11 @@ def make_plan(
         archive=archive,
     )
     return SavePlan(spec=spec, entries=flattener.entries, chunks=chunks)
+
+
+def _one_rank(flat: Flattened) -> Agreement:
+    """The agreement of a job of one rank with itself: it writes everything."""
+    return Agreement(uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0)
 
 
 def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:

@@ -20,7 +20,14 @@ from ..aio import finish_despite_cancel
 from ..arena import Arena
 from ..catalog.steps import apply_retention
 from ..config import Config
-from ..distributed.commit import (
+from ..errors import first_error
+from ..format.manifest import Checksums, build_manifest
+from ..format.spec import SaveSpec
+from ..staging import Staged, TransferListener, TransferOutcome
+from ..storage.base import Storage
+from ..storage.registry import storage_from_url
+from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
+from .rank_commit import (
     deliver_part,
     gather_manifest,
     give_up,
@@ -29,13 +36,6 @@ from ..distributed.commit import (
     report_failure,
     wait_for_commit,
 )
-from ..errors import first_error
-from ..format.manifest import Checksums, build_manifest
-from ..format.spec import SaveSpec
-from ..staging import Staged, TransferListener, TransferOutcome
-from ..storage.base import Storage
-from ..storage.registry import storage_from_url
-from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
 from .upload import upload_chunk
 
 __all__ = ["CLEANUP_WAIT_S", "LocalTransfer"]

@@ -36,10 +36,10 @@ from ..errors import (
     first_error,
 )
 from ..format.manifest import Checksums, Manifest
+from ..format.parts import RankPart, aborted_name, build_part, failed_name, merge_parts, part_name
 from ..format.spec import SaveSpec
 from ..names import attempt_prefix, manifest_name, object_prefix
 from ..storage.base import Storage
-from .parts import RankPart, aborted_name, build_part, failed_name, merge_parts, part_name
 
 __all__ = [
     "deliver_part",

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..checksums import crc32c_of
 from ..errors import ManifestError
-from ..format.dtypes import dtype_itemsize
-from ..format.manifest import (
+from ..names import attempt_prefix, check_save_id, object_prefix
+from .dtypes import dtype_itemsize
+from .manifest import (
     FORMAT_VERSION,
     ByteRange,
     Checksums,
@@ -32,8 +33,7 @@ from ..format.manifest import (
     RankLocalRecord,
     ShardRecord,
 )
-from ..format.spec import SaveSpec
-from ..names import attempt_prefix, check_save_id, object_prefix
+from .spec import SaveSpec
 
 __all__ = ["RankPart", "WrittenRecord", "aborted_name", "build_part", "failed_name", "merge_parts", "part_name"]
 
