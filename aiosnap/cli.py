@@ -170,8 +170,12 @@ def info_command(
     table = Table("entry", "kind", "dtype", "shape", "bytes", "device", box=None, header_style="bold")
     for entry in manifest.entries:
         shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
-        table.add_row(entry.path, entry.kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
+        kind = f"sharded ({len(entry.shards)})" if entry.shards is not None else entry.kind
+        table.add_row(entry.path, kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
     out.print(table)
+    if manifest.rank_local is not None:
+        each = [sum(e.nbytes for e in part.entries) for part in manifest.rank_local]
+        out.print(f"rank-local values: {len(manifest.rank_local)} rank(s), {_size(sum(each))} in all")
 
 
 def _bytes_by_top_level_key(manifest: Manifest) -> dict[str, int]:
@@ -184,7 +188,24 @@ def _bytes_by_top_level_key(manifest: Manifest) -> dict[str, int]:
     for raw_key, child in tree["items"]:
         name = raw_key if isinstance(raw_key, str) else json.dumps(raw_key)
         sizes[name] = sum(manifest.entries[i].nbytes for i in entries_under(child))
+        for slot in _slots_under(child):  # every rank's own values under this key
+            for part in manifest.rank_local or ():
+                sizes[name] += sum(part.entries[i].nbytes for i in entries_under(part.values[slot]))
     return sizes
+
+
+def _slots_under(node: Any) -> list[int]:
+    found, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("t") == "rank_local":
+                found.append(current["slot"])
+            else:
+                stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
 
 
 @app.command("verify")

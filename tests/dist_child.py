@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 QUICK = {"commit_timeout": 30, "agree_timeout": 30}
 
 
-def config(root: str, s3: dict[str, Any] | None = None, **distributed: Any) -> dict[str, Any]:
+def config(root: str, s3: dict[str, Any] | None = None, executor: str = "thread", **distributed: Any) -> dict[str, Any]:
     return {
         "storage": {"url": root},
         **({"s3": s3} if s3 else {}),
         "ram_budget": "64MiB",
-        "upload": {"chunk_size": "1MiB"},
+        "upload": {"chunk_size": "1MiB", "executor": executor},
         "retention": {"keep_last": None},
         "events": {"log": False},
         "distributed": {**QUICK, **distributed},
@@ -92,7 +92,7 @@ def ddp_roundtrip(rank: int, world: int, work: str, params: dict[str, Any]) -> d
     torch.manual_seed(100 + rank)  # per-rank RNG streams
     rng = aiosnap.RNGState()
     state = {"model": model, "optim": optim, "rng": rng, "loader": {"position": 10 * rank}, "epoch": 3}
-    with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
+    with aiosnap.SyncCheckpointer(config(params["root"], executor=params.get("executor", "thread"))) as ckpt:
         result = ckpt.save(state, step=7, rank_local=["rng", "loader"]).wait(timeout=40)
         after_save = torch.rand(3).tolist()
         torch.manual_seed(0)

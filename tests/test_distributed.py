@@ -54,9 +54,10 @@ def manifest(root: Path) -> dict[str, Any]:
     return json.loads(found[-1].read_text())
 
 
-def test_replicated_model_optimizer_and_per_rank_rng_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_replicated_model_optimizer_and_per_rank_rng_round_trip(tmp_path: Path, executor: str) -> None:
     root = tmp_path / "root"
-    results = ok(run_ranks("ddp_roundtrip", 2, tmp_path / "job", root=str(root)), tmp_path / "job")
+    results = ok(run_ranks("ddp_roundtrip", 2, tmp_path / "job", root=str(root), executor=executor), tmp_path / "job")
     for rank, result in enumerate(results):
         assert result["committed"] == 7
         assert result["same_model"] and result["same_optim"]
@@ -258,3 +259,26 @@ def test_fuzzed_multi_rank_manifests_fail_cleanly(
     assert largest <= stored, f"a load allocated {largest} bytes; only {stored} are stored"
     assert outcomes.get("loaded", 0) < cases
     print(f"\nmulti-rank manifest fuzz: {cases} cases: {dict(sorted(outcomes.items()))}")
+
+
+def test_cli_info_and_verify_cover_shards_and_every_ranks_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiosnap.cli import main
+
+    root = tmp_path / "root"
+    ok(run_ranks("ddp_roundtrip", 2, tmp_path / "job", root=str(root)), tmp_path / "job")
+    capsys.readouterr()
+    assert main(["info", str(root), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 2 and info["top_level_bytes"]["rng"] > 2 * 5000  # both ranks' RNG states
+    assert main(["verify", str(root)]) == 0
+    capsys.readouterr()
+    doc = manifest(root)
+    victim = doc["rank_local"][1]["entries"][0]["ranges"][0]  # rank 1's own RNG state
+    path = root / victim["object"]
+    data = bytearray(path.read_bytes())
+    data[victim["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert main(["verify", str(root)]) != 0
+    assert "rng/torch: checksum mismatch" in capsys.readouterr().err

@@ -159,9 +159,8 @@ async def verify_step(
 
     try:
         async with asyncio.TaskGroup() as group:
-            for entry in manifest.entries:
-                for r in entry.ranges:
-                    group.create_task(check(entry.path, r))
+            for entry, r in manifest.all_ranges():  # shards and every rank's own values too
+                group.create_task(check(entry.path, r))
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
     return sorted(f"{where}: {p}" for p in problems)

@@ -171,7 +171,7 @@ class Manifest(_Frozen):
             if sizes.setdefault(obj.name, obj.nbytes) != obj.nbytes:
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
         spans: dict[str, list[tuple[int, int]]] = {}
-        for entry, r in self._all_ranges():
+        for entry, r in self.all_ranges():
             if r.object not in sizes:
                 raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
             if r.offset + r.nbytes > sizes[r.object]:
@@ -200,7 +200,8 @@ class Manifest(_Frozen):
             raise ValueError(f"format version {self.format_version} has no multi-rank parts")
         return self
 
-    def _all_ranges(self) -> Iterator[tuple[EntryRecord, ByteRange]]:
+    def all_ranges(self) -> Iterator[tuple[EntryRecord, ByteRange]]:
+        """Every stored byte range with its entry: whole entries, shards, rank-local values."""
         for entry in self.entries:
             yield from ((entry, r) for r in entry.ranges)
             for shard in entry.shards or ():
