@@ -409,7 +409,10 @@ def gc_command(
 def bench_command(
     ctx: typer.Context,
     which: Annotated[
-        str, typer.Argument(help="local | s3 | spool | lightning | load | interference; options go to that benchmark")
+        str,
+        typer.Argument(
+            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
+        ),
     ] = "local",
 ) -> None:
     """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "lightning": "aiosnap.bench.lightning",
     "load": "aiosnap.bench.load",
     "interference": "aiosnap.bench.interference",
+    "distributed": "aiosnap.bench.distributed",
 }
 """Benchmark name -> module."""
 

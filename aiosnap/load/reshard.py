@@ -7,7 +7,8 @@ assembles full tensors). For each stored shard that overlaps the box, only the b
 that cover the overlap are read (a stored shard is contiguous and row-major, so the overlap
 lies within one span of it), each range's crc32c is checked, and the overlap is copied into
 the target's memory: in place, into the DTensor's own local tensor. Where the stored shard
-is exactly the target (the same sharding as at save time) it is read straight into it.
+fills one contiguous stretch of the target (the same sharding as at save time, or whole row
+blocks of it) it is read straight into that memory.
 
 - :func:`shard_targets` runs on the loop thread while the load is planned (tensor metadata only).
 - :func:`read_into_targets` runs on the loop thread; copies run in worker threads, at most
@@ -131,12 +132,21 @@ def overlaps(manifest: Manifest, targets: dict[int, ShardTarget]) -> list[_Overl
     return found
 
 
-def _direct(item: _Overlap) -> bool:
-    """The stored shard is exactly the target and can be read straight into its memory."""
-    dest, source = item.target.dest, item.source
+def _narrowed(item: _Overlap) -> torch.Tensor:
+    """The part of the target's memory that the overlap fills."""
+    dest = item.target.dest
+    for dim, (o, n) in enumerate(zip(*item.box, strict=True)):
+        dest = dest.narrow(dim, o - item.target.offsets[dim], n)
+    return dest
+
+
+def _direct(item: _Overlap, dest: torch.Tensor) -> bool:
+    """The whole stored shard lands in one contiguous stretch of the target's memory
+    (the same sharding as at save time, or whole row blocks of it): read straight into it."""
+    source = item.source
     return (
-        tuple(source.offsets) == item.target.offsets
-        and tuple(source.shape) == item.target.shape
+        tuple(source.offsets) == item.box[0]
+        and tuple(source.shape) == item.box[1]
         and dest.device.type == "cpu"
         and dest.is_contiguous()
         and dest.dtype == item.dtype
@@ -161,8 +171,9 @@ async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
                 start = position
             picked.append(r)
         position += r.nbytes
-    direct = _direct(item)
-    buffer = bytes_view(item.target.dest) if direct else memoryview(bytearray(sum(r.nbytes for r in picked)))
+    dest = _narrowed(item)
+    direct = _direct(item, dest)
+    buffer = bytes_view(dest) if direct else memoryview(bytearray(sum(r.nbytes for r in picked)))
     ranges, at = [], 0
     for r in picked:
         ranges.append(Range(item.path, r, buffer[at : at + r.nbytes]))
@@ -173,9 +184,6 @@ async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
         return
     held = torch.frombuffer(buffer, dtype=item.dtype) if len(buffer) else torch.empty(0, dtype=item.dtype)
     view = held.as_strided(shape, strides, first - start // itemsize)
-    dest = item.target.dest
-    for dim, (o, n) in enumerate(zip(offsets, shape, strict=True)):
-        dest = dest.narrow(dim, o - item.target.offsets[dim], n)
     await asyncio.to_thread(_copy, dest, view)
 
 

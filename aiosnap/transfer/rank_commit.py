@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from typing import Literal
 
@@ -53,8 +54,11 @@ __all__ = [
 
 log = logging.getLogger("aiosnap")
 
-FIRST_POLL_S = 0.02
-LAST_POLL_S = 1.0
+FIRST_POLL_S = 0.005
+LAST_POLL_S = 0.25
+POLL_S_PER_RANK = 0.001
+"""The slowest poll waits the larger of :data:`LAST_POLL_S` and this per rank of the job,
+so that all ranks together poll a store at most about a thousand times a second."""
 GRACE_S = 5.0
 """Non-coordinators wait this much longer than the coordinator, so its verdict arrives first."""
 _READS_AT_ONCE = 16
@@ -107,17 +111,22 @@ async def remove_own_data(storage: Storage, spec: SaveSpec) -> None:
 
 
 class _Backoff:
-    def __init__(self, deadline: float) -> None:
+    """Polls from every few milliseconds (a commit lands moments after the last part) to
+    every :data:`LAST_POLL_S` (or more in large jobs), with jitter."""
+
+    def __init__(self, deadline: float, world_size: int) -> None:
         self.deadline = deadline
         self.delay = FIRST_POLL_S
+        self.longest = max(LAST_POLL_S, world_size * POLL_S_PER_RANK)
 
     async def sleep(self) -> bool:
         """Wait before the next poll; False once the deadline has passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             return False
-        await asyncio.sleep(min(self.delay, left))
-        self.delay = min(self.delay * 1.5, LAST_POLL_S)
+        jitter = random.uniform(0.8, 1.2)  # noqa: S311 - spreads polls, not a secret
+        await asyncio.sleep(min(self.delay * jitter, left))
+        self.delay = min(self.delay * 1.3, self.longest)
         return True
 
 
@@ -133,7 +142,7 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums) -> M
     assert spec.distributed is not None
     world, folder = spec.world_size, attempt_prefix(spec.step, spec.save_id)
     parts: dict[int, RankPart] = {spec.rank: build_part(spec, own)}
-    backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout)
+    backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout, world)
     limit = asyncio.Semaphore(_READS_AT_ONCE)
 
     async def read(rank: int) -> None:
@@ -181,7 +190,7 @@ async def wait_for_commit(storage: Storage, spec: SaveSpec) -> Literal["ours"]:
     """Non-coordinator: wait until the step's manifest names this save. :class:`RankFailedError`
     when the coordinator gives up; :class:`RankTimeoutError` when nothing is decided in time."""
     assert spec.distributed is not None
-    backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout + GRACE_S)
+    backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout + GRACE_S, spec.world_size)
     name = manifest_name(spec.step)
     while True:
         if await storage.exists(aborted_name(spec.step, spec.save_id)):

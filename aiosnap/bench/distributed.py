@@ -1,0 +1,122 @@
+"""Multi-rank benchmark: ``aiosnap bench distributed`` (part of ``make bench``) prints JSON.
+
+Real ranks (separate processes on one gloo job, this machine) save a sharded state of
+``--size-mb`` MB in all (row-sharded DTensors and a small replicated part), with aiosnap and
+with PyTorch DCP ``async_save`` (its thread executor), on the same state and local disk in
+the same run; aiosnap also against the S3 test server (moto, started here; DCP has no S3
+writer without extra packages). Figures per job (the slowest rank's): seconds blocked in the
+save call and seconds until durable, both on a warm second save. Then 2 ranks load the
+4-rank checkpoints into DTensors of their own mesh (a 4 -> 2 reshard): aiosnap ``load`` vs
+DCP ``load``. Ratios aiosnap / DCP.
+
+``--simulate`` runs the protocol at thousands of simulated ranks instead
+(:mod:`aiosnap.bench.rank_sim`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_job(world: int, **params: Any) -> dict[str, float]:
+    """Run one measurement on ``world`` ranks; each figure is the slowest rank's."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
+    env["OMP_NUM_THREADS"] = "1"
+    procs = []
+    for rank in range(world):
+        args = json.dumps({**params, "rank": rank, "world": world, "port": port})
+        command = [sys.executable, "-m", "aiosnap.bench.distributed_rank", args]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    figures: list[dict[str, float]] = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a rank of {params['tool']} {params['mode']} failed:\n{err[-3000:]}")
+            figures.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {key: round(max(f[key] for f in figures), 3) for key in figures[0]}
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 2) if b else float("inf")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--simulate" in argv:  # its own options (see rank_sim)
+        from .rank_sim import main as simulate
+
+        simulated: dict[str, Any] = simulate([a for a in argv if a != "--simulate"])
+        return simulated
+    parser = argparse.ArgumentParser(prog="aiosnap bench distributed", description=__doc__)
+    parser.add_argument("--size-mb", type=int, default=256, help="sharded state in all (default 256)")
+    parser.add_argument("--ranks", default="2,4", help="job sizes to save with (default 2,4)")
+    parser.add_argument("--ram-budget-mib", type=int, default=256, help="each rank's RAM budget")
+    parser.add_argument("--no-s3", action="store_true", help="skip the S3 test server")
+    parser.add_argument("--simulate", action="store_true", help="simulated ranks instead (see rank_sim)")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.ranks.split(",")]
+    common = {"size_mb": args.size_mb, "ram_budget_mib": args.ram_budget_mib}
+    report: dict[str, Any] = {"size_mb": args.size_mb, "save": {}, "reshard_load_4_to_2": {}}
+    with tempfile.TemporaryDirectory(prefix="aiosnap-bench-dist-") as folder:
+        for world in worlds:
+            aio = run_job(world, tool="aiosnap", mode="save", url=f"{folder}/aiosnap-{world}", **common)
+            dcp = run_job(world, tool="dcp", mode="save", url=f"{folder}/dcp-{world}", **common)
+            report["save"][f"{world}_ranks_local"] = {
+                "aiosnap": aio, "dcp_async_save": dcp,
+                "blocked_ratio": _ratio(aio["blocked_s"], dcp["blocked_s"]),
+                "durable_ratio": _ratio(aio["durable_s"], dcp["durable_s"]),
+            }  # fmt: skip
+        if 4 in worlds:
+            aio = run_job(2, tool="aiosnap", mode="load", url=f"{folder}/aiosnap-4", **common)
+            dcp = run_job(2, tool="dcp", mode="load", url=f"{folder}/dcp-4", **common)
+            report["reshard_load_4_to_2"] = {"aiosnap": aio, "dcp": dcp, "ratio": _ratio(aio["load_s"], dcp["load_s"])}
+        if not args.no_s3:
+            report["save_s3"] = _s3(worlds, common)
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def _s3(worlds: list[int], common: dict[str, Any]) -> dict[str, Any]:
+    from .s3 import _create_bucket, _endpoint
+
+    found: dict[str, Any] = {}
+    with _endpoint(None, None) as url:
+        import asyncio
+
+        bucket = f"aiosnap-bench-{uuid.uuid4().hex[:8]}"
+        asyncio.run(_create_bucket(url, bucket))
+        s3 = {"endpoint_url": url, "addressing_style": "path"}
+        for world in worlds:
+            root = f"s3://{bucket}/ranks-{world}"
+            found[f"{world}_ranks"] = run_job(world, tool="aiosnap", mode="save", url=root, s3=s3, **common)
+        if 4 in worlds:
+            found["reshard_load_4_to_2"] = run_job(2, tool="aiosnap", mode="load", url=f"s3://{bucket}/ranks-4", s3=s3,
+                                                   **common)  # fmt: skip
+    return found
+
+
+if __name__ == "__main__":
+    main()

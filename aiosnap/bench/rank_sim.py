@@ -1,0 +1,223 @@
+"""The multi-rank commit protocol at thousands of ranks, simulated: ``aiosnap bench
+distributed --simulate`` prints a table (and JSON).
+
+No processes: one program makes every rank's save plan (a sharded state: ``--tensors``
+row-sharded tensors, one shard per rank each, and ``--replicated`` replicated entries
+assigned to writers as a real save does), writes the parts of ranks 1..N-1 to storage as
+those ranks would, then measures what the coordinator (rank 0) does to commit: gather and
+check every part, merge, write the step's manifest. Per job size and storage (local disk;
+the S3 test server, moto, started here): the coordinator's commit time, its peak Python
+memory (tracemalloc, in a second pass), its storage requests by kind, the requests a
+non-coordinator makes to learn of the commit, and the reshard planning of one rank of a job
+half the size (read and validate the manifest; find the stored shards its DTensors overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+import tracemalloc
+import uuid
+from collections import Counter
+from typing import Any, ClassVar
+
+import torch
+
+from ..catalog.steps import read_manifest
+from ..distributed.assign import assign_writers
+from ..format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
+from ..load.reshard import ShardTarget, overlaps
+from ..storage.base import Storage
+from ..transfer.commit import commit_manifest
+from ..transfer.rank_commit import deliver_part, gather_manifest, wait_for_commit
+
+__all__ = ["main"]
+
+ROWS = 4
+COLUMNS = 256
+SAVE_ID = "5eed5eed5eed5eed"
+
+
+class Counting:
+    """Counts a storage's requests by kind (LIST, GET, PUT, HEAD); delegates everything."""
+
+    KINDS: ClassVar[dict[str, str]] = {
+        "list_children": "LIST", "read": "GET", "write": "PUT", "exists": "HEAD", "size": "HEAD",
+    }  # fmt: skip
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.counts: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        kind = self.KINDS.get(name)
+        if kind is None:
+            return value
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[kind] += 1
+            return await value(*args, **kwargs)
+
+        return counted
+
+
+def rank_spec(rank: int, world: int, tensors: int, replicated: list[int], writers: list[int | None]) -> SaveSpec:
+    """Rank ``rank``'s plan: a shard of each sharded tensor, the replicated entries it writes."""
+    entries: list[EntrySpec] = []
+    shards: list[ShardSpec] = []
+    for index in range(tensors):
+        entries.append(EntrySpec(f"model/layer{index}.weight", "sharded", "float32", (ROWS, COLUMNS),
+                                 (COLUMNS, 1), "cpu", ROWS * COLUMNS * 4))  # fmt: skip
+        shards.append(ShardSpec(index, (rank * ROWS, 0), (world * ROWS, COLUMNS)))
+    for offset, nbytes in enumerate(replicated):
+        entries.append(EntrySpec(f"model/norm{offset}", "tensor", "float32", (nbytes // 4,), (1,), "cpu", nbytes))
+    written = tuple(i for i in range(len(entries)) if i < tensors or writers[i] == rank)
+    pieces, position = [], 0
+    for index in written:
+        pieces.append(PieceSpec(index, entries[index].nbytes, position))
+        position += -(-entries[index].nbytes // 64) * 64
+    tree = {"t": "dict", "items": [["model", {"t": "dict", "items": [
+        [e.path.split("/", 1)[1], {"t": "dtensor" if i < tensors else "tensor", "id": i}] for i, e in enumerate(entries)
+    ]}]]}  # fmt: skip
+    return SaveSpec(
+        step=1, save_id=SAVE_ID, rank=rank, world_size=world, tree=tree, metadata={}, entries=tuple(entries),
+        chunks=(ChunkSpec(f"000000000001/{SAVE_ID}/rank-{rank}/0.bin", position, tuple(pieces)),),
+        distributed=DistSpec(0, 3600.0, len(entries), written, tuple(shards), ()),
+    )  # fmt: skip
+
+
+def _crcs(spec: SaveSpec) -> dict[tuple[str, int], int]:
+    return {(c.object_name, p.dst_offset): 0 for c in spec.chunks for p in c.pieces}
+
+
+async def _measure(storage: Storage, world: int, tensors: int, replicated_count: int) -> dict[str, Any]:
+    replicated = [4096 * (1 + i % 4) for i in range(replicated_count)]
+    sizes: list[int | None] = [None] * tensors + list(replicated)
+    preload = [tensors * ROWS * COLUMNS * 4] * world
+    writers = assign_writers(sizes, preload)
+    started = time.perf_counter()
+    limit = asyncio.Semaphore(64)
+
+    async def deliver(rank: int) -> None:
+        spec = rank_spec(rank, world, tensors, replicated, writers)
+        async with limit:
+            await deliver_part(storage, spec, _crcs(spec))
+
+    await asyncio.gather(*(deliver(rank) for rank in range(1, world)))
+    setup_s = time.perf_counter() - started
+    coordinator = rank_spec(0, world, tensors, replicated, writers)
+    counting = Counting(storage)
+    started = time.perf_counter()
+    manifest = await gather_manifest(counting, coordinator, _crcs(coordinator))  # type: ignore[arg-type]
+    manifest_bytes = await commit_manifest(counting, manifest, replace=False)  # type: ignore[arg-type]
+    commit_s = time.perf_counter() - started
+    requests = dict(counting.counts)
+    tracemalloc.start()
+    again = await gather_manifest(storage, coordinator, _crcs(coordinator))
+    again.to_json()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    follower = Counting(storage)
+    await wait_for_commit(follower, rank_spec(1, world, tensors, replicated, writers))  # type: ignore[arg-type]
+    started = time.perf_counter()
+    loaded = await read_manifest(storage, 1)
+    read_s = time.perf_counter() - started
+    half = max(1, world // 2)
+    rows = world * ROWS // half  # a rank of the half-size job holds two stored shards' rows
+    middle = half // 2
+    started = time.perf_counter()
+    targets = {
+        index: ShardTarget(torch.empty(0), (middle * rows, 0), (rows, COLUMNS), torch.empty(0))
+        for index in range(tensors)
+    }
+    pieces = overlaps(loaded, targets)
+    plan_s = time.perf_counter() - started
+    return {
+        "ranks": world,
+        "parts_written_s": round(setup_s, 2),
+        "commit_s": round(commit_s, 3),
+        "commit_peak_mib": round(peak / 2**20, 1),
+        "manifest_mib": round(manifest_bytes / 2**20, 2),
+        "requests": requests,
+        "follower_requests": dict(follower.counts),
+        "reshard_read_manifest_s": round(read_s, 3),
+        "reshard_plan_s": round(plan_s, 4),
+        "reshard_overlaps": len(pieces),
+    }
+
+
+def _storages(kind: str) -> Any:
+    import contextlib
+
+    @contextlib.contextmanager
+    def local() -> Any:
+        from ..storage.local import LocalStorage
+
+        folder = tempfile.mkdtemp(prefix="aiosnap-sim-")
+        try:
+            yield lambda: LocalStorage(os.path.join(folder, uuid.uuid4().hex[:8]))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def s3() -> Any:
+        from ..config import Config
+        from ..storage.s3 import S3Storage
+        from .s3 import _create_bucket, _endpoint
+
+        with _endpoint(None, None) as url:
+            bucket = f"aiosnap-sim-{uuid.uuid4().hex[:8]}"
+            asyncio.run(_create_bucket(url, bucket))
+            config = Config(s3={"endpoint_url": url, "addressing_style": "path"})
+            yield lambda: S3Storage(bucket, uuid.uuid4().hex[:8], config.s3)
+
+    return local() if kind == "local" else s3()
+
+
+async def _one(make: Any, world: int, tensors: int, replicated: int) -> dict[str, Any]:
+    storage = make()
+    try:
+        return await _measure(storage, world, tensors, replicated)
+    finally:
+        await storage.close()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="aiosnap bench distributed --simulate", description=__doc__)
+    parser.add_argument("--ranks", default="128,1024,8192", help="simulated job sizes")
+    parser.add_argument("--tensors", type=int, default=16, help="sharded tensors (one shard per rank each)")
+    parser.add_argument("--replicated", type=int, default=64, help="replicated entries")
+    parser.add_argument("--storage", default="local,s3", help="local, s3 or both")
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {"tensors": args.tensors, "replicated": args.replicated}
+    for kind in args.storage.split(","):
+        rows = []
+        with _storages(kind) as make:
+            for world in (int(w) for w in args.ranks.split(",")):
+                rows.append(asyncio.run(_one(make, world, args.tensors, args.replicated)))
+        report[kind] = rows
+        _table(kind, rows)
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def _table(kind: str, rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{kind}: ranks | commit s | peak MiB | manifest MiB | LIST GET PUT HEAD | follower | read manifest s | plan s"
+    )
+    for row in rows:
+        r = row["requests"]
+        follower = sum(row["follower_requests"].values())
+        print(
+            f"{row['ranks']:>6} | {row['commit_s']:>8} | {row['commit_peak_mib']:>8} | {row['manifest_mib']:>12} | "
+            f"{r.get('LIST', 0)} {r.get('GET', 0)} {r.get('PUT', 0)} {r.get('HEAD', 0)} | {follower} | "
+            f"{row['reshard_read_manifest_s']:>15} | {row['reshard_plan_s']}"
+        )
+    per_rank = [row["commit_s"] / row["ranks"] for row in rows]
+    print(f"commit seconds per rank: {', '.join(f'{p * 1e3:.2f} ms' for p in per_rank)} (linear when these agree)")
