@@ -97,7 +97,7 @@ def test_parts_merge_into_one_manifest() -> None:
     assert manifest.format_version == 3 and manifest.world_size == 2
     sharded = manifest.entries[1]
     assert sharded.kind == "sharded" and sharded.shape == [4, 2]
-    assert [s.offsets for s in sharded.shards or ()] == [[0, 0], [2, 0]]
+    assert [s.offsets for s in sharded.shard_records()] == [[0, 0], [2, 0]]
     assert {o.rank for o in manifest.objects} == {0, 1}
 
 

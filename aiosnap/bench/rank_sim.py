@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _table(kind: str, rows: list[dict[str, Any]]) -> None:
-    print(
-        f"\n{kind}: ranks | commit s | peak MiB | manifest MiB | LIST GET PUT HEAD | follower | read manifest s | plan s"
-    )
+    print(f"\n{kind}: ranks | commit s | peak MiB | manifest MiB | LIST GET PUT HEAD | follower | read s | plan s")
     for row in rows:
         r = row["requests"]
         follower = sum(row["follower_requests"].values())

@@ -22,7 +22,7 @@ from ..errors import (
     CorruptCheckpointError,
     first_error,
 )
-from ..format.manifest import ByteRange, Manifest
+from ..format.manifest import Manifest, Span
 from ..names import check_object_name, check_save_id, parse_step_dir
 from ..storage.base import Storage
 from .steps import committed_steps, read_manifest
@@ -131,7 +131,7 @@ async def verify_step(
     limit = asyncio.Semaphore(concurrency)
     problems: list[str] = []
 
-    async def check(path: str, r: ByteRange) -> None:
+    async def check(path: str, r: Span) -> None:
         async with limit:  # at most ``concurrency`` windows of VERIFY_WINDOW bytes in memory
             buffer = memoryview(bytearray(min(r.nbytes, VERIFY_WINDOW)))
             crc, done = 0, 0

@@ -3,9 +3,9 @@
 Everything here runs on the caller's thread, inside ``save()``/``load()``, which every rank
 calls: never on aiosnap's loop thread (a collective there would hang the moment ranks'
 background work diverges) and never on the trainer's group (NCCL watchdogs kill jobs whose
-collectives wait on slow copies). The group is a gloo (CPU) group made once, when the
-checkpointer is made, over the ranks of the group the checkpointer was given (the default
-group when none), by those ranks only.
+collectives wait on slow copies). The group is a gloo (CPU) group made once per
+process, when the first checkpointer is made, over the ranks of the group the checkpointer
+was given (the default group when none), by those ranks only; later checkpointers share it.
 
 Agreement is one monitored barrier (on timeout it names the ranks that did not arrive) and
 one all-gather of 56 bytes per rank: rank 0's save id, each rank's step, a digest of its
@@ -17,7 +17,6 @@ anyway, its number of rank-local values. Ranks that disagree all raise
 from __future__ import annotations
 
 import datetime
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +24,6 @@ from typing import Any
 from ..errors import RanksDisagreeError, RankTimeoutError
 
 __all__ = ["RankGroup", "SaveProposal"]
-
-log = logging.getLogger("aiosnap")
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class RankGroup:
         parent = process_group if process_group is not None else dist.group.WORLD
         self.ranks: list[int] = dist.get_process_group_ranks(parent)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.group = dist.new_group(self.ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+        self.group = _shared_group(self.ranks, self.timeout)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
@@ -120,13 +117,36 @@ class RankGroup:
         return self._gather(step)[0]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        import torch.distributed as dist
+        """Nothing to release: the group is shared by this process's checkpointers (see
+        :func:`_shared_group`) and goes with torch.distributed's own teardown."""
 
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group(self.group)
-        except Exception as exc:  # the job is tearing down torch.distributed itself
-            log.debug("aiosnap: destroying its process group failed: %r", exc)
+
+_SHARED: dict[tuple[int, ...], tuple[Any, Any]] = {}
+"""ranks -> (the default group it was made under, aiosnap's group over those ranks)."""
+
+
+def _shared_group(ranks: list[int], timeout: datetime.timedelta) -> Any:
+    """aiosnap's gloo group over ``ranks``, made once per process (and again after
+    torch.distributed is initialised anew). Only the ranks in it take part in making it
+    (``use_local_synchronization``): a group over part of the job needs nothing from the
+    rest. It is never destroyed and made again under the same default group: torch names
+    such a group by its ranks alone, and a second one would find the first one's addresses
+    in the store (refused connections)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    found = _SHARED.get(tuple(ranks))
+    if found is not None and found[0] is world:
+        return found[1]
+    try:
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    except RuntimeError as exc:  # the store's wait for the other ranks ran out
+        raise RankTimeoutError(
+            f"making aiosnap's group over ranks {ranks[:16]} failed ({exc}): with more than one rank, every rank "
+            "makes the checkpointer; for a checkpointer of this process alone, pass world_size=1"
+        ) from exc
+    _SHARED[tuple(ranks)] = (world, group)
+    return group
 
 
 def _first_difference(listed: list[list[str]]) -> str:

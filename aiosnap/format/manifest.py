@@ -15,9 +15,10 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from ..checksums import crc32c_of
 from ..errors import ManifestError
@@ -38,6 +39,8 @@ __all__ = [
     "Manifest",
     "RankLocalRecord",
     "ShardRecord",
+    "Span",
+    "StoredShard",
     "build_manifest",
     "manifest_name",
 ]
@@ -77,13 +80,45 @@ class DataObject(_Frozen):
     _check_name = field_validator("name")(check_object_name)
 
 
-class ShardRecord(_Frozen):
-    """One stored shard of a sharded entry: where it sits in the global tensor (``offsets``,
-    ``shape``) and its bytes (contiguous, row-major), written by one rank."""
+_S = Strict()
+_StoredRange = Annotated[
+    tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S]], Strict(False)
+]
+StoredShard = Annotated[
+    tuple[Annotated[list[int], _S], Annotated[list[int], _S], Annotated[list[_StoredRange], _S]], Strict(False)
+]  # arrays for tuples (JSON has no tuples), every item strictly typed
+"""A stored shard as the manifest keeps it: ``[offsets, shape, [[object, offset, nbytes,
+crc32c], ...]]``: where it sits in the global tensor and its bytes (contiguous, row-major),
+written by one rank. Arrays, not objects: a job of 8,192 ranks stores 10^5 shards, which
+validate several times faster this way (:class:`ShardRecord` is the view code uses)."""
+
+
+class Span(NamedTuple):
+    """A stored byte range, whatever holds it (see :meth:`Manifest.all_ranges`)."""
+
+    object: str
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A view of one :data:`StoredShard`."""
 
     offsets: list[int]
     shape: list[int]
     ranges: list[ByteRange]
+
+    @classmethod
+    def of(cls, stored: StoredShard) -> ShardRecord:
+        offsets, shape, ranges = stored
+        return cls(offsets, shape, [
+            ByteRange.model_construct(object=o, offset=at, nbytes=n, crc32c=c) for o, at, n, c in ranges
+        ])  # fmt: skip
+
+    def stored(self) -> StoredShard:
+        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c) for r in self.ranges])
 
 
 class EntryRecord(_Frozen):
@@ -98,7 +133,13 @@ class EntryRecord(_Frozen):
     device: str
     nbytes: int = Field(ge=0, lt=_MAX_INT)
     ranges: list[ByteRange]
-    shards: list[ShardRecord] | None = None
+    shards: list[StoredShard] | None = None
+
+    def shard_records(self) -> list[ShardRecord]:
+        """The stored shards (a whole entry: one shard, the whole tensor)."""
+        if self.shards is not None:
+            return [ShardRecord.of(s) for s in self.shards]
+        return [ShardRecord([0] * len(self.shape), list(self.shape), list(self.ranges))]
 
     @model_validator(mode="after")
     def _consistent(self) -> EntryRecord:
@@ -124,15 +165,20 @@ class EntryRecord(_Frozen):
 def _check_shards(entry: EntryRecord, itemsize: int) -> None:
     if entry.ranges:
         raise ValueError(f"{entry.path}: a sharded entry's bytes are in its shards")
-    for shard in entry.shards or ():
-        values = shard.offsets + shard.shape
+    for offsets, shape, ranges in entry.shards or ():
+        values = offsets + shape
         if values and not (min(values) >= 0 and max(values) < _MAX_INT):
-            raise ValueError(f"{entry.path}: invalid shard at {shard.offsets} of shape {shard.shape}")
-        nbytes = math.prod(shard.shape) * itemsize
-        if sum(r.nbytes for r in shard.ranges) != nbytes:
-            raise ValueError(f"{entry.path}: the shard at {shard.offsets} is {nbytes} bytes, its ranges are not")
+            raise ValueError(f"{entry.path}: invalid shard at {offsets} of shape {shape}")
+        nbytes = math.prod(shape) * itemsize
+        total = 0
+        for _, offset, size, crc in ranges:  # what ByteRange checks for whole entries
+            if not (0 <= offset < _MAX_INT and 0 < size < _MAX_INT and 0 <= crc < 2**32):
+                raise ValueError(f"{entry.path}: invalid byte range in the shard at {offsets}")
+            total += size
+        if total != nbytes:
+            raise ValueError(f"{entry.path}: the shard at {offsets} is {nbytes} bytes, its ranges are not")
     try:
-        check_tiling(entry.shape, [(tuple(s.offsets), tuple(s.shape)) for s in entry.shards or ()])
+        check_tiling(entry.shape, [(tuple(s[0]), tuple(s[1])) for s in entry.shards or ()])
     except ValueError as exc:
         raise ValueError(f"{entry.path}: {exc}") from None
 
@@ -203,15 +249,15 @@ class Manifest(_Frozen):
             raise ValueError(f"format version {self.format_version} has no multi-rank parts")
         return self
 
-    def all_ranges(self) -> Iterator[tuple[EntryRecord, ByteRange]]:
+    def all_ranges(self) -> Iterator[tuple[EntryRecord, Span]]:
         """Every stored byte range with its entry: whole entries, shards, rank-local values."""
         for entry in self.entries:
-            yield from ((entry, r) for r in entry.ranges)
-            for shard in entry.shards or ():
-                yield from ((entry, r) for r in shard.ranges)
+            yield from ((entry, Span(r.object, r.offset, r.nbytes, r.crc32c)) for r in entry.ranges)
+            for _, _, ranges in entry.shards or ():
+                yield from ((entry, Span(*r)) for r in ranges)
         for part in self.rank_local or ():
             for entry in part.entries:
-                yield from ((entry, r) for r in entry.ranges)
+                yield from ((entry, Span(r.object, r.offset, r.nbytes, r.crc32c)) for r in entry.ranges)
 
     @property
     def total_bytes(self) -> int:

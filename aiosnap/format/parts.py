@@ -32,6 +32,7 @@ from .manifest import (
     Manifest,
     RankLocalRecord,
     ShardRecord,
+    StoredShard,
 )
 from .spec import SaveSpec
 
@@ -203,7 +204,7 @@ def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
     globals_ = {s.entry: s.global_shape for s in dist.shards}
     whole: dict[int, WrittenRecord] = {}
     writers: dict[int, int] = {}
-    shards: dict[int, list[ShardRecord]] = {i: [] for i in globals_}
+    shards: dict[int, list[StoredShard]] = {i: [] for i in globals_}
     for rank, part in sorted(parts.items()):
         if (part.step, part.save_id, part.rank, part.world_size, part.main_entries) != (
             spec.step, spec.save_id, rank, spec.world_size, main,
@@ -213,9 +214,7 @@ def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
             if record.entry in globals_:
                 if record.offsets is None:
                     raise ValueError(f"rank {rank}: entry {record.entry} is sharded but written whole")
-                shards[record.entry].append(
-                    ShardRecord(offsets=record.offsets, shape=record.shape, ranges=record.ranges)
-                )
+                shards[record.entry].append(ShardRecord(record.offsets, record.shape, record.ranges).stored())
             elif record.offsets is not None or record.entry in writers:
                 raise ValueError(
                     f"rank {rank}: entry {record.entry} written twice (also by rank {writers.get(record.entry)})"

@@ -88,7 +88,7 @@ async def fetch_entries(
     names = None
     if plan.only is not None:
         names = {r.object for _, e in wanted for r in e.ranges}
-        names |= {r.object for _, e in wanted for shard in e.shards or () for r in shard.ranges}
+        names |= {r[0] for _, e in wanted for _, _, ranges in e.shards or () for r in ranges}
     await check_object_sizes(storage, manifest, concurrency, names)
     sharded: dict[int, ShardTarget] = {}
     for index, entry in wanted:

@@ -104,12 +104,6 @@ def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
     return stride[::-1]
 
 
-def _sources(entry: EntryRecord) -> list[ShardRecord]:
-    if entry.shards is not None:
-        return entry.shards
-    return [ShardRecord(offsets=[0] * len(entry.shape), shape=list(entry.shape), ranges=entry.ranges)]
-
-
 @dataclass(frozen=True)
 class _Overlap:
     path: str
@@ -125,10 +119,16 @@ def overlaps(manifest: Manifest, targets: dict[int, ShardTarget]) -> list[_Overl
     for index, target in targets.items():
         entry = manifest.entries[index]
         dtype = torch_dtype(entry.dtype)
-        for source in _sources(entry):
-            box = overlap((tuple(source.offsets), tuple(source.shape)), (target.offsets, target.shape))
+        wanted = (target.offsets, target.shape)
+        if entry.shards is None:
+            box = overlap(((0,) * len(entry.shape), tuple(entry.shape)), wanted)
             if box is not None and math.prod(box[1]) > 0:
-                found.append(_Overlap(entry.path, source, box, target, dtype))
+                found.append(_Overlap(entry.path, entry.shard_records()[0], box, target, dtype))
+            continue
+        for stored in entry.shards:  # 10^4 shards at scale: views made only for those that overlap
+            box = overlap((tuple(stored[0]), tuple(stored[1])), wanted)
+            if box is not None and math.prod(box[1]) > 0:
+                found.append(_Overlap(entry.path, ShardRecord.of(stored), box, target, dtype))
     return found
 
 
