@@ -58,6 +58,8 @@ bench: install
 	$(PY) -m aiosnap.bench lightning
 	$(PY) -m aiosnap.bench load
 	$(PY) -m aiosnap.bench interference
+	$(PY) -m aiosnap.bench distributed
+	$(PY) -m aiosnap.bench distributed --simulate
 
 clean:
 	rm -rf $(VENV) $(LOCALSTACK_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

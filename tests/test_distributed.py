@@ -7,6 +7,7 @@ deadline after which every rank is killed (:mod:`dist_launch`).
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -282,3 +283,16 @@ def test_cli_info_and_verify_cover_shards_and_every_ranks_values(
     path.write_bytes(bytes(data))
     assert main(["verify", str(root)]) != 0
     assert "rng/torch: checksum mismatch" in capsys.readouterr().err
+
+
+def test_the_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "distributed_train.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
+               "--root", str(tmp_path / "root"), "--steps", "12", "--every", "3"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("losses equal to an uninterrupted run: True") == 2
