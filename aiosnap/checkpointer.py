@@ -38,6 +38,10 @@ from .spooldir import Spool
 from .storage.base import Storage
 from .trainer.capture import CudaOrder
 from .trainer.plan import SavePlan, make_plan
+from .transfer.rank_commit import abandon_part
+
+LEAVE_TIMEOUT_S = 10.0
+"""How long a rank whose save() failed spends telling the others through storage."""
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveResult", "SyncCheckpointer", "SyncSaveHandle"]
 
@@ -295,26 +299,38 @@ class _Core:
         rank_local: Sequence[str] | None = None,
     ) -> tuple[SavePlan, CudaOrder | None]:
         """Runs on the caller's thread: take state dicts, flatten, (with several ranks)
-        agree with the other ranks, lay out chunks."""
-        self._check_open()
-        if metadata is not None:
-            if not isinstance(metadata, dict):
-                raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-            try:
-                json.dumps(metadata, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
-        plan = make_plan(
-            state,
-            step=step,
-            chunk_bytes=self._engine.slab_bytes,
-            rank=self.rank,
-            world_size=self.world_size,
-            metadata=metadata,
-            single_file=self._storage.single_file,
-            rank_local=self._job.rank_local(rank_local),
-            agree=self._job.agreement(step),
-        )
+        agree with the other ranks, lay out chunks. A rank that fails before the ranks agree
+        still takes part in the agreement, as a rank that cannot save: the others raise at
+        once (:class:`~aiosnap.errors.RankFailedError`) instead of waiting for it."""
+        agree = self._job.agreement(step)
+        try:
+            self._check_open()
+            if metadata is not None:
+                if not isinstance(metadata, dict):
+                    raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+                try:
+                    json.dumps(metadata, allow_nan=False)
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+            if agree is not None:  # an earlier save's failure, raised here rather than after agreeing
+                failure = self._engine.failures.take()
+                if failure is not None:
+                    raise failure
+            plan = make_plan(
+                state,
+                step=step,
+                chunk_bytes=self._engine.slab_bytes,
+                rank=self.rank,
+                world_size=self.world_size,
+                metadata=metadata,
+                single_file=self._storage.single_file,
+                rank_local=self._job.rank_local(rank_local),
+                agree=agree,
+            )
+        except BaseException:
+            if agree is not None:
+                agree.abandon()
+            raise
         return plan, CudaOrder.record(plan)
 
     @staticmethod
@@ -403,6 +419,19 @@ class _Core:
         already have handed back the handle: abort that save unless its commit began."""
         self._loop.loop.call_soon_threadsafe(self._engine.abort, save_id)
 
+    def _leave_distributed_save(self, plan: SavePlan, error: BaseException) -> None:
+        """save() failed on this rank after the ranks agreed: tell the others through
+        storage (the coordinator gives up, or hears that this rank's part will not come), so
+        that they fail now rather than after ``commit_timeout``. Best effort, bounded."""
+        if plan.spec.distributed is None or self._loop.forked():
+            return
+        future = self._loop.submit(abandon_part(self._storage, plan.spec, error))
+        try:
+            future.result(timeout=LEAVE_TIMEOUT_S)
+        except Exception as exc:  # the caller's own error is what matters
+            future.cancel()
+            log.warning("aiosnap: could not tell the other ranks that step %d failed here: %r", plan.step, exc)
+
 
 class Checkpointer(_Core):
     """Async checkpoint service. Use ``async with Checkpointer(cfg) as ckpt:``.
@@ -443,8 +472,12 @@ class Checkpointer(_Core):
         plan, order = self._plan(state, step, metadata, rank_local)
         try:
             durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             self._abort_on_interrupt(plan.save_id)
+            await asyncio.to_thread(self._leave_distributed_save, plan, exc)
+            raise
+        except BaseException as exc:
+            await asyncio.to_thread(self._leave_distributed_save, plan, exc)
             raise
         return SaveHandle(step, durable, self._engine.failures)
 
@@ -578,8 +611,9 @@ class SyncCheckpointer(_Core):
         plan, order = self._plan(state, step, metadata, rank_local)
         try:
             durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
-        except BaseException:
+        except BaseException as exc:
             self._abort_on_interrupt(plan.save_id)
+            self._leave_distributed_save(plan, exc)
             raise
         return SyncSaveHandle(step, durable, self._engine.failures)
 

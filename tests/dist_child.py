@@ -239,6 +239,47 @@ def fail_or_vanish(rank: int, world: int, work: str, params: dict[str, Any]) -> 
     return {"outcome": outcome, "elapsed": elapsed, "steps": steps}
 
 
+def early_failure(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 cannot start a save: its state cannot be saved ("state"), or an earlier save of
+    its own failed and nobody waited for it ("earlier"). Rank 0 must hear of it at once."""
+    import asyncio
+
+    import aiosnap
+    from aiosnap.storage.local import LocalStorage
+
+    class Failing(LocalStorage):
+        async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+            if rank == 1 and name.startswith("000000000002/") and name.endswith(".bin"):
+                raise OSError(28, "No space left on device (injected)")
+            await super().write(name, data, if_absent=if_absent)
+
+    cfg = config(params["root"], commit_timeout=30, agree_timeout=30)
+    state: dict[str, Any] = {"w": torch.ones(64), "v": torch.ones(64)}  # one for each rank to write
+    outcomes = []
+    ckpt = aiosnap.SyncCheckpointer(cfg, storage=Failing(params["root"]))
+    ckpt.save(state, step=1).wait(timeout=40)
+    if params["how"] == "earlier":
+        handle = ckpt.save(state, step=2)
+        if rank == 0:
+            with contextlib.suppress(Exception):
+                handle.wait(timeout=40)  # observed here; rank 1 leaves its failure unobserved
+        else:
+            asyncio.run(asyncio.sleep(1.0))
+    elif rank == 1:
+        state = {"w": torch.ones(64).to_sparse(), "v": torch.ones(64)}  # cannot be saved
+    started = time.monotonic()
+    try:
+        ckpt.save(state, step=3).wait(timeout=40)
+        outcomes.append("committed")
+    except Exception as exc:
+        outcomes.append(f"{type(exc).__name__}: {exc}")
+    elapsed = time.monotonic() - started
+    steps = ckpt.steps()
+    with contextlib.suppress(Exception):
+        ckpt.close(timeout=5)
+    return {"outcome": outcomes[0], "elapsed": elapsed, "steps": steps}
+
+
 def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     import aiosnap
 

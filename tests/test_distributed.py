@@ -183,6 +183,19 @@ def test_a_rank_that_skips_a_save_is_named_not_waited_for(tmp_path: Path) -> Non
     assert coordinator["steps"] == [1]
 
 
+@pytest.mark.parametrize("how", ["state", "earlier"])
+def test_a_rank_that_cannot_start_a_save_stops_the_others_at_once(tmp_path: Path, how: str) -> None:
+    results = ok(
+        run_ranks("early_failure", 2, tmp_path / "job", root=str(tmp_path / "root"), how=how), tmp_path / "job"
+    )
+    expected = "UnsupportedStateError" if how == "state" else "OSError"
+    assert results[1]["outcome"].startswith(expected), results[1]
+    assert results[0]["outcome"].startswith("RankFailedError"), results[0]
+    assert "rank(s) [1]" in results[0]["outcome"]
+    assert results[0]["elapsed"] < 10  # not the agree_timeout (30 s)
+    assert results[0]["steps"] == [1]
+
+
 def test_ranks_with_different_replicated_entries_are_refused_by_path(tmp_path: Path) -> None:
     results = ok(run_ranks("disagree", 2, tmp_path / "job", root=str(tmp_path / "root")), tmp_path / "job")
     for result in results:

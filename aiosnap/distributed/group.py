@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RanksDisagreeError, RankTimeoutError
+from ..errors import RankFailedError, RanksDisagreeError, RankTimeoutError
 
 __all__ = ["RankGroup", "SaveProposal"]
 
@@ -35,6 +35,7 @@ class SaveProposal:
     digest: str
     preload: int  # bytes this rank writes whatever the assignment (shards, rank-local values)
     slots: int  # rank-local values it declares
+    failed: bool = False  # this rank cannot save (its state or an earlier save failed): nobody does
 
 
 class RankGroup:
@@ -93,6 +94,12 @@ class RankGroup:
         ranks exchange them only when digests differ, to name the first difference."""
         self._arrive(f"save(step={mine.step})")
         found = self._gather_proposals(mine)
+        failed = [r for r, p in enumerate(found) if p.failed]
+        if failed:
+            raise RankFailedError(
+                f"step {mine.step}: rank(s) {failed[:16]} could not start the save (each raises its own error); "
+                "no rank saves this step"
+            )
         steps = {p.step for p in found}
         if len(steps) > 1:
             by_step = {s: [r for r, p in enumerate(found) if p.step == s] for s in sorted(steps)}
@@ -169,11 +176,14 @@ def _encode(p: SaveProposal) -> list[int]:
     digest = int(p.digest, 16)
     return [
         p.step // _HALF, p.step % _HALF, int(p.save_id, 16) - _SIGNED,
-        (digest >> 64) - _SIGNED, (digest & (2**64 - 1)) - _SIGNED, p.preload, p.slots,
+        (digest >> 64) - _SIGNED, (digest & (2**64 - 1)) - _SIGNED, -1 if p.failed else p.preload, p.slots,
     ]  # fmt: skip
 
 
 def _decode(values: list[int]) -> SaveProposal:
     step_high, step_low, save_id, digest_high, digest_low, preload, slots = values
     digest = ((digest_high + _SIGNED) << 64) | (digest_low + _SIGNED)
-    return SaveProposal(step_high * _HALF + step_low, f"{save_id + _SIGNED:016x}", f"{digest:032x}", preload, slots)
+    return SaveProposal(
+        step_high * _HALF + step_low, f"{save_id + _SIGNED:016x}", f"{digest:032x}", max(preload, 0), slots,
+        failed=preload < 0,
+    )  # fmt: skip

@@ -9,6 +9,7 @@ entry (:mod:`.assign`), and each ``load()`` of the latest step on which step tha
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from .assign import assign_writers
 from .group import RankGroup, SaveProposal
 
 __all__ = ["DistributedJob"]
+
+log = logging.getLogger("aiosnap")
 
 COORDINATOR = 0
 PICKLE_WEIGHT = 4096
@@ -51,7 +54,7 @@ class DistributedJob:
     def multi_rank(self) -> bool:
         return self.world_size > 1
 
-    def agreement(self, step: int) -> Callable[[Flattened], Agreement] | None:
+    def agreement(self, step: int) -> _SaveAgreement | None:
         """How this rank agrees with the others on a save of ``step`` (None: one rank)."""
         if not self.multi_rank:
             return None
@@ -61,25 +64,7 @@ class DistributedJob:
                 f"rank {self.rank} of {self.world_size}: a multi-rank save needs torch.distributed initialised "
                 "before the checkpointer is made (the ranks agree on each save over it)"
             )
-
-        def agree(flat: Flattened) -> Agreement:
-            signatures = flat.signatures()
-            digest = hashlib.blake2b("\n".join(signatures).encode(), digest_size=16).hexdigest()
-            main = flat.main_entries
-            preload = sum(flat.entries[i].nbytes for i, shard in flat.shards.items() if shard.writes)
-            preload += sum(e.nbytes for e in flat.entries[main:])
-            mine = SaveProposal(step, uuid.uuid4().hex[:16], digest, preload, len(flat.local_values))
-            found = group.agree_save(mine, lambda: signatures)
-            sizes = [
-                None if e.index in flat.shards else (e.nbytes if e.kind == "tensor" else PICKLE_WEIGHT)
-                for e in flat.entries[:main]
-            ]
-            writers = assign_writers(sizes, [p.preload for p in found])
-            written = {i for i, w in enumerate(writers) if w == self.rank}
-            written |= {i for i, shard in flat.shards.items() if shard.writes}
-            return Agreement(found[COORDINATOR].save_id, frozenset(written), COORDINATOR, self.config.commit_timeout)
-
-        return agree
+        return _SaveAgreement(self, group, step)
 
     def rank_local(self, extra: Sequence[str] | None) -> list[str]:
         patterns = [*self.config.rank_local, *(extra or ())]
@@ -106,3 +91,44 @@ class DistributedJob:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class _SaveAgreement:
+    """One save's agreement: called with the flattened state (caller's thread), or told
+    that this rank cannot save, so that the others stop at once instead of waiting."""
+
+    def __init__(self, job: DistributedJob, group: RankGroup, step: int) -> None:
+        self.job = job
+        self.group = group
+        self.step = step
+        self.done = False  # the exchange took place (whatever came of it)
+
+    def abandon(self) -> None:
+        """Take part in the agreement as a rank that cannot save (errors of the exchange
+        itself are dropped: the caller raises its own). Nothing once the exchange is done."""
+        if self.done:
+            return
+        self.done = True
+        mine = SaveProposal(self.step, uuid.uuid4().hex[:16], "0" * 32, 0, 0, failed=True)
+        try:
+            self.group.agree_save(mine, list)
+        except Exception as exc:  # RankFailedError: expected; anything else: the caller's error matters more
+            log.debug("aiosnap: rank %d left save(step=%d): %r", self.job.rank, self.step, exc)
+
+    def __call__(self, flat: Flattened) -> Agreement:
+        signatures = flat.signatures()
+        digest = hashlib.blake2b("\n".join(signatures).encode(), digest_size=16).hexdigest()
+        main = flat.main_entries
+        preload = sum(flat.entries[i].nbytes for i, shard in flat.shards.items() if shard.writes)
+        preload += sum(e.nbytes for e in flat.entries[main:])
+        mine = SaveProposal(self.step, uuid.uuid4().hex[:16], digest, preload, len(flat.local_values))
+        self.done = True
+        found = self.group.agree_save(mine, lambda: signatures)
+        sizes = [
+            None if e.index in flat.shards else (e.nbytes if e.kind == "tensor" else PICKLE_WEIGHT)
+            for e in flat.entries[:main]
+        ]
+        writers = assign_writers(sizes, [p.preload for p in found])
+        written = {i for i, w in enumerate(writers) if w == self.job.rank}
+        written |= {i for i, shard in flat.shards.items() if shard.writes}
+        return Agreement(found[COORDINATOR].save_id, frozenset(written), COORDINATOR, self.job.config.commit_timeout)

@@ -338,7 +338,7 @@ def make_plan(
     if rank_local and single_file:
         raise UnsupportedStateError("rank_local values need a folder checkpoint (a single file holds one rank's state)")
     flattener = _Flattener(rank_local, dtensors=not single_file)
-    tree = flattener.encode(state, "")
+    tree = flattener.encode(state, "")  # on failure the caller leaves the agreement (see checkpointer)
     if agree is None and (flattener.shards or flattener.local is not None):
         if world_size != 1:
             raise ValueError(f"rank {rank} of {world_size}: a multi-rank save needs the ranks' agreement")

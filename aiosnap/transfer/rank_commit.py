@@ -43,6 +43,7 @@ from ..names import attempt_prefix, manifest_name, object_prefix
 from ..storage.base import Storage
 
 __all__ = [
+    "abandon_part",
     "deliver_part",
     "gather_manifest",
     "give_up",
@@ -92,6 +93,16 @@ async def give_up(storage: Storage, spec: SaveSpec, exc: BaseException) -> bool:
     except Exception as error:
         log.warning("aiosnap: could not mark the failed save of step %d as aborted: %r", spec.step, error)
         return False
+
+
+async def abandon_part(storage: Storage, spec: SaveSpec, exc: BaseException) -> None:
+    """This rank's save failed before its transfer could settle it (``save()`` itself
+    raised): the coordinator gives up, any other rank reports its failure."""
+    assert spec.distributed is not None
+    if spec.distributed.coordinator == spec.rank:
+        await give_up(storage, spec, exc)
+    else:
+        await report_failure(storage, spec, exc)
 
 
 async def is_aborted(storage: Storage, spec: SaveSpec) -> bool:
