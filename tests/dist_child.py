@@ -292,6 +292,27 @@ def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
             return {"outcome": f"{type(exc).__name__}: {exc}", "steps": ckpt.steps()}
 
 
+def mismatched_calls(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """After a save together, rank 0 saves while rank 1 loads ("save_load"), or the ranks
+    declare different rank-local paths ("rank_local")."""
+    import aiosnap
+
+    state: dict[str, Any] = {"a": 100 + rank, "b": 200 + rank, "w": torch.ones(4)}
+    with aiosnap.SyncCheckpointer(config(params["root"], agree_timeout=20)) as ckpt:
+        ckpt.save(state, step=1).wait(timeout=40)
+        try:
+            if params["how"] == "rank_local":
+                ckpt.save(state, step=2, rank_local=["a"] if rank == 0 else ["b"]).wait(timeout=40)
+            elif rank == 0:
+                ckpt.save(state, step=2).wait(timeout=40)
+            else:
+                ckpt.load({"w": torch.zeros(4)})
+            outcome = "done"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        return {"outcome": outcome, "steps": ckpt.steps()}
+
+
 def events_in_subgroup(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     import aiosnap
 

@@ -204,6 +204,24 @@ def test_ranks_with_different_replicated_entries_are_refused_by_path(tmp_path: P
         assert result["steps"] == []
 
 
+def test_ranks_calling_save_and_load_together_both_raise(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    results = ok(run_ranks("mismatched_calls", 2, job, root=str(tmp_path / "root"), how="save_load"), job)
+    for result in results:  # before: gloo aborted the loading process (collectives of two sizes)
+        assert result["outcome"].startswith("RanksDisagreeError"), result
+        assert "save() by rank(s) [0]" in result["outcome"] and "load() by rank(s) [1]" in result["outcome"]
+        assert result["steps"] == [1]
+
+
+def test_ranks_declaring_different_rank_local_paths_are_refused(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    results = ok(run_ranks("mismatched_calls", 2, job, root=str(tmp_path / "root"), how="rank_local"), job)
+    for result in results:  # before: saved, and rank 1 got its own "b" back as "a"
+        assert result["outcome"].startswith("RanksDisagreeError"), result
+        assert "'b: rank-local value 0'" in result["outcome"] and "'a: rank-local value 0'" in result["outcome"]
+        assert result["steps"] == [1]
+
+
 def test_events_name_the_group_aiosnap_used(tmp_path: Path) -> None:
     results = ok(
         run_ranks("events_in_subgroup", 4, tmp_path / "job", root=str(tmp_path / "root"), members=[1, 3]),

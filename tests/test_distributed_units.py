@@ -188,3 +188,38 @@ def test_dtensors_are_refused_where_they_cannot_be_stored(tmp_path: Path) -> Non
             make_plan({"p": partial}, step=1, chunk_bytes=4096)
     finally:
         dist.destroy_process_group()
+
+
+def test_reshard_reads_ranges_that_split_elements(tmp_path: Path) -> None:
+    """A manifest (another writer's, or forged with valid checksums) may split a tensor's
+    bytes anywhere: a partial read of it still gives the right elements."""
+    import asyncio
+
+    from aiosnap.catalog.steps import read_manifest
+    from aiosnap.checksums import crc32c_of
+    from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
+    from aiosnap.storage.local import LocalStorage
+    from tests.fuzzing import sign_manifest
+
+    root = tmp_path / "root"
+    with SyncCheckpointer({"storage": {"url": str(root)}, "events": {"log": False}}) as ckpt:
+        ckpt.save({"w": torch.tensor([10.0, 11.0, 12.0, 13.0])}, step=1).wait()
+    path = next(root.glob("*/manifest.json"))
+    doc = json.loads(path.read_bytes())
+    (only,) = doc["entries"][0]["ranges"]
+    data = (root / only["object"]).read_bytes()[only["offset"] : only["offset"] + 16]
+    doc["entries"][0]["ranges"] = [
+        {"object": only["object"], "offset": only["offset"] + a, "nbytes": b - a, "crc32c": crc32c_of(data[a:b])}
+        for a, b in ((0, 2), (2, 10), (10, 16))
+    ]
+    path.write_bytes(sign_manifest(doc))
+
+    async def element(index: int) -> float:
+        storage = LocalStorage(str(root))
+        manifest = await read_manifest(storage, 1)
+        dest = torch.zeros(1)
+        pieces = overlaps(manifest, {0: ShardTarget(dest, (index,), (1,), dest)})
+        await read_into_targets(storage, "test", pieces, asyncio.Semaphore(2))
+        return float(dest[0])
+
+    assert [asyncio.run(element(i)) for i in range(4)] == [10.0, 11.0, 12.0, 13.0]

@@ -74,19 +74,29 @@ class RankGroup:
             raise RankTimeoutError(f"rank {self.rank}: exchanging with the other ranks failed ({exc})") from exc
         return found
 
-    def _gather_proposals(self, mine: SaveProposal) -> list[SaveProposal]:
-        """One all-gather of a fixed-size int64 tensor per rank (no pickling: the per-save
-        cost is one small collective)."""
+    def _exchange(self, operation: int, words: list[int]) -> list[list[int]]:
+        """Every rank's ``words`` (:data:`_WORDS` int64s) after a monitored barrier: one
+        all-gather of a fixed size whatever the operation, so that ranks calling different
+        operations (one ``save()``, another ``load()``) meet in collectives of one shape and
+        learn it (:class:`RanksDisagreeError`) instead of tearing gloo down."""
         import torch
         import torch.distributed as dist
 
-        mine_tensor = torch.tensor(_encode(mine), dtype=torch.int64)
-        found = [torch.empty_like(mine_tensor) for _ in range(self.size)]
+        mine = torch.tensor([operation, *words], dtype=torch.int64)
+        found = [torch.empty_like(mine) for _ in range(self.size)]
         try:
-            dist.all_gather(found, mine_tensor, group=self.group)
+            dist.all_gather(found, mine, group=self.group)
         except RuntimeError as exc:
             raise RankTimeoutError(f"rank {self.rank}: exchanging with the other ranks failed ({exc})") from exc
-        return [_decode(t.tolist()) for t in found]
+        rows = [t.tolist() for t in found]
+        if any(row[0] != operation for row in rows):
+            by_call = {name: [r for r, row in enumerate(rows) if row[0] == op] for op, name in _OPERATIONS.items()}
+            calls = "; ".join(f"{name} by rank(s) {ranks[:16]}" for name, ranks in by_call.items() if ranks)
+            raise RanksDisagreeError(f"ranks called different aiosnap operations together: {calls}")
+        return [row[1:] for row in rows]
+
+    def _gather_proposals(self, mine: SaveProposal) -> list[SaveProposal]:
+        return [_decode(words) for words in self._exchange(_SAVE, _encode(mine))]
 
     def agree_save(self, mine: SaveProposal, signatures: Callable[[], list[str]]) -> list[SaveProposal]:
         """Every rank's proposal, once all agree on step, state and rank-local values.
@@ -121,7 +131,9 @@ class RankGroup:
     def agree_step(self, step: int | None) -> int | None:
         """Rank 0's choice of step for a load, for every rank."""
         self._arrive("load()")
-        return self._gather(step)[0]  # type: ignore[no-any-return]
+        words = [-1, 0] if step is None else [step // _HALF, step % _HALF]
+        first = self._exchange(_LOAD, words + [0] * (_WORDS - 2))[0]
+        return None if first[0] < 0 else first[0] * _HALF + first[1]
 
     def close(self) -> None:
         """Nothing to release: the group is shared by this process's checkpointers (see
@@ -170,6 +182,9 @@ def _first_difference(listed: list[list[str]]) -> str:
 
 _HALF = 2**62
 _SIGNED = 2**63
+_WORDS = 7
+_SAVE, _LOAD = 1, 2
+_OPERATIONS = {_SAVE: "save()", _LOAD: "load()"}
 
 
 def _encode(p: SaveProposal) -> list[int]:

@@ -182,8 +182,9 @@ async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
         await read_run(storage, where, run)
     if direct:
         return
-    held = torch.frombuffer(buffer, dtype=item.dtype) if len(buffer) else torch.empty(0, dtype=item.dtype)
-    view = held.as_strided(shape, strides, first - start // itemsize)
+    skip = first * itemsize - start  # ranges may split anywhere: cut the overlap's span out in bytes
+    span = buffer[skip : skip + (last - first + 1) * itemsize]
+    view = torch.frombuffer(span, dtype=item.dtype).as_strided(shape, strides, 0)
     await asyncio.to_thread(_copy, dest, view)
 
 

@@ -129,6 +129,7 @@ class _Flattener:
         self.shards: dict[int, DTensorShard] = {}  # entry -> its DTensor shard
         self.local: _Flattener | None = None
         self.local_values: list[Any] = []  # one tree per rank_local node, ids into local.entries
+        self.local_paths: list[str] = []  # where each rank_local node is
 
     def encode(self, value: Any, path: str) -> Any:
         self._depth += 1
@@ -146,6 +147,7 @@ class _Flattener:
             self.local = _Flattener(dtensors=False)
             self.local._depth = self._depth
         self.local_values.append(self.local.encode(value, path))
+        self.local_paths.append(path)
         return {"t": "rank_local", "slot": len(self.local_values) - 1}
 
     def _encode(self, value: Any, path: str) -> Any:
@@ -285,10 +287,12 @@ class Flattened:
     main_entries: int
     shards: dict[int, DTensorShard]
     local_values: list[Any]  # ids into ``entries`` (past ``main_entries``)
+    local_paths: list[str]  # where each rank-local value sits in the tree
 
     def signatures(self) -> list[str]:
-        """The shared table as every rank must hold it (a pickle's bytes may differ)."""
-        found = []
+        """The shared table as every rank must hold it (a pickle's bytes may differ), and
+        where the rank-local values are."""
+        found = [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
         for entry in self.entries[: self.main_entries]:
             shard = self.shards.get(entry.index)
             if shard is not None:
@@ -399,7 +403,7 @@ def _distributed_plan(
     if flattener.local is not None:
         entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
         local_values = [_shift_ids(value, main) for value in flattener.local_values]
-    flat = Flattened(tree, entries, main, flattener.shards, local_values)
+    flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths)
     agreed = agree(flat)
     writes = [e for e in entries[:main] if e.index in agreed.written] + entries[main:]
     chunks = layout_chunks(writes, chunk_bytes, object_prefix(step, agreed.save_id, rank))
