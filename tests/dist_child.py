@@ -47,17 +47,28 @@ def placements_of(spec: list[str]) -> list[Any]:
     return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
 
 
+def known(name: str, layout: list[Any], index: int) -> torch.Tensor:
+    """The full tensor a layout ``[shape, mesh shape, placements(, dtype)]`` holds: known values."""
+    dtype = getattr(torch, layout[3]) if len(layout) > 3 else torch.float32
+    values = arange(layout[0], dtype=torch.float64, base=1000.0 * index)
+    return (values.remainder(3) == 0) if dtype == torch.bool else values.to(dtype)
+
+
+def expected_of(layouts: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {name: known(name, layout, i) for i, (name, layout) in enumerate(sorted(layouts.items()))}
+
+
 def dtensors(layouts: dict[str, Any], zero: bool = False) -> dict[str, Any]:
-    """{name: [shape, mesh shape, placements such as ["S0"], ["R", "S1"]]} as DTensors of
-    known values (``arange`` + a base per name), or zeros."""
+    """{name: [shape, mesh shape, placements such as ["S0"], ["R", "S1"](, dtype)]} as
+    DTensors of known values (:func:`known`), or zeros."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     found = {}
-    for index, (name, (shape, mesh_shape, spec)) in enumerate(sorted(layouts.items())):
+    for name, full in expected_of(layouts).items():
+        _, mesh_shape, spec = layouts[name][:3]
         mesh = init_device_mesh("cpu", tuple(mesh_shape))
-        full = torch.zeros(shape) if zero else arange(shape, base=1000.0 * index)
-        found[name] = distribute_tensor(full, mesh, placements_of(spec))
+        found[name] = distribute_tensor(torch.zeros_like(full) if zero else full, mesh, placements_of(spec))
     return found
 
 
@@ -133,8 +144,7 @@ def load_dtensors(rank: int, world: int, work: str, params: dict[str, Any]) -> d
     import aiosnap
 
     targets = dtensors(params["layouts"], zero=True)
-    layouts = sorted(params["layouts"].items())
-    expected = {name: arange(shape, base=1000.0 * i) for i, (name, (shape, _, _)) in enumerate(layouts)}
+    expected = expected_of(params["layouts"])
     storage = None if params.get("s3") else CountingStorage.wrap(params["root"])
     state = {"dt": targets, "plain": torch.zeros(5, 3)}
     locals_before = {name: t.to_local().data_ptr() for name, t in targets.items()}

@@ -21,7 +21,7 @@ from aiosnap.load import fetch
 from tests.conftest import assert_same
 from tests.fuzzing import mutate_document, mutated_text, sign_manifest
 
-from dist_child import arange
+from dist_child import arange, expected_of
 from dist_launch import ok, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -47,7 +47,7 @@ LAYOUTS_2 = {
 
 
 def expected_full(layouts: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {name: arange(shape, base=1000.0 * i) for i, (name, (shape, _, _)) in enumerate(sorted(layouts.items()))}
+    return expected_of(layouts)
 
 
 def manifest(root: Path) -> dict[str, Any]:
@@ -124,6 +124,34 @@ def test_reshard_2_to_4_reads_only_overlapping_bytes(tmp_path: Path) -> None:
     # each rank reads what its shards need (whole saved ranges: 1 MiB chunks hold several
     # entries, so a range may carry more than the overlap), far less than everything each
     assert max(r["read_bytes"] for r in results) < total
+
+
+DTYPES_2 = {
+    "bf16": [[7, 5], [2], ["S0"], "bfloat16"],
+    "ints": [[6, 9], [2], ["S1"], "int64"],
+    "flags": [[5, 3], [2], ["S0"], "bool"],
+    "scalar": [[], [2], ["R"], "float64"],
+    "halfs": [[3, 4], [2], ["R"], "float16"],
+}
+DTYPES_4 = {
+    "bf16": [[7, 5], [2, 2], ["S1", "S0"], "bfloat16"],
+    "ints": [[6, 9], [4], ["S0"], "int64"],
+    "flags": [[5, 3], [4], ["S1"], "bool"],
+    "scalar": [[], [4], ["R"], "float64"],
+    "halfs": [[3, 4], [4], ["S1"], "float16"],
+}
+
+
+def test_reshard_other_dtypes_and_scalars(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    ok(run_ranks("save_dtensors", 2, tmp_path / "save", root=str(root), layouts=DTYPES_2), tmp_path / "save")
+    results = ok(run_ranks("load_dtensors", 4, tmp_path / "load", root=str(root), layouts=DTYPES_4), tmp_path / "load")
+    for result in results:
+        assert all(result["equal"].values()), result["equal"]
+    with SyncCheckpointer(str(root)) as ckpt:
+        full = ckpt.load()
+    for name, expected in expected_full(DTYPES_2).items():
+        assert full["dt"][name].dtype == expected.dtype and torch.equal(full["dt"][name], expected), name
 
 
 def test_rank_local_values_need_the_same_world_size(tmp_path: Path) -> None:
