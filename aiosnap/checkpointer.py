@@ -38,7 +38,6 @@ from .spooldir import Spool
 from .storage.base import Storage
 from .trainer.capture import CudaOrder
 from .trainer.plan import SavePlan, make_plan
-from .transfer.rank_commit import abandon_part
 
 LEAVE_TIMEOUT_S = 10.0
 """How long a rank whose save() failed spends telling the others through storage."""
@@ -420,12 +419,12 @@ class _Core:
         self._loop.loop.call_soon_threadsafe(self._engine.abort, save_id)
 
     def _leave_distributed_save(self, plan: SavePlan, error: BaseException) -> None:
-        """save() failed on this rank after the ranks agreed: tell the others through
-        storage (the coordinator gives up, or hears that this rank's part will not come), so
-        that they fail now rather than after ``commit_timeout``. Best effort, bounded."""
+        """save() failed on this rank after the ranks agreed: unless the transfer side owns
+        the save (see :meth:`Engine.leave`), tell the others through storage. Best effort,
+        bounded."""
         if plan.spec.distributed is None or self._loop.forked():
             return
-        future = self._loop.submit(abandon_part(self._storage, plan.spec, error))
+        future = self._loop.submit(self._engine.leave(plan, self._storage, error))
         try:
             future.result(timeout=LEAVE_TIMEOUT_S)
         except Exception as exc:  # the caller's own error is what matters

@@ -43,6 +43,7 @@ from .trainer.plan import ALIGN, SavePlan
 from .trainer.slabs import SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
+from .transfer.rank_commit import abandon_part
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 
@@ -241,6 +242,7 @@ class Engine:
         job.emit("start")
         try:
             transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
+            plan.handed_over = True
         except BaseException as exc:  # the upload process is gone: this save never started
             self._jobs.pop(plan.save_id, None)
             self._pending.release()
@@ -256,6 +258,18 @@ class Engine:
             self.abort(plan.save_id)
             raise
         return durable
+
+    async def leave(self, plan: SavePlan, storage: Storage, error: BaseException) -> None:
+        """``save()`` of a multi-rank ``plan`` failed on this rank after the ranks agreed.
+        If the transfer side never took the save over, tell the other ranks through storage
+        (the coordinator gives up; another rank reports that its part will not come), so
+        they fail now rather than after ``commit_timeout``. Once it has, it alone settles
+        the save: a commit already under way stands, and a marker written here could make
+        other ranks remove data the commit names. Runs on the loop thread after the
+        cancelled ``save`` coroutine has ended, so ``handed_over`` cannot change under it."""
+        if plan.spec.distributed is None or plan.handed_over:
+            return
+        await abandon_part(storage, plan.spec, error)
 
     def abort(self, save_id: str) -> None:
         """The caller gave up on ``save()`` before receiving its handle: abort that save

@@ -290,6 +290,52 @@ def early_failure(rank: int, world: int, work: str, params: dict[str, Any]) -> d
     return {"outcome": outcomes[0], "elapsed": elapsed, "steps": steps}
 
 
+def cancel_while_committing(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The coordinator's ``await ckpt.save(...)`` is cancelled after aiosnap's loop has taken
+    the save over and while its manifest is being written (a slow store; the caller's own
+    loop busy, so the cancel lands late): the commit must stand whole."""
+    import asyncio
+
+    import aiosnap
+    from aiosnap.storage.local import LocalStorage
+
+    class SlowManifest(LocalStorage):
+        async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+            if rank == 0 and name == "000000000002/manifest.json":
+                await asyncio.sleep(3)
+            await super().write(name, data, if_absent=if_absent)
+
+    state = {"w": arange([256, 64], base=float(rank)), "v": arange([256, 64])}
+    outcome: dict[str, Any] = {}
+
+    async def main() -> None:
+        ckpt = aiosnap.Checkpointer(config(params["root"], commit_timeout=20), storage=SlowManifest(params["root"]))
+        await (await ckpt.save(state, step=1))
+        if rank == 0:
+            task = asyncio.ensure_future(ckpt.save(state, step=2))
+            await asyncio.sleep(0)  # agreement done, the save handed to aiosnap's loop
+            time.sleep(1.5)  # noqa: ASYNC251 - the caller's loop is busy: the cancel comes late
+            task.cancel()
+            try:
+                await (await task)
+                outcome["save"] = "committed"
+            except BaseException as exc:
+                outcome["save"] = type(exc).__name__
+        else:
+            try:
+                await (await ckpt.save(state, step=2)).wait(timeout=40)
+                outcome["save"] = "committed"
+            except Exception as exc:
+                outcome["save"] = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(4)  # the manifest lands
+        outcome["steps"] = await ckpt.steps()
+        with contextlib.suppress(Exception):
+            await ckpt.close(timeout=10)
+
+    asyncio.run(main())
+    return outcome
+
+
 def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     import aiosnap
 

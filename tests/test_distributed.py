@@ -224,6 +224,19 @@ def test_a_rank_that_cannot_start_a_save_stops_the_others_at_once(tmp_path: Path
     assert results[0]["steps"] == [1]
 
 
+def test_a_late_cancel_of_the_coordinators_save_leaves_its_commit_whole(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    results = ok(run_ranks("cancel_while_committing", 2, tmp_path / "job", root=str(root)), tmp_path / "job")
+    # before the fix: rank 0's cancel wrote "aborted", rank 1 removed its data, then rank 0's
+    # manifest landed: step 2 committed without rank 1's bytes
+    assert results[1]["save"] == "committed", results[1]
+    assert results[0]["steps"] == results[1]["steps"] == [1, 2]
+    with SyncCheckpointer(str(root)) as ckpt:
+        loaded = ckpt.load(step=2)
+    assert torch.equal(loaded["v"], arange([256, 64]))
+    assert not list(root.glob("000000000002/*/aborted"))
+
+
 def test_ranks_with_different_replicated_entries_are_refused_by_path(tmp_path: Path) -> None:
     results = ok(run_ranks("disagree", 2, tmp_path / "job", root=str(tmp_path / "root")), tmp_path / "job")
     for result in results:

@@ -79,6 +79,9 @@ class SavePlan:
     spec: SaveSpec
     entries: list[Entry]
     chunks: list[Chunk]
+    handed_over: bool = False
+    """Set on the loop thread once the transfer side owns the save: from then on only it
+    settles the save's outcome (a multi-rank save's markers included)."""
 
     @property
     def step(self) -> int:

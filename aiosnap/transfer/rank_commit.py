@@ -204,15 +204,15 @@ async def wait_for_commit(storage: Storage, spec: SaveSpec) -> Literal["ours"]:
     backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout + GRACE_S, spec.world_size)
     name = manifest_name(spec.step)
     while True:
-        if await storage.exists(aborted_name(spec.step, spec.save_id)):
-            reason = await _read_reason(storage, aborted_name(spec.step, spec.save_id))
-            raise RankFailedError(f"step {spec.step}: the coordinator gave the save up: {reason}")
-        if await storage.exists(name):
+        if await storage.exists(name):  # first: a manifest naming this save is the commit, marker or not
             try:
                 if (await read_manifest(storage, spec.step)).save_id == spec.save_id:
                     return "ours"
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 pass  # replaced or being replaced: look again
+        if await storage.exists(aborted_name(spec.step, spec.save_id)):
+            reason = await _read_reason(storage, aborted_name(spec.step, spec.save_id))
+            raise RankFailedError(f"step {spec.step}: the coordinator gave the save up: {reason}")
         if not await backoff.sleep():
             raise RankTimeoutError(
                 f"step {spec.step}: the coordinator (rank {spec.distributed.coordinator}) did not commit the save "
