@@ -327,8 +327,11 @@ def cancel_while_committing(rank: int, world: int, work: str, params: dict[str, 
                 outcome["save"] = "committed"
             except Exception as exc:
                 outcome["save"] = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(4)  # the manifest lands
-        outcome["steps"] = await ckpt.steps()
+        for _ in range(100):  # until the manifest lands (rank 0's store takes 3 s for it)
+            outcome["steps"] = await ckpt.steps()
+            if outcome["steps"] == [1, 2]:
+                break
+            await asyncio.sleep(0.1)
         with contextlib.suppress(Exception):
             await ckpt.close(timeout=10)
 

@@ -110,22 +110,6 @@ def test_reshard_4_to_fewer_ranks(saved_by_4: Path, tmp_path: Path, world: int, 
         assert result["plain"] and result["in_place"]
 
 
-def test_reshard_2_to_4_reads_only_overlapping_bytes(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    ok(run_ranks("save_dtensors", 2, tmp_path / "save", root=str(root), layouts=LAYOUTS_2), tmp_path / "save")
-    results = ok(
-        run_ranks("load_dtensors", 4, tmp_path / "load", root=str(root), layouts=LAYOUTS_4),
-        tmp_path / "load",
-    )
-    for result in results:
-        assert all(result["equal"].values()), result["equal"]
-        assert result["in_place"]
-    total = sum(e["nbytes"] for e in manifest(root)["entries"])
-    # each rank reads what its shards need (whole saved ranges: 1 MiB chunks hold several
-    # entries, so a range may carry more than the overlap), far less than everything each
-    assert max(r["read_bytes"] for r in results) < total
-
-
 DTYPES_2 = {
     "bf16": [[7, 5], [2], ["S0"], "bfloat16"],
     "ints": [[6, 9], [2], ["S1"], "int64"],
@@ -142,16 +126,24 @@ DTYPES_4 = {
 }
 
 
-def test_reshard_other_dtypes_and_scalars(tmp_path: Path) -> None:
+def test_reshard_2_to_4_reads_only_overlapping_bytes(tmp_path: Path) -> None:
+    """Also other dtypes (bfloat16, int64, bool, float16) and 0-d tensors, to 4 ranks and to
+    full tensors in one process."""
     root = tmp_path / "root"
-    ok(run_ranks("save_dtensors", 2, tmp_path / "save", root=str(root), layouts=DTYPES_2), tmp_path / "save")
-    results = ok(run_ranks("load_dtensors", 4, tmp_path / "load", root=str(root), layouts=DTYPES_4), tmp_path / "load")
+    saved, loaded = {**LAYOUTS_2, **DTYPES_2}, {**LAYOUTS_4, **DTYPES_4}
+    ok(run_ranks("save_dtensors", 2, tmp_path / "save", root=str(root), layouts=saved), tmp_path / "save")
+    results = ok(run_ranks("load_dtensors", 4, tmp_path / "load", root=str(root), layouts=loaded), tmp_path / "load")
     for result in results:
         assert all(result["equal"].values()), result["equal"]
+        assert result["in_place"]
     with SyncCheckpointer(str(root)) as ckpt:
         full = ckpt.load()
-    for name, expected in expected_full(DTYPES_2).items():
+    for name, expected in expected_full(saved).items():
         assert full["dt"][name].dtype == expected.dtype and torch.equal(full["dt"][name], expected), name
+    total = sum(e["nbytes"] for e in manifest(root)["entries"])
+    # each rank reads what its shards need (whole saved ranges: 1 MiB chunks hold several
+    # entries, so a range may carry more than the overlap), far less than everything each
+    assert max(r["read_bytes"] for r in results) < total
 
 
 def test_rank_local_values_need_the_same_world_size(tmp_path: Path) -> None:
