@@ -8,7 +8,7 @@ process, when the first checkpointer is made, over the ranks of the group the ch
 was given (the default group when none), by those ranks only; later checkpointers share it.
 
 Agreement is one monitored barrier (on timeout it names the ranks that did not arrive) and
-one all-gather of 56 bytes per rank: rank 0's save id, each rank's step, a digest of its
+one all-gather of 64 bytes per rank: rank 0's save id, each rank's step, a digest of its
 replicated entries (paths, kinds, dtypes, shapes, DTensor placements), the bytes it writes
 anyway, its number of rank-local values. Ranks that disagree all raise
 :class:`RanksDisagreeError`.
