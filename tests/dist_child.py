@@ -302,7 +302,7 @@ def cancel_while_committing(rank: int, world: int, work: str, params: dict[str, 
     class SlowManifest(LocalStorage):
         async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
             if rank == 0 and name == "000000000002/manifest.json":
-                await asyncio.sleep(3)
+                await asyncio.sleep(5)
             await super().write(name, data, if_absent=if_absent)
 
     state = {"w": arange([256, 64], base=float(rank)), "v": arange([256, 64])}
@@ -314,7 +314,7 @@ def cancel_while_committing(rank: int, world: int, work: str, params: dict[str, 
         if rank == 0:
             task = asyncio.ensure_future(ckpt.save(state, step=2))
             await asyncio.sleep(0)  # agreement done, the save handed to aiosnap's loop
-            time.sleep(1.5)  # noqa: ASYNC251 - the caller's loop is busy: the cancel comes late
+            time.sleep(2.5)  # noqa: ASYNC251 - the caller's loop is busy: the cancel comes late
             task.cancel()
             try:
                 await (await task)
@@ -327,7 +327,7 @@ def cancel_while_committing(rank: int, world: int, work: str, params: dict[str, 
                 outcome["save"] = "committed"
             except Exception as exc:
                 outcome["save"] = f"{type(exc).__name__}: {exc}"
-        for _ in range(100):  # until the manifest lands (rank 0's store takes 3 s for it)
+        for _ in range(150):  # until the manifest lands (rank 0's store takes 5 s for it)
             outcome["steps"] = await ckpt.steps()
             if outcome["steps"] == [1, 2]:
                 break
