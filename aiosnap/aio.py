@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel"]
+from .errors import first_error
+
+__all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel", "run_all"]
 
 T = TypeVar("T")
 
@@ -61,3 +63,14 @@ def drop_frame_locals(error: BaseException) -> None:
         wrapped = getattr(item, "kwargs", None)
         if isinstance(wrapped, dict):
             todo += wrapped.values()
+
+
+async def run_all(operations: Iterable[Coroutine[Any, Any, Any]]) -> None:
+    """Run ``operations`` together; the first to fail cancels the rest and is raised with its
+    own type and cause (not as an exception group)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for operation in operations:
+                group.create_task(operation)
+    except BaseExceptionGroup as group_error:
+        raise (leaf := first_error(group_error)) from leaf.__cause__

@@ -42,7 +42,10 @@ __all__ = [
     "Span",
     "StoredShard",
     "build_manifest",
+    "crc_matches",
+    "describe_validation",
     "manifest_name",
+    "signed_json",
 ]
 
 FORMAT_VERSION = 3
@@ -265,8 +268,7 @@ class Manifest(_Frozen):
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""
-        body = self.model_dump_json(exclude_none=True).encode("utf-8")
-        return body[:-1] + _CRC_FIELD + b"%d}" % crc32c_of(body)
+        return signed_json(self)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -279,11 +281,8 @@ class Manifest(_Frozen):
             raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
         if isinstance(doc, dict) and doc.get("format") == "aiosnap":
             _check_version(doc.get("format_version"), where)  # a newer aiosnap's manifest: say so
-            if doc["format_version"] >= 2:  # version 1 had no checksum
-                found = doc.pop("crc32c", None)
-                cut = data.rfind(_CRC_FIELD)
-                if type(found) is not int or cut < 0 or crc32c_of(data[:cut] + b"}") != found:
-                    raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
+            if doc["format_version"] >= 2 and not crc_matches(data, doc.pop("crc32c", None)):  # 1 had none
+                raise ManifestError(f"{where}: the manifest is damaged (its crc32c does not match its bytes)")
         return cls.from_document(doc, where)
 
     @classmethod
@@ -296,7 +295,7 @@ class Manifest(_Frozen):
         try:
             return cls.model_validate(doc)
         except ValidationError as exc:
-            raise ManifestError(f"{where}: invalid manifest: {_describe(exc)}") from None
+            raise ManifestError(f"{where}: invalid manifest: {describe_validation(exc)}") from None
         except (ValueError, TypeError, RecursionError) as exc:
             raise ManifestError(f"{where}: invalid manifest: {exc}") from None
 
@@ -309,7 +308,21 @@ def _check_version(version: Any, where: str) -> None:
         )
 
 
-def _describe(exc: ValidationError) -> str:
+def signed_json(model: BaseModel) -> bytes:
+    """``model`` as JSON (None fields left out) whose last field, ``crc32c``, is the crc32c
+    of every byte before it: manifests and rank parts."""
+    body = model.model_dump_json(exclude_none=True).encode("utf-8")
+    return body[:-1] + _CRC_FIELD + b"%d}" % crc32c_of(body)
+
+
+def crc_matches(data: bytes, found: Any) -> bool:
+    """Whether ``found`` (the parsed ``crc32c`` field) is the crc32c of ``data``'s bytes
+    before that field (see :func:`signed_json`)."""
+    cut = data.rfind(_CRC_FIELD)
+    return type(found) is int and cut >= 0 and crc32c_of(data[:cut] + b"}") == found
+
+
+def describe_validation(exc: ValidationError) -> str:
     """The first problems, located, without echoing input values (which may be huge)."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '/'}: {e['msg']}" for e in exc.errors()[:5])
 

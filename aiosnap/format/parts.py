@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..checksums import crc32c_of
 from ..errors import ManifestError
 from ..names import attempt_prefix, check_save_id, object_prefix
 from .dtypes import dtype_itemsize
@@ -33,13 +32,16 @@ from .manifest import (
     RankLocalRecord,
     ShardRecord,
     StoredShard,
+    crc_matches,
+    describe_validation,
+    signed_json,
 )
 from .spec import SaveSpec
+from .tree import shift_entry_ids
 
 __all__ = ["RankPart", "WrittenRecord", "aborted_name", "build_part", "failed_name", "merge_parts", "part_name"]
 
 _MAX_INT = 2**63
-_CRC_FIELD = b',"crc32c":'
 MAX_PART_BYTES = 64 * 1024**2
 
 
@@ -105,8 +107,7 @@ class RankPart(_Frozen):
         return self
 
     def to_json(self) -> bytes:
-        body = self.model_dump_json(exclude_none=True).encode("utf-8")
-        return body[:-1] + _CRC_FIELD + b"%d}" % crc32c_of(body)
+        return signed_json(self)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> RankPart:
@@ -117,15 +118,12 @@ class RankPart(_Frozen):
             doc = json.loads(data)
         except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
-        cut = data.rfind(_CRC_FIELD)
-        found = doc.pop("crc32c", None) if isinstance(doc, dict) else None
-        if type(found) is not int or cut < 0 or crc32c_of(data[:cut] + b"}") != found:
+        if not crc_matches(data, doc.pop("crc32c", None) if isinstance(doc, dict) else None):
             raise ManifestError(f"{where}: the rank's part is damaged (its crc32c does not match its bytes)")
         try:
             return cls.model_validate(doc)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '/'}: {e['msg']}" for e in exc.errors()[:5])
-            raise ManifestError(f"{where}: invalid rank part: {problems}") from None
+            raise ManifestError(f"{where}: invalid rank part: {describe_validation(exc)}") from None
         except (ValueError, TypeError, RecursionError) as exc:
             raise ManifestError(f"{where}: invalid rank part: {exc}") from None
 
@@ -167,7 +165,7 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
     ]
     main = dist.main_entries
     local = RankLocalRecord(
-        values=[_unshift(v, main) for v in dist.local_values],
+        values=[shift_entry_ids(v, -main) for v in dist.local_values],
         entries=[_record(spec, i, ranges.get(i, [])) for i in range(main, len(spec.entries))],
     )
     return RankPart(
@@ -180,16 +178,6 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         written=written,
         local=local,
     )
-
-
-def _unshift(node: Any, by: int) -> Any:
-    if isinstance(node, dict):
-        if node.get("t") in ("tensor", "pickle"):
-            return {**node, "id": node["id"] - by}
-        return {k: _unshift(v, by) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_unshift(v, by) for v in node]
-    return node
 
 
 def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:

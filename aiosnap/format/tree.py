@@ -24,7 +24,7 @@ from typing import Any
 
 from .dtypes import dtype_itemsize
 
-__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text"]
+__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
 
 MAX_TREE_DEPTH = 100
 """Deepest nesting of containers a tree may have (saving a deeper state is refused)."""
@@ -189,3 +189,15 @@ def check_tree(tree: Any, entry_kinds: Sequence[str], *, local: bool = False) ->
     if checker.slots != set(range(len(checker.slots))):
         raise ValueError(f"rank-local slots {sorted(checker.slots)[:8]} are not numbered from 0")
     return len(checker.slots)
+
+
+def shift_entry_ids(node: Any, by: int) -> Any:
+    """``node`` with the ids of its tensor and pickle nodes moved by ``by``: a rank-local
+    value's tree between its own entry table and the one it is joined to."""
+    if isinstance(node, dict):
+        if node.get("t") in ("tensor", "pickle"):
+            return {**node, "id": node["id"] + by}
+        return {k: shift_entry_ids(v, by) for k, v in node.items()}
+    if isinstance(node, list):
+        return [shift_entry_ids(v, by) for v in node]
+    return node

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..aio import run_all
 from ..errors import AiosnapError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import Manifest
 from ..storage.base import Storage
@@ -64,13 +65,7 @@ async def check_object_sizes(
         if size < nbytes:
             raise TruncatedObjectError(f"{where}: data object {name!r} is truncated: {size} of {nbytes} bytes")
 
-    try:
-        async with asyncio.TaskGroup() as group:
-            for obj in manifest.objects:
-                if names is None or obj.name in names:
-                    group.create_task(check(obj.name, obj.nbytes))
-    except BaseExceptionGroup as group_error:
-        raise (leaf := first_error(group_error)) from leaf.__cause__
+    await run_all(check(o.name, o.nbytes) for o in manifest.objects if names is None or o.name in names)
 
 
 async def fetch_entries(

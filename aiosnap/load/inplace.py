@@ -15,7 +15,7 @@ tensors sharing memory) is read into a fresh tensor and copied, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from ..format.manifest import Manifest
 from ..stateful import is_stateful
 from .select import entries_under
 
-__all__ = ["destinations", "target_tree"]
+__all__ = ["destinations", "target_tree", "tensor_targets"]
 
 
 def target_tree(state: Any, *, inside_stateful: bool = False) -> Any:
@@ -65,19 +65,18 @@ def _usable(target: torch.Tensor, manifest: Manifest, index: int) -> bool:
     )
 
 
-def destinations(manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]) -> dict[int, torch.Tensor]:
-    """Loop thread: entry id -> the caller's tensor its bytes can be read into."""
-    found: dict[int, torch.Tensor] = {}
-    pending: list[tuple[Any, Any]] = [(manifest.tree, targets)]
+def tensor_targets(tree: Any, targets: Any, decode_key: Callable[[Any], Any]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Loop thread: (entry id, the caller's tensor it restores) for every tensor or dtensor
+    node of ``tree`` that ``targets`` (:func:`target_tree`) has a tensor for, walking dicts
+    (by decoded key), Stateful state dicts and lists of equal length."""
+    pending: list[tuple[Any, Any]] = [(tree, targets)]
     while pending:
         node, target = pending.pop()
         if target is None or not isinstance(node, dict):
             continue
         tag = node.get("t")
-        if tag == "tensor" and isinstance(target, torch.Tensor):
-            index = node["id"]
-            if index not in found and _usable(target, manifest, index):
-                found[index] = target
+        if tag in ("tensor", "dtensor") and isinstance(target, torch.Tensor):
+            yield node["id"], target
         elif tag == "stateful":
             pending.append((node["v"], target))
         elif tag in ("dict", "odict") and isinstance(target, dict):
@@ -89,6 +88,14 @@ def destinations(manifest: Manifest, targets: Any, decode_key: Callable[[Any], A
                     pending.append((child, target[key]))
         elif tag in ("list", "tuple") and isinstance(target, list) and len(target) == len(node["items"]):
             pending.extend(zip(node["items"], target, strict=True))
+
+
+def destinations(manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]) -> dict[int, torch.Tensor]:
+    """Loop thread: entry id -> the caller's tensor its bytes can be read into."""
+    found: dict[int, torch.Tensor] = {}
+    for index, target in tensor_targets(manifest.tree, targets, decode_key):
+        if index not in found and _usable(target, manifest, index):
+            found[index] = target
     return _without_overlaps(found, _cpu_tensors(targets))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import StateMismatchError
 from ..format.manifest import Manifest
+from ..format.tree import shift_entry_ids
 
 __all__ = ["SKIPPED", "rank_view"]
 
@@ -25,22 +26,12 @@ def _substitute(node: Any, values: list[Any] | None, shift: int) -> Any:
     if isinstance(node, dict):
         tag = node.get("t")
         if tag == "rank_local":
-            return SKIPPED if values is None else _shift(values[node["slot"]], shift)
+            return SKIPPED if values is None else shift_entry_ids(values[node["slot"]], shift)
         if tag in ("tensor", "pickle", "dtensor"):
             return node
         return {k: _substitute(v, values, shift) for k, v in node.items()}
     if isinstance(node, list):
         return [_substitute(v, values, shift) for v in node]
-    return node
-
-
-def _shift(node: Any, by: int) -> Any:
-    if isinstance(node, dict):
-        if node.get("t") in ("tensor", "pickle"):
-            return {**node, "id": node["id"] + by}
-        return {k: _shift(v, by) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_shift(v, by) for v in node]
     return node
 
 

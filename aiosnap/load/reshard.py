@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from ..errors import first_error
+from ..aio import run_all
 from ..format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
 from .fetch_runs import Range, plan_runs, read_run
-from .select import entries_under
+from .inplace import tensor_targets
 
 __all__ = ["ShardTarget", "read_into_targets", "shard_targets", "whole_target"]
 
@@ -72,27 +72,11 @@ def shard_targets(manifest: Manifest, targets: Any, decode_key: Callable[[Any], 
     """Loop thread: entry id -> the caller's DTensor its bytes go to (a sharded entry or a
     whole one, of the same global shape and dtype)."""
     found: dict[int, ShardTarget] = {}
-    pending: list[tuple[Any, Any]] = [(manifest.tree, targets)]
-    while pending:
-        node, target = pending.pop()
-        if target is None or not isinstance(node, dict):
-            continue
-        tag = node.get("t")
-        if tag in ("tensor", "dtensor") and _is_dtensor(target):
-            entry = manifest.entries[node["id"]]
-            if list(target.shape) == entry.shape and str(target.dtype).removeprefix("torch.") == entry.dtype:
-                found[node["id"]] = dtensor_target(target)
-        elif tag == "stateful":
-            pending.append((node["v"], target))
-        elif tag in ("dict", "odict") and isinstance(target, dict):
-            for raw_key, child in node["items"]:
-                if entries_under(raw_key):
-                    continue
-                key = decode_key(raw_key)
-                if key in target:
-                    pending.append((child, target[key]))
-        elif tag in ("list", "tuple") and isinstance(target, list) and len(target) == len(node["items"]):
-            pending.extend(zip(node["items"], target, strict=True))
+    for index, target in tensor_targets(manifest.tree, targets, decode_key):
+        entry = manifest.entries[index]
+        fits = list(target.shape) == entry.shape and str(target.dtype).removeprefix("torch.") == entry.dtype
+        if fits and _is_dtensor(target):
+            found[index] = dtensor_target(target)
     return found
 
 
@@ -200,9 +184,4 @@ async def read_into_targets(storage: Storage, where: str, items: list[_Overlap],
         async with limit:
             await _copy_overlap(storage, where, item)
 
-    try:
-        async with asyncio.TaskGroup() as group:
-            for item in items:
-                group.create_task(one(item))
-    except BaseExceptionGroup as group_error:
-        raise (leaf := first_error(group_error)) from leaf.__cause__
+    await run_all(one(item) for item in items)

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import UnsupportedStateError
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
-from ..format.tree import MAX_TREE_DEPTH
+from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
 from ..names import object_prefix
 from ..stateful import is_stateful
 from .dtensor import DTensorShard, dtensor_shard, is_dtensor
@@ -405,7 +405,7 @@ def _distributed_plan(
     local_values: list[Any] = []
     if flattener.local is not None:
         entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
-        local_values = [_shift_ids(value, main) for value in flattener.local_values]
+        local_values = [shift_entry_ids(value, main) for value in flattener.local_values]
     flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths)
     agreed = agree(flat)
     writes = [e for e in entries[:main] if e.index in agreed.written] + entries[main:]
@@ -432,17 +432,6 @@ def _distributed_plan(
         distributed=dist,
     )
     return SavePlan(spec=spec, entries=entries, chunks=chunks)
-
-
-def _shift_ids(node: Any, by: int) -> Any:
-    """A rank-local tree with its entry ids moved past the shared table."""
-    if isinstance(node, dict):
-        if node.get("t") in ("tensor", "pickle"):
-            return {**node, "id": node["id"] + by}
-        return {k: _shift_ids(v, by) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_shift_ids(v, by) for v in node]
-    return node
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

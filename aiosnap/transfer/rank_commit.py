@@ -28,13 +28,13 @@ import random
 import time
 from typing import Literal
 
+from ..aio import run_all
 from ..catalog.steps import read_manifest
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     RankFailedError,
     RankTimeoutError,
-    first_error,
 )
 from ..format.manifest import Checksums, Manifest
 from ..format.parts import RankPart, aborted_name, build_part, failed_name, merge_parts, part_name
@@ -172,12 +172,7 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums) -> M
             reason = await _read_reason(storage, failed_name(spec.step, spec.save_id, failed[0]))
             raise RankFailedError(f"step {spec.step}: rank(s) {failed} failed their part of the save: {reason}")
         new = [r for r in range(world) if r not in parts and f"rank-{r}.part.json" in names]
-        try:
-            async with asyncio.TaskGroup() as group:
-                for rank in new:
-                    group.create_task(read(rank))
-        except BaseExceptionGroup as group_error:
-            raise (leaf := first_error(group_error)) from leaf.__cause__
+        await run_all(read(rank) for rank in new)
         if len(parts) < world and not await backoff.sleep():
             raise RankTimeoutError(
                 f"step {spec.step}: rank(s) {_missing(world, set(parts))} did not deliver their part of the save "
