@@ -37,6 +37,7 @@ from .singlefile import storage_for
 from .spooldir import Spool
 from .storage.base import Storage
 from .trainer.capture import CudaOrder
+from .trainer.layout_memo import LayoutMemo
 from .trainer.plan import SavePlan, make_plan
 
 LEAVE_TIMEOUT_S = 10.0
@@ -209,6 +210,7 @@ class _Core:
         self.world_size = group.world_size
         self._storage = storage
         self._keep_last = self.config.retention.keep_last
+        self._layouts = LayoutMemo()  # the last save's layout, while the state keeps its structure
         self._views: list[_Core] = []
         self._owner: _Core | None = None
         self._closed = False
@@ -251,6 +253,7 @@ class _Core:
         view._storage = storage if storage is not None else storage_for(url, self.config)
         view._keep_last = keep_last
         view._views = []
+        view._layouts = LayoutMemo()
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
@@ -325,6 +328,7 @@ class _Core:
                 single_file=self._storage.single_file,
                 rank_local=self._job.rank_local(rank_local),
                 agree=agree,
+                memo=self._layouts,
             )
         except BaseException:
             if agree is not None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bytes_view", "copy_range_into", "iter_row_major_views", "write_constants"]
+__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "write_constants"]
 
 
 def bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -26,6 +26,24 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
     array._aiosnap_owner = tensor  # type: ignore[attr-defined]  # keeps the memory alive
     return memoryview(array).cast("B")
+
+
+def host_address(tensor: torch.Tensor, nbytes: int) -> int:
+    """Where the first ``nbytes`` of ``tensor``'s row-major bytes lie in host memory, as
+    they are (0 when they do not lie there plainly: a device tensor, a strided view, a lazy
+    conjugate or negative view, a tensor subclass, a tensor that no longer holds ``nbytes``).
+    Copying from this address is the same as copying the tensor's values."""
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.nbytes < nbytes
+        or not tensor.is_contiguous()
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor._is_zerotensor()
+    ):
+        return 0
+    return int(tensor.data_ptr())
 
 
 def iter_row_major_views(tensor: torch.Tensor, start: int, stop: int) -> Iterator[torch.Tensor]:
@@ -72,6 +90,11 @@ def copy_range_into(
         count = view.numel()
         typed[position : position + count].view(view.shape).copy_(view, non_blocking=non_blocking)
         position += count
+    if position * itemsize != nbytes:
+        raise RuntimeError(
+            f"a tensor of {src.numel()} elements holds fewer than the {first + nbytes // itemsize} the save "
+            "planned for: was it resized while save() ran?"
+        )
 
 
 def write_constants(dest: torch.Tensor, constants: list[tuple[int, bytes]]) -> None:

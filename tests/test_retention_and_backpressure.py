@@ -87,3 +87,43 @@ def test_max_pending_saves_makes_the_next_save_wait(root: Path) -> None:
         assert returned.wait(10)
         thread.join()
         assert first.wait(10).step == 1
+
+
+@pytest.mark.thread_only  # counts validations in the trainer's process
+def test_retention_does_not_validate_again_what_this_process_committed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention asks after each commit which recent steps are readable; a manifest this
+    process wrote (or validated), byte for byte the same, is not parsed and checked again
+    (at tens of thousands of tensors that cost about a second per step per save)."""
+    from aiosnap.format.manifest import Manifest
+
+    validated: list[str] = []
+    real = Manifest.from_json.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[Manifest], data: bytes, where: str) -> Manifest:
+        validated.append(where)
+        return real(cls, data, where)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "from_json", classmethod(counting))
+    with SyncCheckpointer(_config(root, retention={"keep_last": 2})) as ckpt:
+        for step in range(1, 6):
+            ckpt.save({"x": torch.full((10,), float(step))}, step=step).wait()
+        assert ckpt.steps() == [4, 5]
+        assert validated == []
+        assert torch.equal(ckpt.load()["x"], torch.full((10,), 5.0))
+        assert len(validated) == 1  # a load validates what it reads
+
+
+def test_a_manifest_damaged_after_it_was_trusted_is_checked_afresh(root: Path) -> None:
+    with SyncCheckpointer(_config(root, retention={"keep_last": 2})) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": torch.full((10,), float(step))}, step=step).wait()
+        manifest = root / "000000000002" / "manifest.json"
+        data = bytearray(manifest.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one flipped bit: the crc no longer matches
+        manifest.write_bytes(bytes(data))
+        ckpt.save({"x": torch.full((10,), 3.0)}, step=3).wait()
+        # step 2 cannot be read: it is not counted as kept, so step 1 stays
+        assert ckpt.steps() == [1, 2, 3]
+        assert torch.equal(ckpt.load(step=1)["x"], torch.full((10,), 1.0))

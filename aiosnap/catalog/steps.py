@@ -11,7 +11,10 @@ listed or deleted.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import threading
+from collections import OrderedDict
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -28,6 +31,7 @@ __all__ = [
     "retention_victims",
     "remove_steps_after",
     "step_folders",
+    "trust_committed",
 ]
 
 log = logging.getLogger("aiosnap")
@@ -59,16 +63,63 @@ async def latest_committed(storage: Storage) -> int | None:
 async def read_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of ``step``; CheckpointNotFoundError if it is not committed,
     ManifestError (a CorruptCheckpointError) if it cannot be trusted."""
-    name = manifest_name(step)
-    where = f"{storage.url}/{name}"
+    return _validated(await _manifest_bytes(storage, step), storage, step)
+
+
+async def _manifest_bytes(storage: Storage, step: int) -> bytes:
     try:
-        data = await storage.read(name, limit=MAX_MANIFEST_BYTES)
+        return await storage.read(manifest_name(step), limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}") from exc
+
+
+def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
+    where = f"{storage.url}/{manifest_name(step)}"
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
+    _TRUSTED.learn(step, data, manifest.save_id)
     return manifest
+
+
+class _TrustedManifests:
+    """Digests of manifests this process has validated, with their save ids: retention and
+    the commit protocol ask every few saves whose each recent step is, and validating a
+    manifest of tens of thousands of entries again each time costs about a second; hashing
+    its bytes costs milliseconds. Keyed by step and content, so a manifest that changed
+    (replaced, damaged) is validated afresh. Any thread (a lock guards the table)."""
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._known: OrderedDict[tuple[int, bytes], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(step: int, data: bytes) -> tuple[int, bytes]:
+        return step, hashlib.blake2b(data, digest_size=32).digest()
+
+    def learn(self, step: int, data: bytes, save_id: str) -> None:
+        key = self._key(step, data)
+        with self._lock:
+            self._known[key] = save_id
+            self._known.move_to_end(key)
+            while len(self._known) > self.LIMIT:
+                self._known.popitem(last=False)
+
+    def save_id(self, step: int, data: bytes) -> str | None:
+        key = self._key(step, data)
+        with self._lock:
+            return self._known.get(key)
+
+
+_TRUSTED = _TrustedManifests()
+
+
+def trust_committed(step: int, document: bytes, save_id: str) -> None:
+    """This process just committed ``document`` (a manifest it built, which was validated
+    as it was built): the same bytes read back need no second validation."""
+    _TRUSTED.learn(step, document, save_id)
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:
@@ -94,9 +145,12 @@ async def manifest_of(storage: Storage, step: int | None) -> Manifest:
 
 
 async def committed_save_id(storage: Storage, step: int) -> str | None:
-    """The save id of ``step``'s manifest; None when there is none or it cannot be read."""
+    """The save id of ``step``'s manifest; None when there is none or it cannot be read.
+    A manifest this process has validated before, byte for byte, is not validated again."""
     try:
-        return (await read_manifest(storage, step)).save_id
+        data = await _manifest_bytes(storage, step)
+        known = _TRUSTED.save_id(step, data)
+        return known if known is not None else _validated(data, storage, step).save_id
     except (CheckpointNotFoundError, CorruptCheckpointError):
         return None
 
@@ -120,12 +174,8 @@ async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -
     victims: list[int] = []
     readable = 0
     for step in reversed(await committed_steps(storage)):
-        try:
-            await read_manifest(storage, step)
-        except CorruptCheckpointError:
-            continue
-        except CheckpointNotFoundError:
-            continue  # removed meanwhile
+        if await committed_save_id(storage, step) is None:
+            continue  # damaged, or removed meanwhile
         readable += 1
         if readable > keep_last and step not in spare:
             victims.append(step)

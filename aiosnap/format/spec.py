@@ -21,9 +21,12 @@ __all__ = ["ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "Sa
 _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no coercion
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EntrySpec:
-    """One stored tensor (or pickled blob): where it sits in the state and its layout."""
+    """One stored tensor (or pickled blob): where it sits in the state and its layout.
+
+    Never changed once made; not frozen because a frozen dataclass costs four times as
+    much to make, on the caller's thread, once per tensor (as :class:`PieceSpec`)."""
 
     __pydantic_config__ = _STRICT
 
@@ -36,9 +39,10 @@ class EntrySpec:
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PieceSpec:
-    """``nbytes`` of entry ``entry`` (continuing its bytes in order) at ``dst_offset``."""
+    """``nbytes`` of entry ``entry`` (continuing its bytes in order) at ``dst_offset``
+    (never changed once made; see :class:`EntrySpec`)."""
 
     __pydantic_config__ = _STRICT
 

@@ -13,11 +13,13 @@ but the last is full (slabs are used fully). Each chunk becomes one data object.
 from __future__ import annotations
 
 import base64
+import gc
 import math
 import pickle
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -30,6 +32,7 @@ from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
 from ..names import object_prefix
 from ..stateful import is_stateful
 from .dtensor import DTensorShard, dtensor_shard, is_dtensor
+from .layout_memo import Layout, LayoutMemo
 
 __all__ = ["ALIGN", "Agreement", "Chunk", "Entry", "Flattened", "Piece", "SavePlan", "make_plan"]
 
@@ -37,9 +40,11 @@ ALIGN = 64
 """Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Entry:
-    """One tensor (or one pickled object, as bytes) to be stored."""
+    """One tensor (or one pickled object, as bytes) to be stored. Not frozen (a frozen
+    dataclass costs four times as much to make, and a state may hold tens of thousands of
+    tensors); never changed once made."""
 
     index: int
     path: str
@@ -48,9 +53,10 @@ class Entry:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Piece:
-    """Bytes ``[src_offset, src_offset + nbytes)`` of an entry, at ``dst_offset`` of a chunk."""
+    """Bytes ``[src_offset, src_offset + nbytes)`` of an entry, at ``dst_offset`` of a chunk.
+    Never changed once made (not frozen, as :class:`Entry`)."""
 
     entry: int
     src_offset: int
@@ -123,6 +129,7 @@ class _Flattener:
 
     def __init__(self, rank_local: Sequence[str] = (), *, dtensors: bool = True) -> None:
         self.entries: list[Entry] = []
+        self.keys: list[tuple[Any, ...] | None] = []  # each entry's view key (None: not a plain tensor)
         self._seen: dict[tuple[Any, ...], int] = {}
         self.by_id: dict[int, int] = {}  # id(tensor) -> entry, for the tensors met
         self.stateful_dicts: dict[int, Any] = {}  # id(Stateful) -> the state dict it gave
@@ -135,12 +142,14 @@ class _Flattener:
         self.local_paths: list[str] = []  # where each rank_local node is
 
     def encode(self, value: Any, path: str) -> Any:
+        if self._patterns and path and any(fnmatchcase(path, p) for p in self._patterns):
+            return self._rank_local(value, path)
+        if self._depth >= MAX_TREE_DEPTH:
+            raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
+        if type(value) is torch.Tensor:  # the common leaf first: states hold many tensors
+            return {"t": "tensor", "id": self._plain(value, path)}
         self._depth += 1
         try:
-            if self._depth > MAX_TREE_DEPTH:
-                raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
-            if self._patterns and path and any(fnmatchcase(path, p) for p in self._patterns):
-                return self._rank_local(value, path)
             return self._encode(value, path)
         finally:
             self._depth -= 1
@@ -167,10 +176,7 @@ class _Flattener:
             state = self.stateful_dicts[id(value)] = value.state_dict()
             return {"t": "stateful", "v": self.encode(state, path)}
         if type(value) in (dict, OrderedDict):
-            node: dict[str, Any] = {
-                "t": "dict" if type(value) is dict else "odict",
-                "items": [[self.encode(k, path), self.encode(v, _join(path, k))] for k, v in value.items()],
-            }
+            node: dict[str, Any] = {"t": "dict" if type(value) is dict else "odict", "items": self._items(value, path)}
             meta = getattr(value, "_metadata", None)
             if meta is not None:
                 node["meta"] = self.encode(meta, path + "#_metadata")
@@ -191,6 +197,21 @@ class _Flattener:
             return {"t": "complex", "v": [repr(value.real), repr(value.imag)]}
         return {"t": "pickle", "id": self._pickle(value, path)}
 
+    def _items(self, mapping: dict[Any, Any], path: str) -> list[list[Any]]:
+        """A dict's ``[key, value]`` pairs, encoded; plain tensors (most of a state's
+        values) without a call to :meth:`encode` each."""
+        prefix = f"{path}/" if path else ""
+        inline = not self._patterns and self._depth < MAX_TREE_DEPTH
+        items = []
+        for k, v in mapping.items():
+            key = k if type(k) is str else self.encode(k, path)
+            where = f"{prefix}{k}" if prefix else str(k)
+            if inline and type(v) is torch.Tensor:
+                items.append([key, {"t": "tensor", "id": self._plain(v, where)}])
+            else:
+                items.append([key, self.encode(v, where)])
+        return items
+
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         if self._dtensors and is_dtensor(tensor):
             index = len(self.entries)
@@ -199,23 +220,52 @@ class _Flattener:
             self.entries.append(
                 Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
             )
+            self.keys.append(None)
             self.by_id[id(tensor)] = index
             return index
         _plain_tensor_or_refuse(tensor, path)
-        key = _view_key(tensor)
-        if key in self._seen and tensor.numel() > 0:
-            index = self._seen[key]  # the same view twice (tied weights): stored once
-        else:
+        return self._plain(tensor, path)
+
+    def _plain(self, tensor: torch.Tensor, path: str) -> int:
+        """A tensor's entry (a new one, or the one of the same view met before); refuses
+        tensors whose bytes cannot be saved. The per-tensor path of every save: kept short."""
+        if tensor.layout is not _STRIDED or tensor.is_meta or tensor.is_quantized:
+            _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
+        try:
+            key = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                tensor.device,
+            )
+        except (RuntimeError, NotImplementedError, TypeError):
+            _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
+            raise
+        nbytes = tensor.nbytes
+        # The same view twice (tied weights) is stored once; not a lazy conjugate or negative
+        # view, whose values differ from its memory's (and from the plain view's).
+        lazy = tensor.is_conj() or tensor.is_neg()
+        index = self._seen.get(key) if nbytes and not lazy else None
+        if index is None:
             index = len(self.entries)
-            self.entries.append(Entry(index, path, "tensor", tensor, tensor.numel() * tensor.element_size()))
-            self._seen[key] = index
+            self.entries.append(Entry(index, path, "tensor", tensor, nbytes))
+            self.keys.append(key)
+            if not lazy:
+                self._seen[key] = index
         self.by_id[id(tensor)] = index
         return index
 
     def entry_of(self, tensor: torch.Tensor) -> int | None:
         """The entry of a tensor met while flattening (or the same view of it), else None."""
         index = self.by_id.get(id(tensor))
-        if index is None and tensor.numel() > 0 and tensor.layout == torch.strided and not tensor.is_meta:
+        if (
+            index is None
+            and tensor.numel() > 0
+            and tensor.layout == torch.strided
+            and not (tensor.is_meta or tensor.is_conj() or tensor.is_neg())
+        ):
             index = self._seen.get(_view_key(tensor))
         return index
 
@@ -227,19 +277,44 @@ class _Flattener:
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         index = len(self.entries)
         self.entries.append(Entry(index, path, "pickle", data, len(blob)))
+        self.keys.append(None)
         return index
 
 
+_STRIDED = torch.strided
+
+
 def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Two tensors with one key are the same bytes (one view of one storage)."""
+    """Two tensors with one key are the same bytes (one view of one storage); the key
+    :meth:`_Flattener._plain` makes inline."""
     return (
-        tensor.device,
         tensor.untyped_storage().data_ptr(),
         tensor.storage_offset(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
+        tensor.shape,
+        tensor.stride(),
         tensor.dtype,
+        tensor.device,
     )
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is built (caller's thread).
+
+    A plan makes a few objects per tensor; at tens of thousands of tensors the collections
+    these allocations trigger (which scan every object in the process, the training state's
+    included) cost as much as the planning itself. Whatever a plan allocates is kept by the
+    plan or freed by reference counting, so nothing is lost by collecting afterwards. The
+    collector is switched back on only if it was on (a caller that turned it off keeps it
+    off; one that turns it off from another thread meanwhile finds it on again)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _join(path: str, key: Any) -> str:
@@ -263,15 +338,22 @@ def layout_chunks(entries: list[Entry], chunk_bytes: int, prefix: str) -> list[C
 
     current: Chunk | None = None
     for entry in entries:
-        if entry.nbytes == 0:
+        nbytes = entry.nbytes
+        if nbytes == 0:
             continue
+        if current is not None:  # the common case, inline: the whole entry fits in this chunk
+            start = -(-current.nbytes // ALIGN) * ALIGN
+            if start + nbytes <= chunk_bytes:
+                current.pieces.append(Piece(entry.index, 0, nbytes, start))
+                current.nbytes = start + nbytes
+                continue
         itemsize = entry.tensor.element_size()
         offset = 0
-        while offset < entry.nbytes:
+        while offset < nbytes:
             if current is None:
                 current = new_chunk()
             start = _aligned(current.nbytes)
-            take = min(entry.nbytes - offset, (chunk_bytes - start) // itemsize * itemsize)
+            take = min(nbytes - offset, (chunk_bytes - start) // itemsize * itemsize)
             if take <= 0:
                 current = None
                 continue
@@ -328,11 +410,13 @@ def make_plan(
     single_file: bool = False,
     rank_local: Sequence[str] = (),
     agree: Callable[[Flattened], Agreement] | None = None,
+    memo: LayoutMemo | None = None,
 ) -> SavePlan:
     """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks;
     with ``single_file``, as one ``torch.load``-readable file (:mod:`.archive_plan`). A
     multi-rank save (``agree``: how the ranks agree, :meth:`Flattened` in, who writes what
-    out) lays out only what this rank writes."""
+    out) lays out only what this rank writes. ``memo``: the layout of the caller's last
+    one-rank folder save, taken as is while the table stays the same (:mod:`.layout_memo`)."""
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -345,13 +429,31 @@ def make_plan(
     if rank_local and single_file:
         raise UnsupportedStateError("rank_local values need a folder checkpoint (a single file holds one rank's state)")
     flattener = _Flattener(rank_local, dtensors=not single_file)
-    tree = flattener.encode(state, "")  # on failure the caller leaves the agreement (see checkpointer)
+    with gc_paused():
+        tree = flattener.encode(state, "")  # on failure the caller leaves the agreement (see checkpointer)
     if agree is None and (flattener.shards or flattener.local is not None):
         if world_size != 1:
             raise ValueError(f"rank {rank} of {world_size}: a multi-rank save needs the ranks' agreement")
         agree = _one_rank  # DTensors of a one-rank mesh, or rank-local values: the multi-rank format
     if agree is not None:
         return _distributed_plan(flattener, tree, step, chunk_bytes, rank, world_size, metadata, agree)
+    with gc_paused():
+        return _local_plan(flattener, tree, state, step, chunk_bytes, rank, world_size, metadata, single_file, memo)
+
+
+def _local_plan(
+    flattener: _Flattener,
+    tree: Any,
+    state: dict[str, Any],
+    step: int,
+    chunk_bytes: int,
+    rank: int,
+    world_size: int,
+    metadata: dict[str, Any] | None,
+    single_file: bool,
+    memo: LayoutMemo | None,
+) -> SavePlan:
+    """Caller's thread: lay out the chunks of a one-rank save (or a single file)."""
     save_id = uuid.uuid4().hex[:16]
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
@@ -361,8 +463,9 @@ def make_plan(
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
         archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))
+        entry_specs, chunk_specs = _entry_specs(flattener.entries, flattener.keys), _chunk_specs(chunks)
     else:
-        chunks = layout_chunks(flattener.entries, chunk_bytes, prefix)
+        chunks, entry_specs, chunk_specs = _laid_out(flattener, chunk_bytes, prefix, memo)
     spec = SaveSpec(
         step=step,
         save_id=save_id,
@@ -370,11 +473,40 @@ def make_plan(
         world_size=world_size,
         tree=tree,
         metadata=dict(metadata or {}),
-        entries=tuple(_entry_spec(e) for e in flattener.entries),
-        chunks=_chunk_specs(chunks),
+        entries=entry_specs,
+        chunks=chunk_specs,
         archive=archive,
     )
     return SavePlan(spec=spec, entries=flattener.entries, chunks=chunks)
+
+
+def _laid_out(
+    flattener: _Flattener, chunk_bytes: int, prefix: str, memo: LayoutMemo | None
+) -> tuple[list[Chunk], tuple[EntrySpec, ...], tuple[ChunkSpec, ...]]:
+    """The chunks and specs of a table: the memo's when the table is the one it remembers,
+    else laid out (and remembered, when every entry is a plain tensor)."""
+    entries, keys = flattener.entries, flattener.keys
+    paths = [entry.path for entry in entries]
+    known = memo.recall(chunk_bytes, keys, paths) if memo is not None else None
+    if known is not None:
+        names = [f"{prefix}/{index}.bin" for index in range(len(known.chunk_sizes))]
+        chunks = [
+            Chunk(index, name, nbytes, pieces)
+            for index, (name, nbytes, pieces) in enumerate(zip(names, known.chunk_sizes, known.pieces, strict=True))
+        ]
+        return chunks, known.entry_specs, known.chunk_specs(names)
+    chunks = layout_chunks(entries, chunk_bytes, prefix)
+    entry_specs, chunk_specs = _entry_specs(entries, keys), _chunk_specs(chunks)
+    if memo is not None:
+        if None in keys:
+            memo.forget()  # a pickled value's bytes change from save to save
+        else:
+            sizes = tuple(c.nbytes for c in chunks)
+            pieces = tuple(c.pieces for c in chunks)
+            memo.remember(
+                Layout(chunk_bytes, keys, paths, entry_specs, sizes, pieces, tuple(c.pieces for c in chunk_specs))
+            )
+    return chunks, entry_specs, chunk_specs
 
 
 def _one_rank(flat: Flattened) -> Agreement:
@@ -407,7 +539,23 @@ def _distributed_plan(
         entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
         local_values = [shift_entry_ids(value, main) for value in flattener.local_values]
     flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths)
-    agreed = agree(flat)
+    agreed = agree(flat)  # with the garbage collector running: this waits for the other ranks
+    with gc_paused():
+        return _rank_plan(flattener, flat, agreed, step, chunk_bytes, rank, world_size, metadata)
+
+
+def _rank_plan(
+    flattener: _Flattener,
+    flat: Flattened,
+    agreed: Agreement,
+    step: int,
+    chunk_bytes: int,
+    rank: int,
+    world_size: int,
+    metadata: dict[str, Any] | None,
+) -> SavePlan:
+    """Caller's thread: lay out what this rank writes of what the ranks agreed on."""
+    entries, main, tree, local_values = flat.entries, flat.main_entries, flat.tree, flat.local_values
     writes = [e for e in entries[:main] if e.index in agreed.written] + entries[main:]
     chunks = layout_chunks(writes, chunk_bytes, object_prefix(step, agreed.save_id, rank))
     dist = DistSpec(
@@ -427,7 +575,7 @@ def _distributed_plan(
         world_size=world_size,
         tree=tree,
         metadata=dict(metadata or {}),
-        entries=tuple(_entry_spec(e) for e in entries),
+        entries=_entry_specs(entries, flattener.keys + (flattener.local.keys if flattener.local else [])),
         chunks=_chunk_specs(chunks),
         distributed=dist,
     )
@@ -435,15 +583,25 @@ def _distributed_plan(
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
 
 
-def _entry_spec(entry: Entry) -> EntrySpec:
-    """The entry's layout as it is now, on the caller's thread (a later resize_ of the
-    tensor cannot change what this save records)."""
-    tensor = entry.tensor
-    dtype = _DTYPE_NAMES.get(tensor.dtype)
-    if dtype is None:
-        dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
-    return EntrySpec(
-        entry.path, entry.kind, dtype, tuple(tensor.shape), tuple(tensor.stride()), str(tensor.device), entry.nbytes
-    )
+def _entry_specs(entries: list[Entry], keys: Sequence[tuple[Any, ...] | None]) -> tuple[EntrySpec, ...]:
+    """Each entry's layout as it is now, on the caller's thread (a later resize_ of a
+    tensor cannot change what this save records); a plain tensor's from its view key."""
+    dtypes, devices = _DTYPE_NAMES, _DEVICE_NAMES
+    specs = []
+    for entry, key in zip(entries, keys, strict=True):
+        if key is None:
+            tensor = entry.tensor
+            shape, stride, dtype_of, device_of = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+        else:
+            _, _, shape, stride, dtype_of, device_of = key
+        dtype = dtypes.get(dtype_of)
+        if dtype is None:
+            dtype = dtypes[dtype_of] = str(dtype_of).removeprefix("torch.")
+        device = devices.get(device_of)
+        if device is None:
+            device = devices[device_of] = str(device_of)
+        specs.append(EntrySpec(entry.path, entry.kind, dtype, tuple(shape), stride, device, entry.nbytes))
+    return tuple(specs)

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from ..catalog.steps import committed_save_id, latest_committed, read_manifest
+from ..catalog.steps import committed_save_id, latest_committed, read_manifest, trust_committed
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
 from ..format.manifest import Manifest
 from ..names import attempt_prefix, manifest_name, step_dir
@@ -84,9 +84,11 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
                     f"{storage.url}/{name}: step {manifest.step} was committed by another writer "
                     "while this save ran; not overwriting it"
                 ) from exc
+        trust_committed(manifest.step, document, manifest.save_id)
         return len(document)
     replaced = await committed_save_id(storage, manifest.step)
     await storage.write(name, document)
+    trust_committed(manifest.step, document, manifest.save_id)
     if replaced is not None and replaced != manifest.save_id:
         try:
             await storage.delete_prefix(attempt_prefix(manifest.step, replaced))
