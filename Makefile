@@ -57,6 +57,7 @@ bench: install
 	$(PY) -m aiosnap.bench spool
 	$(PY) -m aiosnap.bench lightning
 	$(PY) -m aiosnap.bench load
+	$(PY) -m aiosnap.bench many
 	$(PY) -m aiosnap.bench interference
 	$(PY) -m aiosnap.bench distributed
 	$(PY) -m aiosnap.bench distributed --simulate

@@ -221,6 +221,14 @@ def test_bench_runs_a_benchmark_and_prints_figures(tmp_path: Path) -> None:
     assert aiosnap_process("bench", "nope").returncode == 2
 
 
+def test_the_many_tensor_benchmark_saves_what_it_measures(tmp_path: Path) -> None:
+    run = aiosnap_process("bench", "many", "--tensors", "300", "--saves", "2", "--dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["aiosnap"]["values_equal"] is True
+    assert report["ratios"]["aiosnap_blocked_over_torch_save"] > 0
+
+
 def test_download_copies_a_verified_step_and_refuses_corrupt_data(
     aiosnap: Runner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "spool": "aiosnap.bench.spool",
     "lightning": "aiosnap.bench.lightning",
     "load": "aiosnap.bench.load",
+    "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
     "distributed": "aiosnap.bench.distributed",
 }
