@@ -11,9 +11,10 @@ import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.errors import UnsupportedStateError
+from aiosnap.gcpause import gc_paused
 from aiosnap.tensorio import host_address
 from aiosnap.trainer.layout_memo import LayoutMemo
-from aiosnap.trainer.plan import gc_paused, make_plan
+from aiosnap.trainer.plan import make_plan
 
 
 def _checkpointer(root: Path) -> SyncCheckpointer:
@@ -191,3 +192,27 @@ def test_planning_pauses_the_collector_and_restores_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["folder", "single_file", "rank_local"])
+def test_a_spec_crosses_to_the_upload_process_unchanged(kind: str) -> None:
+    import pickle
+
+    state = {f"t{i}": torch.randn(i % 4 + 1) for i in range(50)}
+    state["big"] = torch.randn(3000)  # split over chunks
+    state["odd"] = torch.randn(3, 4).t()
+    state["empty"] = torch.empty(0)
+    state["pickled"] = {"a", "b"}  # type: ignore[assignment]
+    plan = make_plan(
+        {"state": state, "rng": torch.ones(3)},
+        step=7,
+        chunk_bytes=4096,
+        metadata={"epoch": 3},
+        single_file=kind == "single_file",
+        rank_local=("rng",) if kind == "rank_local" else (),
+    )
+    back = pickle.loads(pickle.dumps(plan.spec, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == plan.spec
+    assert type(back.entries) is tuple and type(back.chunks[0].pieces) is tuple
+    assert (back.archive is None) == (kind != "single_file")
+    assert (back.distributed is None) == (kind != "rank_local")

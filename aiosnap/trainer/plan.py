@@ -13,13 +13,11 @@ but the last is full (slabs are used fully). Each chunk becomes one data object.
 from __future__ import annotations
 
 import base64
-import gc
 import math
 import pickle
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -29,6 +27,7 @@ import torch
 from ..errors import UnsupportedStateError
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
+from ..gcpause import gc_paused
 from ..names import object_prefix
 from ..stateful import is_stateful
 from .dtensor import DTensorShard, dtensor_shard, is_dtensor
@@ -295,26 +294,6 @@ def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
         tensor.dtype,
         tensor.device,
     )
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a plan is built (caller's thread).
-
-    A plan makes a few objects per tensor; at tens of thousands of tensors the collections
-    these allocations trigger (which scan every object in the process, the training state's
-    included) cost as much as the planning itself. Whatever a plan allocates is kept by the
-    plan or freed by reference counting, so nothing is lost by collecting afterwards. The
-    collector is switched back on only if it was on (a caller that turned it off keeps it
-    off; one that turns it off from another thread meanwhile finds it on again)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _join(path: str, key: Any) -> str:
