@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 
 from ..checksums import crc32c_of
 from ..errors import ManifestError
+from ..gcpause import gc_paused
 from ..names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
@@ -272,7 +273,13 @@ class Manifest(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
+        """Parse and validate; every problem is a :class:`ManifestError` naming ``where``.
+        The collector is paused meanwhile (a manifest of many entries is many objects)."""
+        with gc_paused():
+            return cls._from_json(data, where)
+
+    @classmethod
+    def _from_json(cls, data: bytes, where: str) -> Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{where}: {len(data)} bytes is too large for a manifest")
         try:
@@ -333,7 +340,13 @@ Checksums = dict[tuple[str, int], int]
 
 def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
     """The manifest of ``spec``, every range's crc32c taken from ``crcs`` (KeyError if one is
-    missing; all 0 when ``crcs`` is None). Validated like any manifest read back."""
+    missing; all 0 when ``crcs`` is None). Validated like any manifest read back (with the
+    collector paused, as :meth:`Manifest.from_json`)."""
+    with gc_paused():
+        return _build_manifest(spec, crcs)
+
+
+def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
     ranges: list[list[ByteRange]] = [[] for _ in spec.entries]
     for chunk in spec.chunks:
         for piece in chunk.pieces:
