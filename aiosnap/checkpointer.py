@@ -29,8 +29,9 @@ from .format.manifest import Manifest
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
-from .load.inplace import target_tree
+from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
+from .load.staged import CallerStreams
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .singlefile import storage_for
@@ -158,7 +159,7 @@ class _ReadChoice:
 
     def __call__(self, manifest: Manifest) -> ReadPlan:
         plan = self._make(manifest)
-        self.in_place = tuple(plan.into)
+        self.in_place = tuple(plan.written)
         return plan
 
 
@@ -336,12 +337,12 @@ class _Core:
             raise
         return plan, CudaOrder.record(plan)
 
-    @staticmethod
     def _wanted(
-        state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool, atomic: bool
+        self, state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool, atomic: bool
     ) -> _ReadChoice:
         """What a load reads and where (caller's thread: checks the arguments, takes the
-        state dicts of Stateful targets; the loop thread plans with the manifest)."""
+        state dicts of Stateful targets, notes where the caller's CUDA work stands; the loop
+        thread plans with the manifest)."""
         if paths is not None:
             if state is not None:
                 raise TypeError("load() takes a state to restore into or paths to select, not both")
@@ -349,7 +350,11 @@ class _Core:
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
         targets = None if state is None or atomic else target_tree(state)
-        return _ReadChoice(lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle))
+        caller = None if targets is None else CallerStreams.record(written_tensors(targets))
+        slab_bytes = self._engine.slab_bytes
+        return _ReadChoice(
+            lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle, slab_bytes, caller)
+        )
 
     @staticmethod
     def _finish_load(

@@ -40,7 +40,7 @@ from .staging import SlabChunk, Staged, Transfer, TransferOutcome
 from .storage.base import Storage
 from .trainer.capture import Copier, CudaOrder, capture_chunks
 from .trainer.plan import ALIGN, SavePlan
-from .trainer.slabs import SlabPool
+from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
 from .transfer.rank_commit import abandon_part
@@ -166,13 +166,7 @@ class Engine:
 
     def _ready(self) -> tuple[SlabPool, Transfer]:
         """The pool and the transfer side (a new upload process if the last one died)."""
-        if self.pool is None:
-            self.pool = SlabPool(self.arena, self.budget)
-            if self.spool is not None and self.spool.mode == "overflow":
-                if self.arena.count < 2:
-                    log.warning("aiosnap: the RAM budget holds one slab: no bounce slab, spooling is off")
-                else:  # one slab of the budget is set aside to spill through when the rest is lent
-                    self._bounce = Bounce(self.pool)
+        pool = self._slab_pool()
         if self.transfer is None or getattr(self.transfer, "dead", None) is not None:
             if self.in_process:
                 from .transfer.process import ProcessTransfer
@@ -183,7 +177,18 @@ class Engine:
 
                 self.transfer = LocalTransfer(self.config, self.arena, self)
             self.transfer.open_root(self.storage.url, self.storage)
-        return self.pool, self.transfer
+        return pool, self.transfer
+
+    def _slab_pool(self) -> SlabPool:
+        """The staging slabs (made on first use)."""
+        if self.pool is None:
+            self.pool = SlabPool(self.arena, self.budget)
+            if self.spool is not None and self.spool.mode == "overflow":
+                if self.arena.count < 2:
+                    log.warning("aiosnap: the RAM budget holds one slab: no bounce slab, spooling is off")
+                else:  # one slab of the budget is set aside to spill through when the rest is lent
+                    self._bounce = Bounce(self.pool)
+        return self.pool
 
     def raise_unobserved(self) -> None:
         """Raise the oldest background failure nobody has been told about (once)."""
@@ -570,7 +575,18 @@ class Engine:
                 manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
             check_pickles(manifest, allow_pickle, plan.only)
-            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan)
+            slabs = self._load_slabs(plan)
+            return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
+
+    def _load_slabs(self, plan: ReadPlan) -> LoadSlabs | None:
+        """The staging slabs a load borrows (from the saves' pool, under the same RAM
+        budget; pinned when it copies into CUDA tensors), if it stages anything."""
+        if not plan.staged:
+            return None
+        pool = self._slab_pool()
+        if any(t.device.type == "cuda" for t in plan.staged.values()):
+            pool.pin()
+        return LoadSlabs(pool)
 
     async def manifest(self, step: int | None, storage: Storage) -> Manifest:
         """The manifest of ``step`` (latest committed when None), without reading data."""

@@ -1,5 +1,7 @@
 """Run as a child process by test_memory.py: save a state 4x the RAM budget and report
-the budget's high-water mark and the process's peak RSS increase (Linux /proc)."""
+the budget's high-water mark and the process's peak RSS increase (Linux /proc). With
+``staged-load``: load a state 4x the budget into strided tensors (through staging slabs)
+and report the load's peak RSS increase."""
 
 from __future__ import annotations
 
@@ -39,5 +41,24 @@ def main(root: str, budget_mib: int) -> None:
     )
 
 
+def staged_load(root: str, budget_mib: int, device: str = "cpu") -> None:
+    budget = budget_mib * MiB
+    columns = 1024
+    rows = 10 * MiB // 4 // columns  # 10 MiB each: 160 MiB, well past the budget and the slack
+    saved = {f"w{i}": torch.full((rows, columns), float(i)).t() for i in range(16)}
+    total = sum(t.numel() * 4 for t in saved.values())
+    config = Config(storage={"url": root}, ram_budget=budget, upload={"chunk_size": "1MiB"})
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(saved, step=1).wait()
+    targets = {name: torch.zeros(rows, columns, device=device).t() for name in saved}  # (CUDA set up here)
+    with SyncCheckpointer(config) as ckpt, PeakRSS() as rss:
+        ckpt.load(targets)
+    equal = all(torch.equal(targets[name].cpu(), tensor) for name, tensor in saved.items())
+    print(json.dumps({"state_bytes": total, "budget": budget, "rss_increase": rss.increase, "values_equal": equal}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[3:4] == ["staged-load"]:
+        staged_load(sys.argv[1], int(sys.argv[2]), *sys.argv[4:5])
+    else:
+        main(sys.argv[1], int(sys.argv[2]))

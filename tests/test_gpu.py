@@ -1,10 +1,18 @@
-"""CUDA capture path: copy stream ordered after the caller's stream, pinned slabs."""
+"""CUDA paths: capture on a copy stream ordered after the caller's stream, into pinned
+slabs; loads into CUDA tensors in place, through pinned staging slabs and a copy stream."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap.load import fetch
 
 pytestmark = [
     pytest.mark.both_executors,
@@ -22,7 +30,7 @@ def test_cuda_tensors_round_trip_and_use_pinned_slabs(small_config: Config) -> N
     expected = {k: v.cpu() for k, v in state.items()}
     with SyncCheckpointer(small_config) as ckpt:
         ckpt.save(state, step=1).wait()
-        assert ckpt._engine._pool is not None and ckpt._engine._pool.pin_memory
+        assert ckpt._engine.pool is not None and ckpt._engine.pool._pinned
         restored = ckpt.load()
     for key, value in expected.items():
         assert torch.equal(restored[key], value.contiguous()), key
@@ -46,3 +54,61 @@ def test_in_place_load_into_cuda_module(small_config: Config) -> None:
         other = torch.nn.Linear(64, 64).cuda()
         ckpt.load({"model": other})
     assert torch.equal(other.weight, model.weight)
+
+
+def test_a_cuda_module_and_optimizer_load_in_place_through_pinned_slabs(
+    small_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).cuda()
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    optim.step()
+    with SyncCheckpointer(small_config) as ckpt:
+        ckpt.save({"model": model, "optim": optim}, step=1).wait()
+        other = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).cuda()
+        other_optim = torch.optim.Adam(other.parameters())
+        other(torch.randn(4, 256, device="cuda")).sum().backward()
+        other_optim.step()
+        addresses = {name: t.data_ptr() for name, t in other.state_dict().items()}
+        made: list[str] = []
+        real = fetch._empty_for
+
+        def counting(manifest: Any, index: int) -> torch.Tensor:
+            made.append(manifest.entries[index].path)
+            return real(manifest, index)
+
+        monkeypatch.setattr(fetch, "_empty_for", counting)
+        ckpt.load({"model": other, "optim": other_optim})
+        assert ckpt._engine.pool is not None and ckpt._engine.pool._pinned
+    assert [p for p in made if not p.endswith("step")] == [], made  # Adam's step counters are CPU scalars
+    for name, tensor in other.state_dict().items():
+        assert tensor.data_ptr() == addresses[name], f"{name} was replaced, not loaded in place"
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    for mine, theirs in zip(other_optim.state.values(), optim.state.values(), strict=True):
+        assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
+
+
+def test_a_staged_load_comes_after_work_the_caller_queued(small_config: Config) -> None:
+    with SyncCheckpointer(small_config) as ckpt:
+        ckpt.save({"x": torch.ones(4_000_000, device="cuda")}, step=1).wait()
+        x = torch.zeros(4_000_000, device="cuda")
+        torch.cuda._sleep(50_000_000)  # keep the caller's stream busy
+        x.add_(5)  # queued before load(): the load's copy must land after it
+        ckpt.load({"x": x})
+    assert torch.equal(x, torch.ones(4_000_000, device="cuda"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_a_cuda_load_ten_times_the_budget_stays_within_budget_in_host_memory(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.memory_probe", str(tmp_path), "16", "staged-load", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["values_equal"] and figures["state_bytes"] >= 10 * figures["budget"]
+    assert figures["rss_increase"] <= figures["budget"] + 64 * 1024 * 1024, figures

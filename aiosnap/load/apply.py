@@ -15,9 +15,10 @@ from ..format.manifest import Manifest
 from ..stateful import is_stateful
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
-from .inplace import destinations
+from .inplace import destinations, staged_destinations
 from .reshard import shard_targets
 from .select import check_keys_present, entries_under, needed_for_state, select_paths
+from .staged import CallerStreams, stageable
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
 
@@ -61,11 +62,18 @@ def key_decoder(manifest: Manifest, allow_pickle: bool) -> TreeDecoder:
 
 
 def plan_read(
-    manifest: Manifest, state: dict[str, Any] | None, targets: Any, paths: list[str] | None, allow_pickle: bool
+    manifest: Manifest,
+    state: dict[str, Any] | None,
+    targets: Any,
+    paths: list[str] | None,
+    allow_pickle: bool,
+    slab_bytes: int | None = None,
+    caller: CallerStreams | None = None,
 ) -> ReadPlan:
     """What a load reads: the entries ``state`` restores, or ``paths`` selects (all when
     neither); with ``targets`` (:func:`~aiosnap.load.inplace.target_tree` of ``state``), which
-    of them go straight into the caller's tensors. Loop thread (it reads only keys and
+    of them go straight into the caller's tensors, and (given the staging ``slab_bytes``)
+    which are copied into them through staging slabs. Loop thread (it reads only keys and
     tensor metadata of the caller's objects)."""
     keys = key_decoder(manifest, allow_pickle)
     if paths is not None:
@@ -75,10 +83,16 @@ def plan_read(
     only = needed_for_state(manifest.tree, state, keys, manifest.step)
     into = {} if targets is None else destinations(manifest, targets, keys)
     shards = {} if targets is None else shard_targets(manifest, targets, keys)
+    staged: dict[int, torch.Tensor] = {}
+    if targets is not None and slab_bytes is not None:
+        staged = staged_destinations(
+            manifest, targets, keys, into, lambda index: stageable(manifest, index, slab_bytes)
+        )
     if only is not None:
         into = {i: t for i, t in into.items() if i in only}
         shards = {i: t for i, t in shards.items() if i in only}
-    return ReadPlan(only=only, into=into, shards=shards)
+        staged = {i: t for i, t in staged.items() if i in only}
+    return ReadPlan(only=only, into=into, shards=shards, staged=staged, caller=caller)
 
 
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:

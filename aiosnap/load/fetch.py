@@ -22,6 +22,7 @@ from ..tensorio import bytes_view
 from .decode import torch_dtype
 from .fetch_runs import Range, Run, plan_runs, read_run
 from .reshard import ShardTarget, overlaps, read_into_targets, whole_target
+from .staged import CallerStreams, StagingSlabs, read_staged
 
 __all__ = ["ReadPlan", "fetch_entries", "naming_targets"]
 
@@ -35,6 +36,16 @@ class ReadPlan:
     into: dict[int, torch.Tensor] = field(default_factory=dict)
     shards: dict[int, ShardTarget] = field(default_factory=dict)
     """Entries read into the caller's DTensors (see :mod:`aiosnap.load.reshard`)."""
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Entries copied into the caller's tensors through staging slabs (CUDA tensors,
+    strided views; see :mod:`aiosnap.load.staged`)."""
+    caller: CallerStreams | None = None
+    """Where the caller's CUDA work stood at ``load()`` (staged copies wait for it)."""
+
+    @property
+    def written(self) -> list[int]:
+        """The entries whose bytes land in the caller's own tensors during the read."""
+        return [*self.into, *self.shards, *self.staged]
 
 
 def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
@@ -69,15 +80,21 @@ async def check_object_sizes(
 
 
 async def fetch_entries(
-    storage: Storage, manifest: Manifest, concurrency: int, plan: ReadPlan | None = None
+    storage: Storage,
+    manifest: Manifest,
+    concurrency: int,
+    plan: ReadPlan | None = None,
+    slabs: StagingSlabs | None = None,
 ) -> dict[int, torch.Tensor]:
     """Every entry of ``manifest`` (those of ``plan.only``: a partial load reads nothing
     else), verified: read into the caller's tensor ``plan.into[index]`` where there is one,
+    copied into ``plan.staged[index]`` through ``slabs`` (without slabs, like the rest),
     else into a new CPU tensor (pickles as uint8 bytes). Neighbouring ranges of an object
     are read with one request (:func:`plan_runs`); each range's crc32c is checked on its
     own. If a read or a check fails after in-place reads began, the error names the
     caller's tensors that may now hold partly loaded bytes."""
     plan = plan or ReadPlan()
+    staged = plan.staged if slabs is not None else {}
     where = f"{storage.url} step {manifest.step}"
     wanted = [(i, e) for i, e in enumerate(manifest.entries) if plan.only is None or i in plan.only]
     names = None
@@ -97,8 +114,9 @@ async def fetch_entries(
     pieces = overlaps(manifest, sharded)
     tensors: dict[int, torch.Tensor] = {i: target.value for i, target in sharded.items()}
     ranges: list[Range] = []
+    tensors.update(staged)
     for index, entry in wanted:
-        if index in sharded:
+        if index in sharded or index in staged:
             continue
         tensor = plan.into.get(index)
         if tensor is None:
@@ -121,9 +139,12 @@ async def fetch_entries(
                 group.create_task(read(run))
             if pieces:
                 group.create_task(read_into_targets(storage, where, pieces, limit))
+            if staged:
+                assert slabs is not None
+                group.create_task(read_staged(storage, where, manifest, staged, slabs, limit, plan.caller))
     except BaseExceptionGroup as group_error:
         leaf = first_error(group_error)
-        written = [*plan.into, *plan.shards]
+        written = [*plan.into, *plan.shards, *staged]
         if written:
             raise naming_targets(leaf, [manifest.entries[i].path for i in written]) from leaf.__cause__
         raise leaf from leaf.__cause__

@@ -3,8 +3,10 @@
 ``load(state)`` reads an entry straight into the tensor it will restore when that tensor is
 a contiguous CPU tensor of the entry's dtype and shape whose memory overlaps no other
 destination: no second copy of the state is allocated, and restoring it is then a no-op
-(the bytes are already there). Everything else (CUDA targets, other dtypes or layouts,
-tensors sharing memory) is read into a fresh tensor and copied, as before.
+(the bytes are already there). A CUDA tensor or a strided CPU view of the entry's dtype
+and shape is loaded through staging slabs instead (:mod:`aiosnap.load.staged`): the same
+outcome, in bounded host memory. Everything else (other dtypes or shapes, tensors sharing
+memory, subclasses) is read into a fresh tensor and copied, as before.
 
 - :func:`target_tree` runs on the caller's thread before the load: the state as the load
   will restore it, each Stateful object replaced by its ``state_dict()`` (whose tensors are,
@@ -24,7 +26,7 @@ from ..format.manifest import Manifest
 from ..stateful import is_stateful
 from .select import entries_under
 
-__all__ = ["destinations", "target_tree", "tensor_targets"]
+__all__ = ["destinations", "staged_destinations", "target_tree", "tensor_targets"]
 
 
 def target_tree(state: Any, *, inside_stateful: bool = False) -> Any:
@@ -48,21 +50,25 @@ def target_tree(state: Any, *, inside_stateful: bool = False) -> Any:
     return None
 
 
-def _usable(target: torch.Tensor, manifest: Manifest, index: int) -> bool:
+def _same_tensor(target: torch.Tensor, manifest: Manifest, index: int) -> bool:
+    """``target`` is a plain tensor of entry ``index``'s dtype and shape, in host or CUDA memory."""
     entry = manifest.entries[index]
     return (
         entry.kind == "tensor"
         and type(target) in (torch.Tensor, torch.nn.Parameter)
-        and target.device.type == "cpu"
+        and target.device.type in ("cpu", "cuda")
         and target.layout == torch.strided
         and not target.is_meta
         and not target.is_conj()
         and not target.is_neg()
-        and target.is_contiguous()
         and str(target.dtype).removeprefix("torch.") == entry.dtype
         and list(target.shape) == entry.shape
         and entry.nbytes > 0
     )
+
+
+def _usable(target: torch.Tensor, manifest: Manifest, index: int) -> bool:
+    return _same_tensor(target, manifest, index) and target.device.type == "cpu" and target.is_contiguous()
 
 
 def tensor_targets(tree: Any, targets: Any, decode_key: Callable[[Any], Any]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -96,17 +102,35 @@ def destinations(manifest: Manifest, targets: Any, decode_key: Callable[[Any], A
     for index, target in tensor_targets(manifest.tree, targets, decode_key):
         if index not in found and _usable(target, manifest, index):
             found[index] = target
-    return _without_overlaps(found, _cpu_tensors(targets))
+    return _without_overlaps(found, written_tensors(targets))
 
 
-def _cpu_tensors(targets: Any) -> list[torch.Tensor]:
-    """Every CPU tensor the load may write (in place or by copying), each time it appears."""
+def staged_destinations(
+    manifest: Manifest,
+    targets: Any,
+    decode_key: Callable[[Any], Any],
+    direct: dict[int, torch.Tensor],
+    stageable: Callable[[int], bool],
+) -> dict[int, torch.Tensor]:
+    """Loop thread: entry id -> the caller's tensor (CUDA, or a strided CPU view) its bytes
+    can be copied into through staging slabs; not those read ``direct``, nor entries whose
+    ranges ``stageable`` refuses."""
+    found: dict[int, torch.Tensor] = {}
+    for index, target in tensor_targets(manifest.tree, targets, decode_key):
+        if index not in found and index not in direct and _same_tensor(target, manifest, index) and stageable(index):
+            found[index] = target
+    return _without_overlaps(found, written_tensors(targets))
+
+
+def written_tensors(targets: Any) -> list[torch.Tensor]:
+    """Every host or CUDA tensor the load may write (in place, staged or by copying), each
+    time it appears."""
     found: list[torch.Tensor] = []
     pending = [targets]
     while pending:
         current = pending.pop()
         if isinstance(current, torch.Tensor):
-            if current.device.type == "cpu" and current.layout == torch.strided and not current.is_meta:
+            if current.device.type in ("cpu", "cuda") and current.layout == torch.strided and not current.is_meta:
                 found.append(current)
         elif isinstance(current, dict):
             pending.extend(current.values())
@@ -115,12 +139,14 @@ def _cpu_tensors(targets: Any) -> list[torch.Tensor]:
     return found
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``tensor`` can touch: its extent in memory, whatever its (non-negative) strides."""
+def _span(tensor: torch.Tensor) -> tuple[str, int, int]:
+    """The bytes ``tensor`` can touch: its device and its extent in that device's memory,
+    whatever its (non-negative) strides."""
+    device = str(tensor.device)
     if tensor.numel() == 0:
-        return tensor.data_ptr(), tensor.data_ptr()
+        return device, tensor.data_ptr(), tensor.data_ptr()
     last = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride(), strict=True))
-    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+    return device, tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
 
 
 def _without_overlaps(found: dict[int, torch.Tensor], written: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -129,8 +155,10 @@ def _without_overlaps(found: dict[int, torch.Tensor], written: list[torch.Tensor
     land in bytes that another write, read or copy, also reaches."""
     spans = sorted((*_span(t), id(t)) for t in written)
     crowded: set[int] = set()  # ids of tensors overlapping another (or themselves, given twice)
-    reach, holder = -1, -1
-    for start, end, owner in spans:
+    reach, holder, memory = -1, -1, ""
+    for device, start, end, owner in spans:
+        if device != memory:  # another device's memory: nothing before overlaps it
+            reach, holder, memory = -1, -1, device
         if start < reach and end > start:
             crowded |= {owner, holder}
         if end > reach:

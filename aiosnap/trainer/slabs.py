@@ -17,7 +17,7 @@ import torch
 from ..arena import Arena
 from ..budget import ByteBudget
 
-__all__ = ["SlabPool"]
+__all__ = ["LoadSlabs", "SlabPool"]
 
 log = logging.getLogger("aiosnap")
 
@@ -86,3 +86,20 @@ class SlabPool:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())  # type: ignore[no-untyped-call]
             self._pinned = False
+
+
+class LoadSlabs:
+    """Slabs of ``pool`` lent to a load that stages its copies
+    (:class:`aiosnap.load.staged.StagingSlabs`): the same RAM budget as saves, served in
+    the same FIFO order. Loop thread."""
+
+    def __init__(self, pool: SlabPool) -> None:
+        self._pool = pool
+        self.slab_bytes = pool.slab_bytes
+
+    async def acquire(self) -> tuple[int, torch.Tensor]:
+        slab = await self._pool.acquire()
+        return slab, self._pool.tensor(slab)
+
+    def release(self, slab: int) -> None:
+        self._pool.release(slab)
