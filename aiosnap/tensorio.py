@@ -28,13 +28,16 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def host_address(tensor: torch.Tensor, nbytes: int) -> int:
     """Where the first ``nbytes`` of ``tensor``'s row-major bytes lie in host memory, as
     they are (0 when they do not lie there plainly: a device tensor, a strided view, a lazy
-    conjugate or negative view, a tensor subclass, a tensor that no longer holds ``nbytes``).
+    conjugate or negative view, a tensor subclass other than Parameter, a tensor that no longer holds ``nbytes``).
     Copying from this address is the same as copying the tensor's values."""
     if (
-        type(tensor) is not torch.Tensor
+        type(tensor) not in _PLAIN_TYPES
         or not tensor.is_cpu
         or tensor.nbytes < nbytes
         or not tensor.is_contiguous()

@@ -41,19 +41,26 @@ def _odd_tensors() -> dict[str, torch.Tensor]:
         "uint8": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
         "complex": complex_values,
         "f64_2d": torch.randn(3, 5, dtype=torch.float64, generator=g),
+        "parameter": torch.nn.Parameter(torch.randn(6, generator=g)),
     }
 
 
 def test_what_lies_plainly_in_host_memory_is_told_apart() -> None:
     odd = _odd_tensors()
-    for name in ("plain", "offset_slice", "zero_d", "bool", "bf16", "int64", "uint8", "complex", "f64_2d"):
+    for name in ("plain", "offset_slice", "zero_d", "bool", "bf16", "int64", "uint8", "complex", "f64_2d", "parameter"):
         tensor = odd[name]
         assert host_address(tensor, tensor.nbytes) == tensor.data_ptr(), name
     for name in ("transposed", "expanded", "conj_view", "neg_view"):
         assert host_address(odd[name], odd[name].nbytes) == 0, name
     plain = odd["plain"]
     assert host_address(plain, plain.nbytes + 1) == 0  # asks for more than the tensor holds
-    assert host_address(torch.nn.Parameter(plain.clone()), 4) == 0  # a subclass: torch copies it
+    parameter = torch.nn.Parameter(plain.clone())
+    assert host_address(parameter, 4) == parameter.data_ptr()
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert host_address(plain.as_subclass(Tagged), 4) == 0  # a subclass may hold its bytes elsewhere
 
 
 def test_direct_copies_save_exactly_what_torch_copies_save(tmp_path: Path) -> None:
@@ -63,7 +70,7 @@ def test_direct_copies_save_exactly_what_torch_copies_save(tmp_path: Path) -> No
         loaded = ckpt.load()
     assert loaded.keys() == odd.keys()
     for name, tensor in odd.items():
-        want = tensor.resolve_conj().resolve_neg()
+        want = tensor.detach().resolve_conj().resolve_neg()
         got = loaded[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), name
