@@ -223,3 +223,64 @@ def test_a_spec_crosses_to_the_upload_process_unchanged(kind: str) -> None:
     assert type(back.entries) is tuple and type(back.chunks[0].pieces) is tuple
     assert (back.archive is None) == (kind != "single_file")
     assert (back.distributed is None) == (kind != "rank_local")
+
+
+def test_overlapping_pauses_end_with_the_last_one() -> None:
+    import threading
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other thread's pause is still under way
+    finally:
+        leave.set()
+        thread.join(10)
+    assert gc.isenabled()
+
+
+def test_a_process_forked_during_a_pause_starts_with_the_collector_on() -> None:
+    import os
+    import threading
+    import warnings
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def pausing() -> None:
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=pausing)
+    thread.start()
+    try:
+        assert inside.wait(10) and not gc.isenabled()
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: a DataLoader worker, say
+            try:
+                with gc_paused():  # its own pauses work too
+                    pass
+                os.write(write, b"1" if gc.isenabled() else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        answer = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert answer == b"1"
+    finally:
+        leave.set()
+        thread.join(10)
+    assert gc.isenabled()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from ..aio import complete_before_cancel
 from ..checksums import crc32c_of
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError
 from ..format.manifest import ByteRange
@@ -101,4 +102,6 @@ async def read_run(storage: Storage, where: str, run: Run) -> None:
             f"{where}: data object {run.object!r} is truncated: {short.path!r} needs {short.where.nbytes} "
             f"bytes at offset {short.where.offset}, only {max(0, run.start + got - short.where.offset)} there"
         )
-    await asyncio.to_thread(_verify, where, run)
+    # a check under way finishes before a cancellation goes on (it reads the destinations,
+    # which may be slabs lent out again at once)
+    await complete_before_cancel(asyncio.to_thread(_verify, where, run))

@@ -64,7 +64,8 @@ def _same_tensor(target: torch.Tensor, manifest: Manifest, index: int) -> bool:
         and str(target.dtype).removeprefix("torch.") == entry.dtype
         and list(target.shape) == entry.shape
         and entry.nbytes > 0
-    )
+        and all(step != 0 or size <= 1 for size, step in zip(target.shape, target.stride(), strict=True))
+    )  # (a stride of 0: elements sharing memory, which no copy may write)
 
 
 def _usable(target: torch.Tensor, manifest: Manifest, index: int) -> bool:

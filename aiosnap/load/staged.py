@@ -136,30 +136,43 @@ def _copy_out(
     """Worker thread: copy each verified range from the slab into its target's elements;
     CUDA copies are queued on the device's copy stream, then waited for."""
     used: set[torch.device] = set()
-    with torch.no_grad():
-        for slot in batch.slots:
-            target = staged[slot.entry]
-            dtype = torch_dtype(manifest.entries[slot.entry].dtype)
-            source = slab[slot.offset : slot.offset + slot.where.nbytes].view(dtype)
-            first = slot.at // dtype.itemsize
-            cuda = target.device.type == "cuda"
-            if cuda:
-                stream = streams[target.device]
-                if target.device not in used:
-                    used.add(target.device)
-                    if caller is not None and target.device in caller.events:
-                        stream.wait_event(caller.events[target.device])
-                context: Any = torch.cuda.stream(stream)
-            else:
-                context = _NO_STREAM
-            with context:
-                position = 0
-                for view in iter_row_major_views(target, first, first + source.numel()):
-                    count = view.numel()
-                    view.copy_(source[position : position + count].view(view.shape), non_blocking=cuda)
-                    position += count
-    for device in used:
-        streams[device].synchronize()  # the slab is reused once this returns
+    try:
+        with torch.no_grad():
+            for slot in batch.slots:
+                _copy_slot(manifest, slot, slab, staged[slot.entry], streams, caller, used)
+    finally:
+        for device in used:
+            streams[device].synchronize()  # even after a failed copy: the slab is reused once this returns
+
+
+def _copy_slot(
+    manifest: Manifest,
+    slot: _Slot,
+    slab: torch.Tensor,
+    target: torch.Tensor,
+    streams: dict[torch.device, Any],
+    caller: CallerStreams | None,
+    used: set[torch.device],
+) -> None:
+    dtype = torch_dtype(manifest.entries[slot.entry].dtype)
+    source = slab[slot.offset : slot.offset + slot.where.nbytes].view(dtype)
+    first = slot.at // dtype.itemsize
+    cuda = target.device.type == "cuda"
+    if cuda:
+        stream = streams[target.device]
+        if target.device not in used:
+            used.add(target.device)
+            if caller is not None and target.device in caller.events:
+                stream.wait_event(caller.events[target.device])
+        context: Any = torch.cuda.stream(stream)
+    else:
+        context = _NO_STREAM
+    with context:
+        position = 0
+        for view in iter_row_major_views(target, first, first + source.numel()):
+            count = view.numel()
+            view.copy_(source[position : position + count].view(view.shape), non_blocking=cuda)
+            position += count
 
 
 class _NoStream:
