@@ -341,7 +341,8 @@ def upload_executor(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_servers"):
-        metafunc.parametrize("s3_server", ["moto", "localstack"], indirect=True)
+        moto_only = metafunc.definition.get_closest_marker("moto_only") is not None
+        metafunc.parametrize("s3_server", ["moto"] if moto_only else ["moto", "localstack"], indirect=True)
     if "upload_executor" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_executors"):
         thread_only = metafunc.definition.get_closest_marker("thread_only") is not None
         metafunc.parametrize("upload_executor", ["thread"] if thread_only else ["thread", "process"], indirect=True)

@@ -110,6 +110,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.moto_only  # the save under test reaches no server at all
 def test_unreachable_server_fails_typed_within_the_deadline(s3_endpoint: str, s3_bucket: str, s3_client: Any) -> None:
     with SyncCheckpointer(s3_config(s3_endpoint, s3_bucket)) as ckpt:
         ckpt.save({"x": torch.zeros(10)}, step=1).wait()
