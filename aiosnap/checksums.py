@@ -66,6 +66,8 @@ def _shift_for(nbytes: int) -> int:
 
 def crc32c_combine(first: int, second: int, second_nbytes: int) -> int:
     """The CRC32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, without the bytes."""
+    if first == 0:  # shifting is linear: 0 stays 0 (a range of one segment, the common case)
+        return second
     return _multiply_mod_p(_shift_for(second_nbytes), first) ^ second
 
 
