@@ -33,9 +33,9 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def host_address(tensor: torch.Tensor, nbytes: int) -> int:
     """Where the first ``nbytes`` of ``tensor``'s row-major bytes lie in host memory, as
-    they are (0 when they do not lie there plainly: a device tensor, a strided view, a lazy
-    conjugate or negative view, a tensor subclass other than Parameter, a tensor that no longer holds ``nbytes``).
-    Copying from this address is the same as copying the tensor's values."""
+    they are; 0 when they do not lie there plainly (a device tensor, a strided view, a lazy
+    conjugate or negative view, a subclass other than Parameter, a tensor that no longer
+    holds ``nbytes``). Copying from this address is the same as copying its values."""
     if (
         type(tensor) not in _PLAIN_TYPES
         or not tensor.is_cpu

@@ -1,7 +1,7 @@
 """Loads through staging slabs: entries whose target cannot take a direct read.
 
-A CUDA tensor, a strided view, a tensor of another dtype (a bfloat16 model resuming from a
-float32 checkpoint) cannot receive a file's bytes directly. Their ranges are read, a slab
+A CUDA tensor or a strided view (of the saved dtype and shape) cannot receive a file's
+bytes directly. Their ranges are read, a slab
 at a time, into the checkpointer's staging slabs (the same RAM budget as saves; pinned
 when CUDA is in use), each range's crc32c is checked, and the verified bytes are copied
 into the target: on a dedicated CUDA stream per device (ordered after the work the caller
