@@ -176,27 +176,9 @@ def _unpickle_save_spec(
     """The inverse of :meth:`SaveSpec.__reduce__` (in the upload process)."""
     step, save_id, rank, world_size, tree, metadata = head
     with gc_paused():
-        return _spec_of_columns(step, save_id, rank, world_size, tree, metadata, columns, chunks, archive, distributed)
-
-
-def _spec_of_columns(
-    step: int,
-    save_id: str,
-    rank: int,
-    world_size: int,
-    tree: Any,
-    metadata: dict[str, Any],
-    columns: tuple[list[Any], ...],
-    chunks: list[tuple[str, int, list[int], list[int], list[int]]],
-    archive: ArchiveSpec | None,
-    distributed: DistSpec | None,
-) -> SaveSpec:
-    return SaveSpec(
-        step, save_id, rank, world_size, tree, metadata,
-        tuple(map(EntrySpec, *columns)),
-        tuple(
-            ChunkSpec(name, nbytes, tuple(map(PieceSpec, entries, sizes, offsets)))
-            for name, nbytes, entries, sizes, offsets in chunks
-        ),
-        archive, distributed,
-    )  # fmt: skip
+        entries = tuple(map(EntrySpec, *columns))
+        laid_out = tuple(
+            ChunkSpec(name, nbytes, tuple(map(PieceSpec, entry_ids, sizes, offsets)))
+            for name, nbytes, entry_ids, sizes, offsets in chunks
+        )
+    return SaveSpec(step, save_id, rank, world_size, tree, metadata, entries, laid_out, archive, distributed)
