@@ -578,13 +578,13 @@ class Engine:
             slabs = self._load_slabs(plan)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
 
-    def _load_slabs(self, plan: ReadPlan) -> LoadSlabs | None:
+    def _load_slabs(self, plan: ReadPlan) -> LoadSlabs:
         """The staging slabs a load borrows (from the saves' pool, under the same RAM
-        budget; pinned when it copies into CUDA tensors), if it stages anything."""
-        if not plan.staged:
-            return None
+        budget; pinned when it copies into CUDA tensors) for what it cannot read straight
+        into its destination."""
         pool = self._slab_pool()
-        if any(t.device.type == "cuda" for t in plan.staged.values()):
+        targets = [*plan.staged.values(), *(t.dest for t in plan.shards.values())]
+        if any(t.device.type == "cuda" for t in targets):
             pool.pin()
         return LoadSlabs(pool)
 

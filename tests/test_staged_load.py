@@ -161,3 +161,85 @@ def test_a_staged_load_ten_times_the_budget_stays_within_budget(tmp_path: Path) 
     print(figures)
     assert figures["values_equal"] and figures["state_bytes"] >= 10 * figures["budget"]
     assert figures["rss_increase"] <= figures["budget"] + 64 * MiB, figures
+
+
+def _reshard_into_columns(root: Path, slab_bytes: int, columns: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """Read columns ``columns`` of the saved (256, 1024) ``w`` into a box target through a
+    pool of two ``slab_bytes`` slabs; the target, the Python allocation peak, and the
+    budget's high-water mark."""
+    import tracemalloc
+
+    from aiosnap.arena import Arena
+    from aiosnap.budget import ByteBudget
+    from aiosnap.catalog.steps import read_manifest
+    from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
+    from aiosnap.trainer.slabs import LoadSlabs, SlabPool
+
+    c0, c1 = columns
+    dest = torch.zeros(256, c1 - c0)
+
+    async def scenario() -> tuple[int, int]:
+        storage = LocalStorage(root)
+        manifest = await read_manifest(storage, 1)
+        arena = Arena(slab_bytes, 2, shared=False)
+        budget = ByteBudget(arena.size)
+        pool = SlabPool(arena, budget)
+        try:
+            items = overlaps(manifest, {0: ShardTarget(dest, (0, c0), (256, c1 - c0), dest)})
+            tracemalloc.start()
+            try:
+                await read_into_targets(storage, "test", items, asyncio.Semaphore(4), LoadSlabs(pool))
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert pool._free.qsize() == arena.count and budget.used == 0
+            return peak, budget.high_water
+        finally:
+            arena.close()
+
+    peak, high_water = asyncio.run(scenario())
+    return dest, peak, high_water
+
+
+def test_a_reshard_copy_goes_through_slabs_a_block_of_rows_at_a_time(tmp_path: Path) -> None:
+    """A target box that is not one stretch of a stored shard (a column block here, as
+    Shard(1) resharding gives) is read a block of rows at a time into staging slabs, not
+    into a buffer as large as the stored span."""
+    values = torch.randn(256, 1024)  # 1 MiB, stored in 64 KiB chunks
+    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
+        ckpt.save({"w": values}, step=1).wait()
+    dest, peak, high_water = _reshard_into_columns(tmp_path, 128 * 1024, (300, 400))
+    assert torch.equal(dest, values[:, 300:400])
+    assert 0 < high_water <= 2 * 128 * 1024
+    assert peak < 256 * 1024, f"{peak} bytes allocated: the whole span went through one buffer"
+
+
+def test_a_reshard_row_larger_than_a_slab_reads_its_span_in_one_piece(tmp_path: Path) -> None:
+    values = torch.randn(256, 1024)
+    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
+        ckpt.save({"w": values}, step=1).wait()
+    dest, _, high_water = _reshard_into_columns(tmp_path, 32 * 1024, (10, 20))  # each row needs a 64 KiB range
+    assert torch.equal(dest, values[:, 10:20]) and high_water == 0
+
+
+def test_a_reshard_through_slabs_reads_ranges_that_split_elements(tmp_path: Path) -> None:
+    """A forged manifest (valid checksums) splitting the bytes mid-element: the blocks still
+    cut their rows out in bytes."""
+    from tests.fuzzing import sign_manifest
+
+    values = torch.randn(256, 1024)
+    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
+        ckpt.save({"w": values}, step=1).wait()
+    path = tmp_path / manifest_name(1)
+    doc = json.loads(path.read_bytes())
+    split = []
+    for r in doc["entries"][0]["ranges"]:  # each 64 KiB range cut at 4099 bytes: mid-element
+        data = (tmp_path / r["object"]).read_bytes()[r["offset"] : r["offset"] + r["nbytes"]]
+        for a, b in ((0, 4099), (4099, r["nbytes"])):
+            split.append(
+                {"object": r["object"], "offset": r["offset"] + a, "nbytes": b - a, "crc32c": crc32c_of(data[a:b])}
+            )
+    doc["entries"][0]["ranges"] = split
+    path.write_bytes(sign_manifest(doc))
+    dest, _, high_water = _reshard_into_columns(tmp_path, 128 * 1024, (5, 1000))
+    assert torch.equal(dest, values[:, 5:1000]) and high_water > 0

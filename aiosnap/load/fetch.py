@@ -138,7 +138,7 @@ async def fetch_entries(
             for run in plan_runs(ranges):
                 group.create_task(read(run))
             if pieces:
-                group.create_task(read_into_targets(storage, where, pieces, limit))
+                group.create_task(read_into_targets(storage, where, pieces, limit, slabs))
             if staged:
                 assert slabs is not None
                 group.create_task(read_staged(storage, where, manifest, staged, slabs, limit, plan.caller))

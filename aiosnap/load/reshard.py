@@ -18,6 +18,7 @@ blocks of it) it is read straight into that memory.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..aio import run_all
+from ..aio import complete_before_cancel, run_all
 from ..format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
@@ -33,6 +34,7 @@ from ..tensorio import bytes_view
 from .decode import torch_dtype
 from .fetch_runs import Range, plan_runs, read_run
 from .inplace import tensor_targets
+from .staged import StagingSlabs
 
 __all__ = ["ShardTarget", "read_into_targets", "shard_targets", "whole_target"]
 
@@ -139,17 +141,34 @@ def _direct(item: _Overlap, dest: torch.Tensor) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Span:
+    """Where an overlap lies in its stored shard: the shard's row-major ``strides``, the
+    element offset ``first`` of its first element and ``last`` of its last one."""
+
+    strides: list[int]
+    first: int
+    last: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, item: _Overlap) -> _Span:
+        source, (offsets, shape) = item.source, item.box
+        strides = _strides(source.shape)
+        local = [o - s for o, s in zip(offsets, source.offsets, strict=True)]
+        first = sum(i * st for i, st in zip(local, strides, strict=True))
+        last = first + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+        return cls(strides, first, last, torch.empty(0, dtype=item.dtype).element_size())
+
+
 async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
-    source, (offsets, shape) = item.source, item.box
-    itemsize = torch.empty(0, dtype=item.dtype).element_size()
-    strides = _strides(source.shape)
-    local = [o - s for o, s in zip(offsets, source.offsets, strict=True)]
-    first = sum(i * st for i, st in zip(local, strides, strict=True))
-    last = first + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
-    lo, hi = first * itemsize, (last + 1) * itemsize
+    """Read the stored ranges that hold an overlap into one buffer (the target's own memory
+    when the overlap is one contiguous stretch of it), verified, and copy it into place."""
+    span = _Span.of(item)
+    lo, hi = span.first * span.itemsize, (span.last + 1) * span.itemsize
     picked: list[ByteRange] = []
     position = start = 0
-    for r in source.ranges:  # the shard's bytes, in order
+    for r in item.source.ranges:  # the shard's bytes, in order
         if position < hi and position + r.nbytes > lo:
             if not picked:
                 start = position
@@ -166,10 +185,90 @@ async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
         await read_run(storage, where, run)
     if direct:
         return
-    skip = first * itemsize - start  # ranges may split anywhere: cut the overlap's span out in bytes
-    span = buffer[skip : skip + (last - first + 1) * itemsize]
-    view = torch.frombuffer(span, dtype=item.dtype).as_strided(shape, strides, 0)
-    await asyncio.to_thread(_copy, dest, view)
+    skip = lo - start  # ranges may split anywhere: cut the overlap's span out in bytes
+    view = torch.frombuffer(buffer[skip : skip + hi - lo], dtype=item.dtype).as_strided(item.box[1], span.strides, 0)
+    await complete_before_cancel(asyncio.to_thread(_copy, dest, view))
+
+
+_Block = tuple[int, int, int, int, int]
+"""Rows ``[r0, r1)`` of an overlap, the stored ranges ``[k0, k1)`` that hold them, and the
+byte offset in the shard where range ``k0`` starts."""
+
+
+def _row_blocks(item: _Overlap, span: _Span, slab_bytes: int) -> list[_Block] | None:
+    """Split an overlap into blocks of whole rows whose stored ranges fit one slab together
+    (each range is read whole: its crc32c covers all of it). None when one row alone needs
+    more than a slab (the overlap is then read in one piece, as before)."""
+    starts = [0]
+    for r in item.source.ranges:
+        starts.append(starts[-1] + r.nbytes)
+    shape, strides = item.box[1], span.strides
+    rows = shape[0] if shape else 1
+    row_step = strides[0] if shape else 0
+    row_span = sum((n - 1) * st for n, st in zip(shape[1:], strides[1:], strict=True)) + 1
+
+    def needed(r0: int, r1: int) -> tuple[int, int]:
+        lo = (span.first + r0 * row_step) * span.itemsize
+        hi = (span.first + (r1 - 1) * row_step + row_span) * span.itemsize
+        return bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
+
+    def fits(r0: int, r1: int) -> bool:
+        k0, k1 = needed(r0, r1)
+        return starts[k1] - starts[k0] <= slab_bytes
+
+    blocks: list[_Block] = []
+    r0 = 0
+    while r0 < rows:
+        if not fits(r0, r0 + 1):
+            return None
+        low, high = r0 + 1, rows  # the most rows from r0 that fit: binary search
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(r0, middle):
+                low = middle
+            else:
+                high = middle - 1
+        k0, k1 = needed(r0, low)
+        blocks.append((r0, low, k0, k1, starts[k0]))
+        r0 = low
+    return blocks
+
+
+async def _copy_block(
+    storage: Storage,
+    where: str,
+    item: _Overlap,
+    span: _Span,
+    block: _Block,
+    slabs: StagingSlabs,
+    limit: asyncio.Semaphore,
+) -> None:
+    """Read the stored ranges of one block of rows into a slab, verified, and copy those
+    rows into their place in the target. A slab first, then a read permit (as every load
+    that holds a slab: the other order could deadlock)."""
+    r0, r1, k0, k1, start = block
+    shape = item.box[1]
+    slab_id, slab = await slabs.acquire()
+    try:
+        buffer = bytes_view(slab)
+        ranges, at = [], 0
+        for r in item.source.ranges[k0:k1]:
+            ranges.append(Range(item.path, r, buffer[at : at + r.nbytes]))
+            at += r.nbytes
+        for run in plan_runs(ranges):
+            async with limit:
+                await read_run(storage, where, run)
+        block_shape = (r1 - r0, *shape[1:]) if shape else ()
+        block_first = span.first + (r0 * span.strides[0] if shape else 0)
+        count = sum((n - 1) * st for n, st in zip(block_shape, span.strides, strict=True)) + 1
+        skip = block_first * span.itemsize - start  # ranges may split anywhere: cut in bytes
+        source = buffer[skip : skip + count * span.itemsize]
+        view = torch.frombuffer(source, dtype=item.dtype).as_strided(block_shape, span.strides, 0)
+        dest = _narrowed(item)
+        target = dest.narrow(0, r0, r1 - r0) if shape else dest
+        await complete_before_cancel(asyncio.to_thread(_copy, target, view))
+    finally:
+        slabs.release(slab_id)
 
 
 def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
@@ -177,10 +276,22 @@ def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
         dest.copy_(view)
 
 
-async def read_into_targets(storage: Storage, where: str, items: list[_Overlap], limit: asyncio.Semaphore) -> None:
-    """Read and verify every overlap, copying each into its target (``limit`` at a time)."""
+async def read_into_targets(
+    storage: Storage, where: str, items: list[_Overlap], limit: asyncio.Semaphore, slabs: StagingSlabs | None = None
+) -> None:
+    """Read and verify every overlap, copying each into its target. An overlap that is one
+    contiguous stretch of its target is read straight into it; with ``slabs``, any other
+    goes through them a block of rows at a time (in the RAM budget); else through a buffer
+    of its own size (at most ``limit`` such overlaps at a time)."""
 
     async def one(item: _Overlap) -> None:
+        span = _Span.of(item)
+        if slabs is not None and not _direct(item, _narrowed(item)):
+            blocks = _row_blocks(item, span, slabs.slab_bytes)
+            if blocks is not None:
+                for block in blocks:
+                    await _copy_block(storage, where, item, span, block, slabs, limit)
+                return
         async with limit:
             await _copy_overlap(storage, where, item)
 
