@@ -5,6 +5,7 @@ range verified before any byte reaches them, in the RAM budget."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from aiosnap.load import fetch
 from aiosnap.load.staged import stageable
 from aiosnap.names import manifest_name
 from aiosnap.storage.local import LocalStorage
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.conftest import damage_entry
 
 MiB = 1024 * 1024
@@ -163,10 +166,22 @@ def test_a_staged_load_ten_times_the_budget_stays_within_budget(tmp_path: Path) 
     assert figures["rss_increase"] <= figures["budget"] + 64 * MiB, figures
 
 
-def _reshard_into_columns(root: Path, slab_bytes: int, columns: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
-    """Read columns ``columns`` of the saved (256, 1024) ``w`` into a box target through a
-    pool of two ``slab_bytes`` slabs; the target, the Python allocation peak, and the
-    budget's high-water mark."""
+class _CountingReads(LocalStorage):
+    """Local storage that counts the bytes each read asks for."""
+
+    requested = 0
+
+    async def read_scatter(self, name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        type(self).requested += sum(b.nbytes for b in buffers)
+        return await super().read_scatter(name, offset, buffers)
+
+
+def _reshard_into_box(
+    root: Path, slab_bytes: int, offsets: tuple[int, int], shape: tuple[int, int]
+) -> tuple[torch.Tensor, int, int, int]:
+    """Read box (``offsets``, ``shape``) of the saved 2-D ``w`` into a target through a pool
+    of two ``slab_bytes`` slabs: the target, the Python allocation peak, the budget's
+    high-water mark, and the bytes read."""
     import tracemalloc
 
     from aiosnap.arena import Arena
@@ -175,17 +190,17 @@ def _reshard_into_columns(root: Path, slab_bytes: int, columns: tuple[int, int])
     from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
     from aiosnap.trainer.slabs import LoadSlabs, SlabPool
 
-    c0, c1 = columns
-    dest = torch.zeros(256, c1 - c0)
+    dest = torch.zeros(shape)
+    _CountingReads.requested = 0
 
     async def scenario() -> tuple[int, int]:
-        storage = LocalStorage(root)
+        storage = _CountingReads(root)
         manifest = await read_manifest(storage, 1)
         arena = Arena(slab_bytes, 2, shared=False)
         budget = ByteBudget(arena.size)
         pool = SlabPool(arena, budget)
         try:
-            items = overlaps(manifest, {0: ShardTarget(dest, (0, c0), (256, c1 - c0), dest)})
+            items = overlaps(manifest, {0: ShardTarget(dest, offsets, shape, dest)})
             tracemalloc.start()
             try:
                 await read_into_targets(storage, "test", items, asyncio.Semaphore(4), LoadSlabs(pool))
@@ -198,48 +213,97 @@ def _reshard_into_columns(root: Path, slab_bytes: int, columns: tuple[int, int])
             arena.close()
 
     peak, high_water = asyncio.run(scenario())
-    return dest, peak, high_water
+    return dest, peak, high_water, _CountingReads.requested
 
 
-def test_a_reshard_copy_goes_through_slabs_a_block_of_rows_at_a_time(tmp_path: Path) -> None:
-    """A target box that is not one stretch of a stored shard (a column block here, as
-    Shard(1) resharding gives) is read a block of rows at a time into staging slabs, not
-    into a buffer as large as the stored span."""
-    values = torch.randn(256, 1024)  # 1 MiB, stored in 64 KiB chunks
-    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
+def _save_w(root: Path, values: torch.Tensor) -> None:
+    with SyncCheckpointer(_config(root, upload={"chunk_size": "64KiB"})) as ckpt:
         ckpt.save({"w": values}, step=1).wait()
-    dest, peak, high_water = _reshard_into_columns(tmp_path, 128 * 1024, (300, 400))
-    assert torch.equal(dest, values[:, 300:400])
-    assert 0 < high_water <= 2 * 128 * 1024
-    assert peak < 256 * 1024, f"{peak} bytes allocated: the whole span went through one buffer"
 
 
-def test_a_reshard_row_larger_than_a_slab_reads_its_span_in_one_piece(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "offsets", "box"),
+    [
+        ((256, 1000), (0, 300), (256, 100)),  # a column block: rows cross the 64 KiB chunks anywhere
+        ((3000, 250), (1000, 0), (1000, 250)),  # rank 1 of 3, Shard(0), from one stored shard
+        ((256, 1024), (7, 5), (200, 1000)),
+    ],
+)
+def test_a_reshard_copy_goes_through_slabs_reading_each_range_once(
+    tmp_path: Path, shape: tuple[int, int], offsets: tuple[int, int], box: tuple[int, int]
+) -> None:
+    """A target box that is not one stretch of a stored shard (a column block, as Shard(1)
+    resharding gives; rows of a shard saved on other ranks) is read a slab of stored ranges
+    at a time (slabs the size of the stored chunks, as the checkpointer makes them), each
+    range once, not into a buffer as large as the stored span."""
+    values = torch.randn(shape)
+    _save_w(tmp_path, values)
+    dest, peak, high_water, read = _reshard_into_box(tmp_path, 64 * 1024, offsets, box)
+    (r0, c0), (rows, columns) = offsets, box
+    assert torch.equal(dest, values[r0 : r0 + rows, c0 : c0 + columns])
+    assert 0 < high_water <= 2 * 64 * 1024
+    assert peak < 64 * 1024, f"{peak} bytes allocated: the span went through a buffer of its own"
+    first, last = (r0 * shape[1] + c0) * 4, ((r0 + rows - 1) * shape[1] + c0 + columns) * 4
+    chunk = 64 * 1024
+    assert read <= (last // chunk - first // chunk + 1) * chunk  # each chunk the box touches, once
+
+
+def test_a_reshard_range_larger_than_a_slab_reads_the_span_in_one_piece(tmp_path: Path) -> None:
     values = torch.randn(256, 1024)
-    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
-        ckpt.save({"w": values}, step=1).wait()
-    dest, _, high_water = _reshard_into_columns(tmp_path, 32 * 1024, (10, 20))  # each row needs a 64 KiB range
+    _save_w(tmp_path, values)
+    dest, _, high_water, _ = _reshard_into_box(tmp_path, 32 * 1024, (0, 10), (256, 10))  # 64 KiB ranges
     assert torch.equal(dest, values[:, 10:20]) and high_water == 0
 
 
-def test_a_reshard_through_slabs_reads_ranges_that_split_elements(tmp_path: Path) -> None:
-    """A forged manifest (valid checksums) splitting the bytes mid-element: the blocks still
-    cut their rows out in bytes."""
+@pytest.mark.parametrize(("cut", "staged"), [(4100, True), (4099, False)])
+def test_a_reshard_through_slabs_and_forged_range_boundaries(tmp_path: Path, cut: int, staged: bool) -> None:
+    """A forged manifest (valid checksums) cutting each stored range in two: at an element
+    boundary the slabs still serve; mid-element, the overlap is read in one piece."""
     from tests.fuzzing import sign_manifest
 
-    values = torch.randn(256, 1024)
-    with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "64KiB"})) as ckpt:
-        ckpt.save({"w": values}, step=1).wait()
+    values = torch.randn(256, 1000)
+    _save_w(tmp_path, values)
     path = tmp_path / manifest_name(1)
     doc = json.loads(path.read_bytes())
     split = []
-    for r in doc["entries"][0]["ranges"]:  # each 64 KiB range cut at 4099 bytes: mid-element
+    for r in doc["entries"][0]["ranges"]:
         data = (tmp_path / r["object"]).read_bytes()[r["offset"] : r["offset"] + r["nbytes"]]
-        for a, b in ((0, 4099), (4099, r["nbytes"])):
-            split.append(
-                {"object": r["object"], "offset": r["offset"] + a, "nbytes": b - a, "crc32c": crc32c_of(data[a:b])}
-            )
+        for a, b in ((0, cut), (cut, r["nbytes"])):
+            crc = crc32c_of(data[a:b])
+            split.append({"object": r["object"], "offset": r["offset"] + a, "nbytes": b - a, "crc32c": crc})
     doc["entries"][0]["ranges"] = split
     path.write_bytes(sign_manifest(doc))
-    dest, _, high_water = _reshard_into_columns(tmp_path, 128 * 1024, (5, 1000))
-    assert torch.equal(dest, values[:, 5:1000]) and high_water > 0
+    dest, _, high_water, _ = _reshard_into_box(tmp_path, 64 * 1024, (3, 5), (250, 990))
+    assert torch.equal(dest, values[3:253, 5:995])
+    assert (high_water > 0) == staged
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_box_pieces_are_exactly_the_box_elements_in_an_interval(data: st.DataObject) -> None:
+    from aiosnap.load.reshard import box_pieces
+
+    ndim = data.draw(st.integers(0, 4))
+    stored = [data.draw(st.integers(1, 5)) for _ in range(ndim)]
+    box_start = [data.draw(st.integers(0, n - 1)) for n in stored]
+    box_shape = [data.draw(st.integers(1, n - s)) for n, s in zip(stored, box_start, strict=True)]
+    strides = [1] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * stored[d + 1]
+    total = max(1, strides[0] * stored[0]) if ndim else 1
+    a = data.draw(st.integers(0, total))
+    b = data.draw(st.integers(a, total))
+    first = sum(s * st_ for s, st_ in zip(box_start, strides, strict=True))
+    want = {
+        index
+        for index in itertools.product(*(range(n) for n in box_shape))
+        if a <= first + sum(i * st_ for i, st_ in zip(index, strides, strict=True)) < b
+    }
+    got: list[tuple[int, ...]] = []
+    for start, shape in box_pieces(first, tuple(box_shape), strides, a, b):
+        got.extend(
+            tuple(o + i for o, i in zip(start, index, strict=True))
+            for index in itertools.product(*(range(n) for n in shape))
+        )
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+    assert len(box_pieces(first, tuple(box_shape), strides, a, b)) <= 2 * ndim + 1

@@ -36,7 +36,7 @@ from .fetch_runs import Range, plan_runs, read_run
 from .inplace import tensor_targets
 from .staged import StagingSlabs
 
-__all__ = ["ShardTarget", "read_into_targets", "shard_targets", "whole_target"]
+__all__ = ["ShardTarget", "box_pieces", "read_into_targets", "shard_targets", "whole_target"]
 
 
 @dataclass(frozen=True)
@@ -190,64 +190,92 @@ async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
     await complete_before_cancel(asyncio.to_thread(_copy, dest, view))
 
 
-_Block = tuple[int, int, int, int, int]
-"""Rows ``[r0, r1)`` of an overlap, the stored ranges ``[k0, k1)`` that hold them, and the
-byte offset in the shard where range ``k0`` starts."""
+Piece = tuple[tuple[int, ...], tuple[int, ...]]
+"""A sub-box of an overlap: its start (relative to the overlap's) and its shape."""
 
 
-def _row_blocks(item: _Overlap, span: _Span, slab_bytes: int) -> list[_Block] | None:
-    """Split an overlap into blocks of whole rows whose stored ranges fit one slab together
-    (each range is read whole: its crc32c covers all of it). None when one row alone needs
-    more than a slab (the overlap is then read in one piece, as before)."""
+def box_pieces(first: int, shape: tuple[int, ...], strides: list[int], a: int, b: int) -> list[Piece]:
+    """The elements of a box whose positions in a row-major stored shard lie in ``[a, b)``,
+    as a few sub-boxes: the box's element 0 is at position ``first``, and one step along
+    dimension ``d`` moves ``strides[d]`` positions. The elements of a box lie in the shard
+    in the box's own row-major order, so those within ``[a, b)`` are a run of it: whole
+    slices along the first dimension, with at most a partial slice at either end (split
+    the same way along the next dimension)."""
+    pieces: list[Piece] = []
+    ndim = len(shape)
+
+    def walk(start: list[int], dim: int, base: int) -> None:
+        if dim == ndim:  # one element
+            if a <= base < b:
+                pieces.append((tuple(start), (1,) * ndim))
+            return
+        n, step = shape[dim], strides[dim]
+        extent = sum((shape[d] - 1) * strides[d] for d in range(dim + 1, ndim))  # one slice's, less one
+        touch_lo = max(0, -((base + extent - a) // step))  # first slice ending at or after a
+        touch_hi = min(n - 1, (b - 1 - base) // step)  # last slice starting before b
+        if touch_lo > touch_hi:
+            return
+        full_lo = max(touch_lo, -((base - a) // step))  # first slice starting at or after a
+        full_hi = min(touch_hi, (b - 1 - extent - base) // step)  # last slice ending before b
+        if full_lo > full_hi:  # no whole slice: at most two partial ones
+            full_lo, full_hi = touch_hi + 1, touch_hi
+        for i in range(touch_lo, min(full_lo, touch_hi + 1)):
+            walk([*start[:dim], i, *start[dim + 1 :]], dim + 1, base + i * step)
+        if full_lo <= full_hi:
+            sub_start = [*start[:dim], full_lo, *([0] * (ndim - dim - 1))]
+            sub_shape = (*([1] * dim), full_hi - full_lo + 1, *shape[dim + 1 :])
+            pieces.append((tuple(sub_start), tuple(sub_shape)))
+        for i in range(max(full_hi + 1, touch_lo), touch_hi + 1):
+            if full_lo <= i <= full_hi:
+                continue
+            walk([*start[:dim], i, *start[dim + 1 :]], dim + 1, base + i * step)
+
+    walk([0] * ndim, 0, first)
+    return pieces
+
+
+_Group = tuple[int, int]
+"""Stored ranges ``[k0, k1)`` of a shard, read into one slab together."""
+
+
+def _range_groups(item: _Overlap, span: _Span, slab_bytes: int) -> tuple[list[int], list[_Group]] | None:
+    """The stored ranges an overlap needs, in groups that fit one slab each (each range is
+    read whole, once: its crc32c covers all of it), and where each range starts in the
+    shard. None when a range is larger than a slab, or a range boundary inside the overlap
+    cuts an element (a forged manifest): the overlap is then read in one piece, as before."""
     starts = [0]
     for r in item.source.ranges:
         starts.append(starts[-1] + r.nbytes)
-    shape, strides = item.box[1], span.strides
-    rows = shape[0] if shape else 1
-    row_step = strides[0] if shape else 0
-    row_span = sum((n - 1) * st for n, st in zip(shape[1:], strides[1:], strict=True)) + 1
-
-    def needed(r0: int, r1: int) -> tuple[int, int]:
-        lo = (span.first + r0 * row_step) * span.itemsize
-        hi = (span.first + (r1 - 1) * row_step + row_span) * span.itemsize
-        return bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
-
-    def fits(r0: int, r1: int) -> bool:
-        k0, k1 = needed(r0, r1)
-        return starts[k1] - starts[k0] <= slab_bytes
-
-    blocks: list[_Block] = []
-    r0 = 0
-    while r0 < rows:
-        if not fits(r0, r0 + 1):
+    lo, hi = span.first * span.itemsize, (span.last + 1) * span.itemsize
+    k0, k1 = bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
+    if any(starts[k] % span.itemsize for k in range(k0 + 1, k1)):
+        return None
+    groups: list[_Group] = []
+    begin = k0
+    for k in range(k0, k1):
+        if starts[k + 1] - starts[k] > slab_bytes:
             return None
-        low, high = r0 + 1, rows  # the most rows from r0 that fit: binary search
-        while low < high:
-            middle = (low + high + 1) // 2
-            if fits(r0, middle):
-                low = middle
-            else:
-                high = middle - 1
-        k0, k1 = needed(r0, low)
-        blocks.append((r0, low, k0, k1, starts[k0]))
-        r0 = low
-    return blocks
+        if starts[k + 1] - starts[begin] > slab_bytes:
+            groups.append((begin, k))
+            begin = k
+    groups.append((begin, k1))
+    return starts, groups
 
 
-async def _copy_block(
+async def _copy_group(
     storage: Storage,
     where: str,
     item: _Overlap,
     span: _Span,
-    block: _Block,
+    starts: list[int],
+    group: _Group,
     slabs: StagingSlabs,
     limit: asyncio.Semaphore,
 ) -> None:
-    """Read the stored ranges of one block of rows into a slab, verified, and copy those
-    rows into their place in the target. A slab first, then a read permit (as every load
-    that holds a slab: the other order could deadlock)."""
-    r0, r1, k0, k1, start = block
-    shape = item.box[1]
+    """Read one group of stored ranges into a slab, verified, and copy the overlap's
+    elements they hold into place. A slab first, then a read permit (as every load that
+    holds a slab: the other order could deadlock)."""
+    k0, k1 = group
     slab_id, slab = await slabs.acquire()
     try:
         buffer = bytes_view(slab)
@@ -258,17 +286,27 @@ async def _copy_block(
         for run in plan_runs(ranges):
             async with limit:
                 await read_run(storage, where, run)
-        block_shape = (r1 - r0, *shape[1:]) if shape else ()
-        block_first = span.first + (r0 * span.strides[0] if shape else 0)
-        count = sum((n - 1) * st for n, st in zip(block_shape, span.strides, strict=True)) + 1
-        skip = block_first * span.itemsize - start  # ranges may split anywhere: cut in bytes
-        source = buffer[skip : skip + count * span.itemsize]
-        view = torch.frombuffer(source, dtype=item.dtype).as_strided(block_shape, span.strides, 0)
+        size = span.itemsize
+        a, b = starts[k0] // size, starts[k1] // size  # element positions (boundaries hold whole elements)
+        copies = []
         dest = _narrowed(item)
-        target = dest.narrow(0, r0, r1 - r0) if shape else dest
-        await complete_before_cancel(asyncio.to_thread(_copy, target, view))
+        for start, shape in box_pieces(span.first, item.box[1], span.strides, a, b):
+            first = span.first + sum(i * st for i, st in zip(start, span.strides, strict=True))
+            count = sum((n - 1) * st for n, st in zip(shape, span.strides, strict=True)) + 1
+            skip = first * size - starts[k0]
+            view = torch.frombuffer(buffer[skip : skip + count * size], dtype=item.dtype)
+            target = dest
+            for dim, (offset, n) in enumerate(zip(start, shape, strict=True)):
+                target = target.narrow(dim, offset, n)
+            copies.append((target, view.as_strided(shape, span.strides, 0)))
+        await complete_before_cancel(asyncio.to_thread(_copy_all, copies))
     finally:
         slabs.release(slab_id)
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dest, view in copies:
+        _copy(dest, view)
 
 
 def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
@@ -281,16 +319,18 @@ async def read_into_targets(
 ) -> None:
     """Read and verify every overlap, copying each into its target. An overlap that is one
     contiguous stretch of its target is read straight into it; with ``slabs``, any other
-    goes through them a block of rows at a time (in the RAM budget); else through a buffer
-    of its own size (at most ``limit`` such overlaps at a time)."""
+    goes through them a slab of stored ranges at a time (in the RAM budget), each range
+    read once; else through a buffer of its own size (at most ``limit`` such overlaps at a
+    time)."""
 
     async def one(item: _Overlap) -> None:
         span = _Span.of(item)
         if slabs is not None and not _direct(item, _narrowed(item)):
-            blocks = _row_blocks(item, span, slabs.slab_bytes)
-            if blocks is not None:
-                for block in blocks:
-                    await _copy_block(storage, where, item, span, block, slabs, limit)
+            grouped = _range_groups(item, span, slabs.slab_bytes)
+            if grouped is not None:
+                starts, groups = grouped
+                for group in groups:
+                    await _copy_group(storage, where, item, span, starts, group, slabs, limit)
                 return
         async with limit:
             await _copy_overlap(storage, where, item)
