@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
+from .cudaorder import CudaOrder
 from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
@@ -31,13 +32,11 @@ from .load.apply import apply_state, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
-from .load.staged import CallerStreams
 from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .singlefile import storage_for
 from .spooldir import Spool
 from .storage.base import Storage
-from .trainer.capture import CudaOrder
 from .trainer.layout_memo import LayoutMemo
 from .trainer.plan import SavePlan, make_plan
 
@@ -335,7 +334,7 @@ class _Core:
             if agree is not None:
                 agree.abandon()
             raise
-        return plan, CudaOrder.record(plan)
+        return plan, CudaOrder.record(e.tensor for e in plan.entries)
 
     def _wanted(
         self, state: dict[str, Any] | None, paths: Sequence[str] | None, allow_pickle: bool, atomic: bool
@@ -350,7 +349,7 @@ class _Core:
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
         targets = None if state is None or atomic else target_tree(state)
-        caller = None if targets is None else CallerStreams.record(written_tensors(targets))
+        caller = None if targets is None else CudaOrder.record(written_tensors(targets))
         slab_bytes = self._engine.slab_bytes
         return _ReadChoice(
             lambda manifest: plan_read(manifest, state, targets, chosen, allow_pickle, slab_bytes, caller)

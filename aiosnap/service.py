@@ -29,6 +29,7 @@ from .arena import Arena
 from .budget import ByteBudget
 from .catalog.steps import committed_steps, manifest_of, remove_everything, remove_steps_after
 from .config import Config
+from .cudaorder import CudaOrder
 from .errors import StepOrderError
 from .events import EventBus, ScopeEmitter
 from .failures import FailureLedger
@@ -38,7 +39,7 @@ from .load.fetch import ReadPlan, fetch_entries
 from .spooldir import Spool
 from .staging import SlabChunk, Staged, Transfer, TransferOutcome
 from .storage.base import Storage
-from .trainer.capture import Copier, CudaOrder, capture_chunks
+from .trainer.capture import Copier, capture_chunks
 from .trainer.plan import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession

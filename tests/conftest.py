@@ -377,3 +377,19 @@ def rot_after_writing(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
                 f.write(bytes([byte[0] ^ 0xFF]))
 
     monkeypatch.setattr(durable, "write_file", write_then_rot)
+
+
+def count_fresh_tensors(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The entries a load reads into tensors of its own (rather than the caller's), listed
+    as the load makes them."""
+    from aiosnap.load import fetch
+
+    made: list[str] = []
+    real = fetch._empty_for
+
+    def counting(manifest: Any, index: int) -> torch.Tensor:
+        made.append(manifest.entries[index].path)
+        return real(manifest, index)
+
+    monkeypatch.setattr(fetch, "_empty_for", counting)
+    return made

@@ -1,18 +1,42 @@
-"""Run as a child process by test_memory.py: save a state 4x the RAM budget and report
+"""Run as a child process (:func:`run_probe`): save a state 4x the RAM budget and report
 the budget's high-water mark and the process's peak RSS increase (Linux /proc). With
-``staged-load``: load a state 4x the budget into strided tensors (through staging slabs)
-and report the load's peak RSS increase."""
+``staged-load [cuda]``: load 160 MiB into strided (or CUDA) tensors through the staging
+slabs and report the load's peak RSS increase."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.bench.local import PeakRSS
 
 MiB = 1024 * 1024
+SLACK = 64 * MiB  # thread stacks, allocator arenas, the manifest, Python objects
+
+needs_peak_rss = pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset"
+)
+
+
+def run_probe(root: Path, budget_mib: int, *mode: str) -> dict[str, Any]:
+    """Run this module in a fresh process (a clean peak RSS) and return its figures."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.memory_probe", str(root), str(budget_mib), *mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(figures)
+    return figures
 
 
 def main(root: str, budget_mib: int) -> None:

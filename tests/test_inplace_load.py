@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
-from aiosnap.load import fetch
-from tests.conftest import damage_entry
+from tests.conftest import count_fresh_tensors, damage_entry
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,18 +37,6 @@ def saved(tmp_path: Path) -> tuple[Config, dict[str, Any]]:
     return config, expected
 
 
-def _count_allocations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    made: list[str] = []
-    real = fetch._empty_for
-
-    def counting(manifest: Any, index: int) -> torch.Tensor:
-        made.append(manifest.entries[index].path)
-        return real(manifest, index)
-
-    monkeypatch.setattr(fetch, "_empty_for", counting)
-    return made
-
-
 def test_a_module_and_its_optimizer_are_loaded_in_place(
     saved: tuple[Config, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -58,7 +45,7 @@ def test_a_module_and_its_optimizer_are_loaded_in_place(
     bias = torch.zeros(6)
     addresses = {name: t.data_ptr() for name, t in model.state_dict().items()}
     moments = {index: state["exp_avg"] for index, state in enumerate(optim.state.values())}
-    made = _count_allocations(monkeypatch)
+    made = count_fresh_tensors(monkeypatch)
     with SyncCheckpointer(config) as ckpt:
         ckpt.load({"model": model, "optim": optim, "bias": bias})
     assert not [p for p in made if not p.endswith("step")], f"fresh tensors made for {made}"

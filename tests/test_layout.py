@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"format"},
     {"storage"},
     {"errors", "names", "config", "aio", "durable", "checksums", "budget", "failures", "loop", "events", "rng",
-     "stateful", "tensorio", "arena", "spooldir", "gcpause"},
+     "stateful", "tensorio", "arena", "spooldir", "gcpause", "cudaorder"},
 ]  # fmt: skip
 
 

@@ -4,7 +4,12 @@ garbage collector. Every shortcut must save exactly what the long way saves."""
 from __future__ import annotations
 
 import gc
+import os
+import threading
+import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -225,34 +230,9 @@ def test_a_spec_crosses_to_the_upload_process_unchanged(kind: str) -> None:
     assert (back.distributed is None) == (kind != "rank_local")
 
 
-def test_overlapping_pauses_end_with_the_last_one() -> None:
-    import threading
-
-    inside, leave = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with gc_paused():
-            inside.set()
-            leave.wait(10)
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    try:
-        assert inside.wait(10)
-        with gc_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # the other thread's pause is still under way
-    finally:
-        leave.set()
-        thread.join(10)
-    assert gc.isenabled()
-
-
-def test_a_process_forked_during_a_pause_starts_with_the_collector_on() -> None:
-    import os
-    import threading
-    import warnings
-
+@contextmanager
+def _paused_on_another_thread() -> Iterator[None]:
+    """A pause under way on another thread for as long as the block runs."""
     inside, leave = threading.Event(), threading.Event()
 
     def pausing() -> None:
@@ -263,7 +243,24 @@ def test_a_process_forked_during_a_pause_starts_with_the_collector_on() -> None:
     thread = threading.Thread(target=pausing)
     thread.start()
     try:
-        assert inside.wait(10) and not gc.isenabled()
+        assert inside.wait(10)
+        yield
+    finally:
+        leave.set()
+        thread.join(10)
+
+
+def test_overlapping_pauses_end_with_the_last_one() -> None:
+    with _paused_on_another_thread():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other thread's pause is still under way
+    assert gc.isenabled()
+
+
+def test_a_process_forked_during_a_pause_starts_with_the_collector_on() -> None:
+    with _paused_on_another_thread():
+        assert not gc.isenabled()
         read, write = os.pipe()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -280,7 +277,4 @@ def test_a_process_forked_during_a_pause_starts_with_the_collector_on() -> None:
         os.close(read)
         os.waitpid(pid, 0)
         assert answer == b"1"
-    finally:
-        leave.set()
-        thread.join(10)
     assert gc.isenabled()

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.memory_probe import SLACK, needs_peak_rss, run_probe
 
-MiB = 1024 * 1024
 pytestmark = pytest.mark.both_executors
 
-SLACK = 64 * MiB  # thread stacks, allocator arenas, the manifest, Python objects
 
-
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+@needs_peak_rss
 def test_state_four_times_the_budget_stays_within_budget(root: Path) -> None:
-    budget_mib = 32
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.memory_probe", str(root), str(budget_mib)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=Path(__file__).parent.parent,
-    )
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
-    print(figures)
+    figures = run_probe(root, 32)
     assert figures["state_bytes"] >= 4 * figures["budget"]
     assert 0 < figures["budget_high_water"] <= figures["budget"]
     assert figures["rss_increase"] <= figures["budget"] + SLACK, figures

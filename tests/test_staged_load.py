@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,28 +16,15 @@ import torch
 from aiosnap import Checkpointer, ChecksumMismatchError, Config, SyncCheckpointer
 from aiosnap.checksums import crc32c_of
 from aiosnap.format.manifest import Manifest
-from aiosnap.load import fetch
 from aiosnap.load.staged import stageable
 from aiosnap.names import manifest_name
 from aiosnap.storage.local import LocalStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.conftest import damage_entry
+from tests.conftest import count_fresh_tensors, damage_entry
+from tests.memory_probe import SLACK, needs_peak_rss, run_probe
 
 MiB = 1024 * 1024
-
-
-def _fresh_tensors(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The entries a load reads into tensors of its own (rather than the caller's)."""
-    made: list[str] = []
-    real = fetch._empty_for
-
-    def counting(manifest: Any, index: int) -> torch.Tensor:
-        made.append(manifest.entries[index].path)
-        return real(manifest, index)
-
-    monkeypatch.setattr(fetch, "_empty_for", counting)
-    return made
 
 
 def _strided(rows: int, columns: int, fill: float = 0.0) -> torch.Tensor:
@@ -58,7 +43,7 @@ def test_a_strided_target_is_loaded_in_place_through_slabs(tmp_path: Path, monke
         ckpt.save(saved, step=1).wait()
         w, b = _strided(300, 200), torch.zeros(50)[::2]
         addresses = (w.data_ptr(), b.data_ptr())
-        made = _fresh_tensors(monkeypatch)
+        made = count_fresh_tensors(monkeypatch)
         state = {"w": w, "b": b}
         ckpt.load(state)
         assert ckpt._engine.budget.high_water <= ckpt._engine.budget.capacity
@@ -85,7 +70,7 @@ def test_ranges_larger_than_a_slab_are_read_into_a_tensor_of_their_own(
     big = torch.randn(512, 1024).t()  # 2 MiB in one range
     with SyncCheckpointer(_config(tmp_path, upload={"chunk_size": "4MiB"})) as ckpt:
         ckpt.save({"big": big, "small": torch.ones(8, 8).t()}, step=1).wait()
-    made = _fresh_tensors(monkeypatch)
+    made = count_fresh_tensors(monkeypatch)
     target, small = _strided(512, 1024), _strided(8, 8)
     with SyncCheckpointer(_config(tmp_path, ram_budget="1MiB", upload={"chunk_size": "256KiB"})) as ckpt:
         ckpt.load({"big": target, "small": small})
@@ -149,21 +134,11 @@ def test_a_cancelled_staged_load_gives_back_every_slab(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+@needs_peak_rss
 def test_a_staged_load_ten_times_the_budget_stays_within_budget(tmp_path: Path) -> None:
-    budget_mib = 16
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.memory_probe", str(tmp_path), str(budget_mib), "staged-load"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=Path(__file__).parent.parent,
-    )
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
-    print(figures)
+    figures = run_probe(tmp_path, 16, "staged-load")
     assert figures["values_equal"] and figures["state_bytes"] >= 10 * figures["budget"]
-    assert figures["rss_increase"] <= figures["budget"] + 64 * MiB, figures
+    assert figures["rss_increase"] <= figures["budget"] + SLACK, figures
 
 
 class _CountingReads(LocalStorage):

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
@@ -280,12 +280,7 @@ class Manifest(_Frozen):
 
     @classmethod
     def _from_json(cls, data: bytes, where: str) -> Manifest:
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{where}: {len(data)} bytes is too large for a manifest")
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
+        doc = parse_json(data, where, MAX_MANIFEST_BYTES, "a manifest")
         if isinstance(doc, dict) and doc.get("format") == "aiosnap":
             _check_version(doc.get("format_version"), where)  # a newer aiosnap's manifest: say so
             if doc["format_version"] >= 2 and not crc_matches(data, doc.pop("crc32c", None)):  # 1 had none
@@ -299,12 +294,7 @@ class Manifest(_Frozen):
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
         _check_version(doc.get("format_version"), where)
-        try:
-            return cls.model_validate(doc)
-        except ValidationError as exc:
-            raise ManifestError(f"{where}: invalid manifest: {describe_validation(exc)}") from None
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise ManifestError(f"{where}: invalid manifest: {exc}") from None
+        return validated(cls, doc, where, "manifest")
 
 
 def _check_version(version: Any, where: str) -> None:
@@ -327,6 +317,30 @@ def crc_matches(data: bytes, found: Any) -> bool:
     before that field (see :func:`signed_json`)."""
     cut = data.rfind(_CRC_FIELD)
     return type(found) is int and cut >= 0 and crc32c_of(data[:cut] + b"}") == found
+
+
+def parse_json(data: bytes, where: str, limit: int, what: str) -> Any:
+    """The JSON document ``data`` (``what``, read from ``where``), at most ``limit`` bytes;
+    :class:`ManifestError` otherwise."""
+    if len(data) > limit:
+        raise ManifestError(f"{where}: {len(data)} bytes is too large for {what}")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validated(model: type[_Model], doc: Any, where: str, what: str) -> _Model:
+    """``doc`` validated as ``model``; every problem a :class:`ManifestError` naming ``where``."""
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        raise ManifestError(f"{where}: invalid {what}: {describe_validation(exc)}") from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ManifestError(f"{where}: invalid {what}: {exc}") from None
 
 
 def describe_validation(exc: ValidationError) -> str:

@@ -12,14 +12,14 @@ like any manifest read back before it is written.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ManifestError
+from ..gcpause import gc_paused
 from ..names import attempt_prefix, check_save_id, object_prefix
 from .dtypes import dtype_itemsize
 from .manifest import (
@@ -33,8 +33,9 @@ from .manifest import (
     ShardRecord,
     StoredShard,
     crc_matches,
-    describe_validation,
+    parse_json,
     signed_json,
+    validated,
 )
 from .spec import SaveSpec
 from .tree import shift_entry_ids
@@ -112,20 +113,10 @@ class RankPart(_Frozen):
     @classmethod
     def from_json(cls, data: bytes, where: str) -> RankPart:
         """Parse and validate; every problem is a :class:`ManifestError` naming ``where``."""
-        if len(data) > MAX_PART_BYTES:
-            raise ManifestError(f"{where}: {len(data)} bytes is too large for a rank's part")
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
+        doc = parse_json(data, where, MAX_PART_BYTES, "a rank's part")
         if not crc_matches(data, doc.pop("crc32c", None) if isinstance(doc, dict) else None):
             raise ManifestError(f"{where}: the rank's part is damaged (its crc32c does not match its bytes)")
-        try:
-            return cls.model_validate(doc)
-        except ValidationError as exc:
-            raise ManifestError(f"{where}: invalid rank part: {describe_validation(exc)}") from None
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise ManifestError(f"{where}: invalid rank part: {exc}") from None
+        return validated(cls, doc, where, "rank part")
 
 
 def _ranges(spec: SaveSpec, crcs: Checksums) -> dict[int, list[ByteRange]]:
@@ -182,7 +173,13 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
 
 def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
     """The step's manifest from the coordinator's plan ``spec`` and every rank's part.
-    ValueError (naming the rank) when the parts do not make one checkpoint."""
+    ValueError (naming the rank) when the parts do not make one checkpoint. Built with the
+    collector paused, as a one-rank save's (:func:`~aiosnap.format.manifest.build_manifest`)."""
+    with gc_paused():
+        return _merged(spec, parts)
+
+
+def _merged(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
     dist = spec.distributed
     if dist is None:
         raise ValueError("not a multi-rank save")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..cudaorder import CudaOrder
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from ..stateful import is_stateful
@@ -18,7 +19,7 @@ from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations
 from .reshard import shard_targets
 from .select import check_keys_present, entries_under, needed_for_state, select_paths
-from .staged import CallerStreams, stageable
+from .staged import stageable
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
 
@@ -68,7 +69,7 @@ def plan_read(
     paths: list[str] | None,
     allow_pickle: bool,
     slab_bytes: int | None = None,
-    caller: CallerStreams | None = None,
+    caller: CudaOrder | None = None,
 ) -> ReadPlan:
     """What a load reads: the entries ``state`` restores, or ``paths`` selects (all when
     neither); with ``targets`` (:func:`~aiosnap.load.inplace.target_tree` of ``state``), which

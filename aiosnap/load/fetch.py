@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..aio import run_all
+from ..cudaorder import CudaOrder
 from ..errors import AiosnapError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import Manifest
 from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
-from .fetch_runs import Range, Run, plan_runs, read_run
+from .fetch_runs import Range, Run, back_to_back, plan_runs, read_run
 from .reshard import ShardTarget, overlaps, read_into_targets, whole_target
-from .staged import CallerStreams, StagingSlabs, read_staged
+from .staged import StagingSlabs, read_staged
 
 __all__ = ["ReadPlan", "fetch_entries", "naming_targets"]
 
@@ -39,7 +40,7 @@ class ReadPlan:
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
     """Entries copied into the caller's tensors through staging slabs (CUDA tensors,
     strided views; see :mod:`aiosnap.load.staged`)."""
-    caller: CallerStreams | None = None
+    caller: CudaOrder | None = None
     """Where the caller's CUDA work stood at ``load()`` (staged copies wait for it)."""
 
     @property
@@ -122,11 +123,7 @@ async def fetch_entries(
         if tensor is None:
             tensor = _empty_for(manifest, index)
         tensors[index] = tensor
-        view = bytes_view(tensor)
-        position = 0
-        for r in entry.ranges:
-            ranges.append(Range(entry.path, r, view[position : position + r.nbytes]))
-            position += r.nbytes
+        ranges += back_to_back(entry.path, entry.ranges, bytes_view(tensor))
     limit = asyncio.Semaphore(concurrency)
 
     async def read(run: Run) -> None:

@@ -8,6 +8,7 @@ then checked on its own, in a worker thread.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..aio import complete_before_cancel
@@ -16,7 +17,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObj
 from ..format.manifest import ByteRange
 from ..storage.base import Storage
 
-__all__ = ["MAX_GAP", "MAX_RUN_BYTES", "Range", "Run", "plan_runs", "read_run"]
+__all__ = ["MAX_GAP", "MAX_RUN_BYTES", "Range", "Run", "back_to_back", "plan_runs", "read_in_turn", "read_run"]
 
 
 MAX_GAP = 4096
@@ -49,6 +50,16 @@ class Run:
     def end(self) -> int:
         last = self.ranges[-1].where
         return last.offset + last.nbytes
+
+
+def back_to_back(path: str, stored: Iterable[ByteRange], buffer: memoryview) -> list[Range]:
+    """``stored`` ranges (of the entry at ``path``, in order) read one after the other into
+    ``buffer`` from its start."""
+    found, at = [], 0
+    for r in stored:
+        found.append(Range(path, r, buffer[at : at + r.nbytes]))
+        at += r.nbytes
+    return found
 
 
 def plan_runs(ranges: list[Range]) -> list[Run]:
@@ -105,3 +116,14 @@ async def read_run(storage: Storage, where: str, run: Run) -> None:
     # a check under way finishes before a cancellation goes on (it reads the destinations,
     # which may be slabs lent out again at once)
     await complete_before_cancel(asyncio.to_thread(_verify, where, run))
+
+
+async def read_in_turn(storage: Storage, where: str, ranges: list[Range], limit: asyncio.Semaphore | None) -> None:
+    """Read ``ranges`` run after run (each with one request, each range verified), taking a
+    permit of ``limit`` for each request (None: the caller holds one already)."""
+    for run in plan_runs(ranges):
+        if limit is None:
+            await read_run(storage, where, run)
+        else:
+            async with limit:
+                await read_run(storage, where, run)

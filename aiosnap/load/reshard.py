@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from ..aio import complete_before_cancel, run_all
-from ..format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
+from ..format.manifest import EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
 from ..tensorio import bytes_view
 from .decode import torch_dtype
-from .fetch_runs import Range, plan_runs, read_run
+from .fetch_runs import back_to_back, read_in_turn
 from .inplace import tensor_targets
 from .staged import StagingSlabs
 
@@ -161,31 +161,29 @@ class _Span:
         return cls(strides, first, last, torch.empty(0, dtype=item.dtype).element_size())
 
 
+def _needed(item: _Overlap, span: _Span) -> tuple[list[int], int, int]:
+    """Where each stored range of the shard starts (and where the last ends), and the
+    ranges ``[k0, k1)`` that hold the overlap's span."""
+    starts = [0]
+    for r in item.source.ranges:  # the shard's bytes, in order
+        starts.append(starts[-1] + r.nbytes)
+    lo, hi = span.first * span.itemsize, (span.last + 1) * span.itemsize
+    return starts, bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
+
+
 async def _copy_overlap(storage: Storage, where: str, item: _Overlap) -> None:
     """Read the stored ranges that hold an overlap into one buffer (the target's own memory
     when the overlap is one contiguous stretch of it), verified, and copy it into place."""
     span = _Span.of(item)
+    starts, k0, k1 = _needed(item, span)
     lo, hi = span.first * span.itemsize, (span.last + 1) * span.itemsize
-    picked: list[ByteRange] = []
-    position = start = 0
-    for r in item.source.ranges:  # the shard's bytes, in order
-        if position < hi and position + r.nbytes > lo:
-            if not picked:
-                start = position
-            picked.append(r)
-        position += r.nbytes
     dest = _narrowed(item)
     direct = _direct(item, dest)
-    buffer = bytes_view(dest) if direct else memoryview(bytearray(sum(r.nbytes for r in picked)))
-    ranges, at = [], 0
-    for r in picked:
-        ranges.append(Range(item.path, r, buffer[at : at + r.nbytes]))
-        at += r.nbytes
-    for run in plan_runs(ranges):
-        await read_run(storage, where, run)
+    buffer = bytes_view(dest) if direct else memoryview(bytearray(starts[k1] - starts[k0]))
+    await read_in_turn(storage, where, back_to_back(item.path, item.source.ranges[k0:k1], buffer), None)
     if direct:
         return
-    skip = lo - start  # ranges may split anywhere: cut the overlap's span out in bytes
+    skip = lo - starts[k0]  # ranges may split anywhere: cut the overlap's span out in bytes
     view = torch.frombuffer(buffer[skip : skip + hi - lo], dtype=item.dtype).as_strided(item.box[1], span.strides, 0)
     await complete_before_cancel(asyncio.to_thread(_copy, dest, view))
 
@@ -243,11 +241,7 @@ def _range_groups(item: _Overlap, span: _Span, slab_bytes: int) -> tuple[list[in
     read whole, once: its crc32c covers all of it), and where each range starts in the
     shard. None when a range is larger than a slab, or a range boundary inside the overlap
     cuts an element (a forged manifest): the overlap is then read in one piece, as before."""
-    starts = [0]
-    for r in item.source.ranges:
-        starts.append(starts[-1] + r.nbytes)
-    lo, hi = span.first * span.itemsize, (span.last + 1) * span.itemsize
-    k0, k1 = bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
+    starts, k0, k1 = _needed(item, span)
     if any(starts[k] % span.itemsize for k in range(k0 + 1, k1)):
         return None
     groups: list[_Group] = []
@@ -279,13 +273,7 @@ async def _copy_group(
     slab_id, slab = await slabs.acquire()
     try:
         buffer = bytes_view(slab)
-        ranges, at = [], 0
-        for r in item.source.ranges[k0:k1]:
-            ranges.append(Range(item.path, r, buffer[at : at + r.nbytes]))
-            at += r.nbytes
-        for run in plan_runs(ranges):
-            async with limit:
-                await read_run(storage, where, run)
+        await read_in_turn(storage, where, back_to_back(item.path, item.source.ranges[k0:k1], buffer), limit)
         size = span.itemsize
         a, b = starts[k0] // size, starts[k1] // size  # element positions (boundaries hold whole elements)
         copies = []

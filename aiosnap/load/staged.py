@@ -17,19 +17,20 @@ worker threads.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ..aio import complete_before_cancel, run_all
+from ..cudaorder import CudaOrder
 from ..format.manifest import ByteRange, Manifest
 from ..tensorio import bytes_view, iter_row_major_views
 from .decode import torch_dtype
-from .fetch_runs import Range, plan_runs, read_run
+from .fetch_runs import Range, read_in_turn
 
-__all__ = ["CallerStreams", "SlabBatch", "StagingSlabs", "read_staged", "stage_batches", "stageable"]
+__all__ = ["SlabBatch", "StagingSlabs", "read_staged", "stage_batches", "stageable"]
 
 ALIGN = 64
 """Where each range starts in a slab: a multiple of this (dtype views of the slab)."""
@@ -45,27 +46,6 @@ class StagingSlabs(Protocol):
         ...
 
     def release(self, slab: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class CallerStreams:
-    """Where the caller's CUDA work stood at ``load()``: one event per device, recorded on
-    the caller's current stream, so copies into its tensors come after work it queued."""
-
-    events: dict[torch.device, Any]
-
-    @classmethod
-    def record(cls, targets: Iterable[torch.Tensor]) -> CallerStreams | None:
-        """Caller's thread, before the load."""
-        devices = {t.device for t in targets if t.device.type == "cuda"}
-        if not devices:
-            return None
-        events = {}
-        for device in devices:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(device))
-            events[device] = event
-        return cls(events)
 
 
 @dataclass(frozen=True)
@@ -131,7 +111,7 @@ def _copy_out(
     slab: torch.Tensor,
     staged: dict[int, torch.Tensor],
     streams: dict[torch.device, Any],
-    caller: CallerStreams | None,
+    caller: CudaOrder | None,
 ) -> None:
     """Worker thread: copy each verified range from the slab into its target's elements;
     CUDA copies are queued on the device's copy stream, then waited for."""
@@ -151,7 +131,7 @@ def _copy_slot(
     slab: torch.Tensor,
     target: torch.Tensor,
     streams: dict[torch.device, Any],
-    caller: CallerStreams | None,
+    caller: CudaOrder | None,
     used: set[torch.device],
 ) -> None:
     dtype = torch_dtype(manifest.entries[slot.entry].dtype)
@@ -166,24 +146,13 @@ def _copy_slot(
                 stream.wait_event(caller.events[target.device])
         context: Any = torch.cuda.stream(stream)
     else:
-        context = _NO_STREAM
+        context = nullcontext()
     with context:
         position = 0
         for view in iter_row_major_views(target, first, first + source.numel()):
             count = view.numel()
             view.copy_(source[position : position + count].view(view.shape), non_blocking=cuda)
             position += count
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_STREAM = _NoStream()
 
 
 async def read_staged(
@@ -193,7 +162,7 @@ async def read_staged(
     staged: dict[int, torch.Tensor],
     slabs: StagingSlabs,
     limit: asyncio.Semaphore,
-    caller: CallerStreams | None = None,
+    caller: CudaOrder | None = None,
 ) -> None:
     """Loop thread: read every range of the ``staged`` entries through slabs into their
     targets, verified before any byte reaches a target."""
@@ -210,9 +179,7 @@ async def read_staged(
                 Range(manifest.entries[s.entry].path, s.where, view[s.offset : s.offset + s.where.nbytes])
                 for s in batch.slots
             ]
-            for run in plan_runs(ranges):
-                async with limit:
-                    await read_run(storage, where, run)  # checks every range's crc32c
+            await read_in_turn(storage, where, ranges, limit)  # checks every range's crc32c
             # a copy under way finishes before a cancellation goes on: the slab is then free
             await complete_before_cancel(asyncio.to_thread(_copy_out, manifest, batch, slab, staged, streams, caller))
         finally:

@@ -13,38 +13,17 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from ctypes import memmove
-from dataclasses import dataclass
 
 import torch
 
+from ..cudaorder import CudaOrder
 from ..staging import SlabChunk, Staged
 from ..tensorio import copy_range_into, host_address, write_constants
 from .plan import Chunk, SavePlan
 from .slabs import SlabPool
 from .spool import SpoolSession
 
-__all__ = ["Copier", "CudaOrder", "capture_chunks"]
-
-
-@dataclass
-class CudaOrder:
-    """Where the caller's CUDA work stood at save(): one event per device, recorded on
-    the caller's current stream, so copies wait for the values the caller meant."""
-
-    events: dict[torch.device, torch.cuda.Event]
-
-    @classmethod
-    def record(cls, plan: SavePlan) -> CudaOrder | None:
-        """Runs on the caller's thread inside save()."""
-        devices = {e.tensor.device for e in plan.entries if e.tensor.device.type == "cuda"}
-        if not devices:
-            return None
-        events = {}
-        for device in devices:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(device))
-            events[device] = event
-        return cls(events)
+__all__ = ["Copier", "capture_chunks"]
 
 
 DIRECT_COPY_MAX = 1 << 20

@@ -231,14 +231,7 @@ class _Flattener:
         if tensor.layout is not _STRIDED or tensor.is_meta or tensor.is_quantized:
             _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
         try:
-            key = (
-                tensor.untyped_storage().data_ptr(),
-                tensor.storage_offset(),
-                tensor.shape,
-                tensor.stride(),
-                tensor.dtype,
-                tensor.device,
-            )
+            key = _view_key(tensor)
         except (RuntimeError, NotImplementedError, TypeError):
             _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
             raise
@@ -284,8 +277,7 @@ _STRIDED = torch.strided
 
 
 def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Two tensors with one key are the same bytes (one view of one storage); the key
-    :meth:`_Flattener._plain` makes inline."""
+    """Two tensors with one key are the same bytes (one view of one storage)."""
     return (
         tensor.untyped_storage().data_ptr(),
         tensor.storage_offset(),
