@@ -282,3 +282,38 @@ def test_box_pieces_are_exactly_the_box_elements_in_an_interval(data: st.DataObj
         )
     assert sorted(got) == sorted(want) and len(got) == len(set(got))
     assert len(box_pieces(first, tuple(box_shape), strides, a, b)) <= 2 * ndim + 1
+
+
+def test_a_cancelled_reshard_through_slabs_gives_back_every_slab(tmp_path: Path) -> None:
+    """Cancelled at any await (a slab, a read, a check, a copy), a reshard leaves no slab
+    lent out and nothing counted in the budget; the checkpoint is untouched and loads."""
+    from aiosnap.arena import Arena
+    from aiosnap.budget import ByteBudget
+    from aiosnap.catalog.steps import read_manifest
+    from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
+    from aiosnap.trainer.slabs import LoadSlabs, SlabPool
+
+    values = torch.randn(256, 1000)
+    _save_w(tmp_path, values)
+
+    async def scenario(delay: float) -> None:
+        storage = _SlowReads(tmp_path)
+        manifest = await read_manifest(storage, 1)
+        arena = Arena(64 * 1024, 2, shared=False)
+        budget = ByteBudget(arena.size)
+        pool = SlabPool(arena, budget)
+        try:
+            dest = torch.zeros(256, 100)
+            items = overlaps(manifest, {0: ShardTarget(dest, (0, 300), (256, 100), dest)})
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(
+                    read_into_targets(storage, "test", items, asyncio.Semaphore(2), LoadSlabs(pool)), delay
+                )
+            assert pool._free.qsize() == arena.count and budget.used == 0
+            await read_into_targets(storage, "test", items, asyncio.Semaphore(2), LoadSlabs(pool))
+            assert torch.equal(dest, values[:, 300:400])
+        finally:
+            arena.close()
+
+    for delay in (0.001, 0.03, 0.07, 0.12):
+        asyncio.run(scenario(delay))
