@@ -35,10 +35,10 @@ from .errors import (
 if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does not import torch
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
+    from .core.events import Event, JsonlHandler, LoggingHandler
+    from .core.rng import RNGState
     from .distributed.stateful import ShardedState
-    from .events import Event, JsonlHandler, LoggingHandler
     from .format.manifest import Manifest
-    from .rng import RNGState
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -48,11 +48,11 @@ _LAZY = {
     "SyncSaveHandle": "checkpointer",
     "Config": "config",
     "load_config": "config",
-    "Event": "events",
-    "JsonlHandler": "events",
-    "LoggingHandler": "events",
+    "Event": "core.events",
+    "JsonlHandler": "core.events",
+    "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
-    "RNGState": "rng",
+    "RNGState": "core.rng",
     "ShardedState": "distributed.stateful",
 }
 

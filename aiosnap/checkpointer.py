@@ -21,24 +21,25 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
-from .cudaorder import CudaOrder
+from .core.cudaorder import CudaOrder
+from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
+from .core.failures import FailureLedger
+from .core.loop import LoopThread
 from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
-from .events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
-from .failures import FailureLedger
 from .format.manifest import Manifest
+from .handoff.spooldir import Spool
+from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
-from .loop import LoopThread
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
-from .singlefile import storage_for
-from .spooldir import Spool
 from .storage.base import Storage
+from .trainer.chunks import SavePlan
 from .trainer.layout_memo import LayoutMemo
-from .trainer.plan import SavePlan, make_plan
+from .trainer.plan import make_plan
 
 LEAVE_TIMEOUT_S = 10.0
 """How long a rank whose save() failed spends telling the others through storage."""
@@ -185,7 +186,7 @@ class _Core:
     With more than one rank, making the checkpointer is collective: every rank of the group
     makes one, and aiosnap makes its own gloo group over those ranks, on which ``save()`` and
     ``load()`` agree (events name that group). ``event_handlers`` are callables receiving
-    every :class:`~aiosnap.events.Event`, after the ones ``config.events`` sets up.
+    every :class:`~aiosnap.core.events.Event`, after the ones ``config.events`` sets up.
     """
 
     def __init__(

@@ -35,8 +35,8 @@ from .catalog.steps import committed_steps, manifest_of, remove_steps_after
 from .config import Config, load_config
 from .errors import AiosnapError, CheckpointNotFoundError
 from .format.manifest import Manifest
+from .interop.singlefile import storage_for
 from .load.select import entries_under
-from .singlefile import storage_for
 from .storage.base import Storage
 from .storage.registry import storage_from_url
 from .transfer.copy import copy_step

@@ -159,11 +159,11 @@ class SpoolConfig(_Section):
 
 
 class EventsConfig(_Section):
-    """Where structured save/load events go (see :mod:`aiosnap.events`); callbacks are
+    """Where structured save/load events go (see :mod:`aiosnap.core.events`); callbacks are
     passed to the checkpointer in code."""
 
     log: bool = True
-    """Send events to the standard logger ``aiosnap.events`` (INFO; failures at WARNING)."""
+    """Send events to the standard logger ``aiosnap.core.events`` (INFO; failures at WARNING)."""
     jsonl: Path | None = None
     """Append every event as one JSON line to this file."""
 

@@ -20,7 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .loop import LoopThread
+    from .core.loop import LoopThread
     from .service import Engine
 
 __all__ = ["close_when_forgotten"]

@@ -9,7 +9,7 @@ side: wait for a pending-save slot (backpressure), copy every chunk into the sta
 once every byte is captured and the step order is checked; the handle resolves when the
 transfer side reports the outcome. Cancelling ``save()`` before it returned aborts that
 save; afterwards the save lives on its own. A failure is reported once
-(:mod:`aiosnap.failures`). Loads, listings and removals run here, on this process's own
+(:mod:`aiosnap.core.failures`). Loads, listings and removals run here, on this process's own
 storage. All state below is touched by the loop thread alone (the ledger excepted).
 """
 
@@ -24,23 +24,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aio import finish_despite_cancel
-from .arena import Arena
-from .budget import ByteBudget
 from .catalog.steps import committed_steps, manifest_of, remove_everything, remove_steps_after
 from .config import Config
-from .cudaorder import CudaOrder
+from .core.aio import finish_despite_cancel
+from .core.arena import Arena
+from .core.budget import ByteBudget
+from .core.cudaorder import CudaOrder
+from .core.events import EventBus, ScopeEmitter
+from .core.failures import FailureLedger
 from .errors import StepOrderError
-from .events import EventBus, ScopeEmitter
-from .failures import FailureLedger
 from .format.manifest import Manifest
+from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
+from .handoff.spooldir import Spool
 from .load.apply import check_pickles
 from .load.fetch import ReadPlan, fetch_entries
-from .spooldir import Spool
-from .staging import SlabChunk, Staged, Transfer, TransferOutcome
 from .storage.base import Storage
 from .trainer.capture import Copier, capture_chunks
-from .trainer.plan import ALIGN, SavePlan
+from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit

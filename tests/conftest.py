@@ -363,7 +363,7 @@ def damage_entry(config: Config, path: str, at: int = 0, mask: int = 0xFF) -> No
 def rot_after_writing(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Local files named ``name`` get a byte flipped right after aiosnap wrote them (a disk
     that rots what it was given): through ``durable.write_file``, which every spool write uses."""
-    from aiosnap import durable
+    from aiosnap.core import durable
 
     real_write = durable.write_file
 

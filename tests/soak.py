@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from aiosnap import Checkpointer, Config, SyncCheckpointer
-from aiosnap.names import MANIFEST_FILE
+from aiosnap.core.names import MANIFEST_FILE
 from tests.conftest import FaultyStorage, assert_same
 from tests.soak_child import soak_state
 

@@ -1,4 +1,4 @@
-"""Single-file checkpoints (:class:`~aiosnap.singlefile.ArchiveStorage`): the zip
+"""Single-file checkpoints (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): the zip
 layout other tools read, the commit by rename, and hostile files at the path."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from aiosnap.format.archive import (
     local_header,
     parse_trailer,
 )
+from aiosnap.interop.singlefile import ArchiveStorage, is_archive
 from aiosnap.load.fetch import fetch_entries
-from aiosnap.singlefile import ArchiveStorage, is_archive
 from aiosnap.trainer.plan import make_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiosnap.budget import ByteBudget
+from aiosnap.core.budget import ByteBudget
 
 
 async def test_reserve_and_release_track_high_water() -> None:

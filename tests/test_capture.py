@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap import arena as arena_module
-from aiosnap.arena import Arena
+from aiosnap.core import arena as arena_module
+from aiosnap.core.arena import Arena
 from tests.conftest import FaultyStorage
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from aiosnap import Checkpointer, Config, StepOrderError, SyncCheckpointer
-from aiosnap.names import MANIFEST_FILE, step_dir
+from aiosnap.core.names import MANIFEST_FILE, step_dir
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 

@@ -196,7 +196,7 @@ def test_reshard_reads_ranges_that_split_elements(tmp_path: Path) -> None:
     import asyncio
 
     from aiosnap.catalog.steps import read_manifest
-    from aiosnap.checksums import crc32c_of
+    from aiosnap.core.checksums import crc32c_of
     from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
     from aiosnap.storage.local import LocalStorage
     from tests.fuzzing import sign_manifest

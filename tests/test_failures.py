@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from aiosnap import CheckpointerClosedError, Config, SyncCheckpointer, UnsupportedStateError
-from aiosnap.names import MANIFEST_FILE
+from aiosnap.core.names import MANIFEST_FILE
 from tests.conftest import FaultyStorage
 
 pytestmark = pytest.mark.both_executors

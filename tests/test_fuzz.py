@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import AiosnapError, Config, CorruptCheckpointError, SyncCheckpointer
+from aiosnap.core.names import MANIFEST_FILE, step_dir
 from aiosnap.format.journal import JOURNAL
+from aiosnap.handoff.spooldir import Spool
 from aiosnap.load import fetch
-from aiosnap.names import MANIFEST_FILE, step_dir
-from aiosnap.spooldir import Spool
 from aiosnap.storage.local import LocalStorage
 from aiosnap.transfer.resume import resume_spooled
 from tests.conftest import assert_same

@@ -19,7 +19,7 @@ from aiosnap import (
     SyncCheckpointer,
     TruncatedObjectError,
 )
-from aiosnap.names import step_dir
+from aiosnap.core.names import step_dir
 from tests.fuzzing import sign_manifest
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl
 from aiosnap import Config
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage
-from aiosnap.singlefile import is_archive
+from aiosnap.interop.singlefile import is_archive
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tests.conftest import FaultyStorage, s3_config
 from torch.utils.data import DataLoader, TensorDataset

@@ -21,7 +21,7 @@ pytest.importorskip("lightning")
 
 from aiosnap import Config
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage
-from aiosnap.singlefile import is_archive
+from aiosnap.interop.singlefile import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.conftest import FaultyStorage
 from tests.test_lightning import QUIET_LIGHTNING, Regressor, loader, stop_and_resume, trainer

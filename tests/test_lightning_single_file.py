@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from aiosnap import Config
 from aiosnap.errors import ChecksumMismatchError
 from aiosnap.integrations.lightning import AiosnapCheckpointIO
-from aiosnap.singlefile import is_archive
+from aiosnap.interop.singlefile import is_archive
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.utilities import _scan_checkpoints
 from tests.test_lightning import QUIET_LIGHTNING, Regressor, loader, stop_and_resume, trainer

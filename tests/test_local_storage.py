@@ -71,7 +71,7 @@ def test_url_forms(tmp_path: Path) -> None:
 
 
 async def test_new_parent_folders_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiosnap import durable
+    from aiosnap.core import durable
 
     synced: list[Path] = []
     real = durable.fsync_dir

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap.core.gcpause import gc_paused
+from aiosnap.core.tensorio import host_address
 from aiosnap.errors import UnsupportedStateError
-from aiosnap.gcpause import gc_paused
-from aiosnap.tensorio import host_address
 from aiosnap.trainer.layout_memo import LayoutMemo
 from aiosnap.trainer.plan import make_plan
 

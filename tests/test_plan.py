@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from aiosnap.trainer.plan import ALIGN, make_plan
+from aiosnap.trainer.chunks import ALIGN
+from aiosnap.trainer.plan import make_plan
 
 
 def test_small_tensors_are_batched_and_aligned() -> None:

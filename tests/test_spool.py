@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer, durable
+from aiosnap import ChecksumMismatchError, Config, SpoolBusyError, SyncCheckpointer
+from aiosnap.core import durable
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, rot_after_writing, s3_config
 from tests.spool_child import state as child_state

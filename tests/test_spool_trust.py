@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap.arena import Arena
-from aiosnap.budget import ByteBudget
+from aiosnap.core.arena import Arena
+from aiosnap.core.budget import ByteBudget
+from aiosnap.core.names import step_dir
 from aiosnap.format.journal import JOURNAL
-from aiosnap.names import step_dir
-from aiosnap.spooldir import Spool
+from aiosnap.handoff.spooldir import Spool
 from aiosnap.storage.local import LocalStorage
 from aiosnap.trainer.plan import make_plan
 from aiosnap.trainer.slabs import SlabPool

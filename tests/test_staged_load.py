@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Checkpointer, ChecksumMismatchError, Config, SyncCheckpointer
-from aiosnap.checksums import crc32c_of
+from aiosnap.core.checksums import crc32c_of
+from aiosnap.core.names import manifest_name
 from aiosnap.format.manifest import Manifest
 from aiosnap.load.staged import stageable
-from aiosnap.names import manifest_name
 from aiosnap.storage.local import LocalStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,9 +159,9 @@ def _reshard_into_box(
     high-water mark, and the bytes read."""
     import tracemalloc
 
-    from aiosnap.arena import Arena
-    from aiosnap.budget import ByteBudget
     from aiosnap.catalog.steps import read_manifest
+    from aiosnap.core.arena import Arena
+    from aiosnap.core.budget import ByteBudget
     from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
     from aiosnap.trainer.slabs import LoadSlabs, SlabPool
 
@@ -287,9 +287,9 @@ def test_box_pieces_are_exactly_the_box_elements_in_an_interval(data: st.DataObj
 def test_a_cancelled_reshard_through_slabs_gives_back_every_slab(tmp_path: Path) -> None:
     """Cancelled at any await (a slab, a read, a check, a copy), a reshard leaves no slab
     lent out and nothing counted in the budget; the checkpoint is untouched and loads."""
-    from aiosnap.arena import Arena
-    from aiosnap.budget import ByteBudget
     from aiosnap.catalog.steps import read_manifest
+    from aiosnap.core.arena import Arena
+    from aiosnap.core.budget import ByteBudget
     from aiosnap.load.reshard import ShardTarget, overlaps, read_into_targets
     from aiosnap.trainer.slabs import LoadSlabs, SlabPool
 

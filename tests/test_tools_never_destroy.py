@@ -20,8 +20,8 @@ import torch
 from aiosnap import Config, ConfigError, ForkedProcessError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.cli import main
-from aiosnap.events import Event, JsonlHandler, LoggingHandler
-from aiosnap.names import step_dir
+from aiosnap.core.events import Event, JsonlHandler, LoggingHandler
+from aiosnap.core.names import step_dir
 from aiosnap.storage.local import LocalStorage
 from aiosnap.storage.registry import storage_from_url
 from aiosnap.transfer.copy import copy_step
@@ -270,7 +270,7 @@ def test_failure_events_reach_both_built_in_handlers(
 def test_a_blocked_event_handler_does_not_hang_close(
     small_config: Config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from aiosnap import events
+    from aiosnap.core import events
 
     monkeypatch.setattr(events, "CLOSE_TIMEOUT_S", 0.5)
     stuck = threading.Event()
@@ -391,7 +391,7 @@ def test_cli_errors_on_odd_roots_and_manifests(tmp_path: Path, capsys: pytest.Ca
 def test_commit_without_hard_links(small_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from aiosnap import durable
+    from aiosnap.core import durable
 
     def no_links(source: object, target: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted (vfat)")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from aiosnap import Config
-from aiosnap.arena import Arena
-from aiosnap.staging import SlabChunk, TransferOutcome
+from aiosnap.core.arena import Arena
+from aiosnap.handoff.contract import SlabChunk, TransferOutcome
 from aiosnap.storage.local import LocalStorage
 from aiosnap.trainer.capture import Copier
 from aiosnap.trainer.plan import make_plan

@@ -13,8 +13,8 @@ import crc32c
 import pytest
 import torch
 from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
-from aiosnap import checksums as checksums_module
-from aiosnap.checksums import ALIGN, RangeChecksums, crc32c_combine
+from aiosnap.core import checksums as checksums_module
+from aiosnap.core.checksums import ALIGN, RangeChecksums, crc32c_combine
 from aiosnap.storage.base import Storage
 from aiosnap.storage.local import LocalStorage
 from aiosnap.storage.s3 import _OrderedSlots

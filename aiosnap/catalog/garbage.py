@@ -12,7 +12,7 @@ each item again right before removing it, because training may be writing the ro
 - temporary files a crashed manifest write left in a step folder, older than the grace;
 - multipart uploads under the root started before the grace period (S3).
 
-Nothing else is ever removed: only names aiosnap writes (see :mod:`aiosnap.names`) are
+Nothing else is ever removed: only names aiosnap writes (see :mod:`aiosnap.core.names`) are
 considered; a user's ``2024/photos``, a ``notes.txt`` in a step folder, a key with ``//``
 or ``..`` stay. A step whose manifest cannot be read is left whole (never guessed about).
 Runs on whichever event loop calls it.
@@ -25,8 +25,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from ..core.names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
 from ..storage.base import ObjectInfo, Storage
 from .maintenance import split_name
 from .steps import committed_save_id, read_manifest, remove_step, retention_victims

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ..checksums import crc32c_of
+from ..core.checksums import crc32c_of
+from ..core.names import check_object_name, check_save_id, parse_step_dir
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     first_error,
 )
 from ..format.manifest import Manifest, Span
-from ..names import check_object_name, check_save_id, parse_step_dir
 from ..storage.base import Storage
 from .steps import committed_steps, read_manifest
 

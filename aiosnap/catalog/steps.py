@@ -4,7 +4,7 @@ Reads storage, owns no bytes; coroutines run on whichever loop calls them (aiosn
 background loop for checkpointers, the CLI's own loop for maintenance). A step counts as
 committed exactly when its manifest exists; removing a step deletes the manifest first,
 so a half-removed step is never taken for a checkpoint. Only folders named exactly as
-aiosnap names steps are considered (see :mod:`aiosnap.names`); nothing else in a root is
+aiosnap names steps are considered (see :mod:`aiosnap.core.names`); nothing else in a root is
 listed or deleted.
 """
 
@@ -16,9 +16,9 @@ import logging
 import threading
 from collections import OrderedDict
 
+from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
-from ..names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..storage.base import Storage
 
 __all__ = [

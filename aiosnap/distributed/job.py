@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import DistributedConfig
-from ..events import ProcessGroupInfo
+from ..core.events import ProcessGroupInfo
 from ..format.manifest import Manifest
 from ..load.ranks import rank_view
 from ..trainer.plan import Agreement, Flattened

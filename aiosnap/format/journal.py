@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .. import durable
-from ..aio import complete_before_cancel
-from ..checksums import crc32c_of
+from ..core import durable
+from ..core.aio import complete_before_cancel
+from ..core.checksums import crc32c_of
+from ..core.names import check_save_id
 from ..errors import AiosnapError
-from ..names import check_save_id
 from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest
 from .spec import SaveSpec
 

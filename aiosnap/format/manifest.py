@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from ..checksums import crc32c_of
+from ..core.checksums import crc32c_of
+from ..core.gcpause import gc_paused
+from ..core.names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
 from ..errors import ManifestError
-from ..gcpause import gc_paused
-from ..names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
 from .tiling import check_tiling

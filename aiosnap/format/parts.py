@@ -18,9 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..core.gcpause import gc_paused
+from ..core.names import attempt_prefix, check_save_id, object_prefix
 from ..errors import ManifestError
-from ..gcpause import gc_paused
-from ..names import attempt_prefix, check_save_id, object_prefix
 from .dtypes import dtype_itemsize
 from .manifest import (
     FORMAT_VERSION,

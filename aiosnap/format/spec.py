@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter
 
-from ..gcpause import gc_paused
+from ..core.gcpause import gc_paused
 
 __all__ = ["ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
 

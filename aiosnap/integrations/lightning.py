@@ -1,7 +1,7 @@
 """Lightning ``CheckpointIO`` plugin: ``Trainer(plugins=[AiosnapCheckpointIO(config)])``.
 
 Each local checkpoint path Lightning names (``.../epoch=1-step=20.ckpt``, ``last.ckpt``) is
-one file in the zip format of ``torch.save`` (:class:`~aiosnap.singlefile.ArchiveStorage`):
+one file in the zip format of ``torch.save`` (:class:`~aiosnap.interop.singlefile.ArchiveStorage`):
 ``torch.load``, ``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)`` without
 the plugin, the loggers' ``log_model`` and ``os.path.isfile`` checks all work on it, and it
 carries aiosnap's manifest (a crc32c per tensor) for the plugin's verified loads. Writing a
@@ -56,9 +56,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
+from ..core.events import EventHandler
 from ..errors import CheckpointNotFoundError
-from ..events import EventHandler
-from ..singlefile import ArchiveStorage, is_archive
+from ..interop.singlefile import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ..cudaorder import CudaOrder
+from ..core.cudaorder import CudaOrder
+from ..core.stateful import is_stateful
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
-from ..stateful import is_stateful
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations

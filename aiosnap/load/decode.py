@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from ..core.tensorio import bytes_view
 from ..errors import ManifestError, PickleNotAllowedError
 from ..format.dtypes import dtype_itemsize
 from ..format.tree import float_text
-from ..tensorio import bytes_view
 
 __all__ = ["TreeDecoder", "is_skipped", "torch_dtype"]
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..aio import run_all
-from ..cudaorder import CudaOrder
+from ..core.aio import run_all
+from ..core.cudaorder import CudaOrder
+from ..core.tensorio import bytes_view
 from ..errors import AiosnapError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import Manifest
 from ..storage.base import Storage
-from ..tensorio import bytes_view
 from .decode import torch_dtype
 from .fetch_runs import Range, Run, back_to_back, plan_runs, read_run
 from .reshard import ShardTarget, overlaps, read_into_targets, whole_target

@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..aio import complete_before_cancel
-from ..checksums import crc32c_of
+from ..core.aio import complete_before_cancel
+from ..core.checksums import crc32c_of
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError
 from ..format.manifest import ByteRange
 from ..storage.base import Storage

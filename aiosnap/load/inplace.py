@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ..core.stateful import is_stateful
 from ..format.manifest import Manifest
-from ..stateful import is_stateful
 from .select import entries_under
 
 __all__ = ["destinations", "staged_destinations", "target_tree", "tensor_targets"]

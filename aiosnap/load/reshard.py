@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from ..aio import complete_before_cancel, run_all
+from ..core.aio import complete_before_cancel, run_all
+from ..core.tensorio import bytes_view
 from ..format.manifest import EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
-from ..tensorio import bytes_view
 from .decode import torch_dtype
 from .fetch_runs import back_to_back, read_in_turn
 from .inplace import tensor_targets

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
+from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
-from ..stateful import is_stateful
 
 __all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
 

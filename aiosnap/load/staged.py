@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..aio import complete_before_cancel, run_all
-from ..cudaorder import CudaOrder
+from ..core.aio import complete_before_cancel, run_all
+from ..core.cudaorder import CudaOrder
+from ..core.tensorio import bytes_view, iter_row_major_views
 from ..format.manifest import ByteRange, Manifest
-from ..tensorio import bytes_view, iter_row_major_views
 from .decode import torch_dtype
 from .fetch_runs import Range, read_in_turn
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..checksums import RangeChecksums, file_crc32c
+from ..core.checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
 
 __all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
@@ -103,7 +103,7 @@ class Storage(abc.ABC):
     a request abandoned mid-way may still land."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
-    (:class:`~aiosnap.singlefile.ArchiveStorage`): saves to it are planned as one file."""
+    (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): saves to it are planned as one file."""
 
     def attempt_started(self, spec: Any) -> None:  # noqa: B027 - optional hook
         """A save attempt, described by its :class:`~aiosnap.format.spec.SaveSpec` ``spec``,
@@ -127,7 +127,7 @@ class Storage(abc.ABC):
         """:meth:`write` of a staged buffer whose CRC32Cs are known (``checksums.of(start,
         end)``): backends that send checksums with the bytes use them rather than reading
         the bytes again. ``data`` may be referenced by the backend's connection beyond the
-        return (see :class:`~aiosnap.arena.SlabLease`). This default is :meth:`write`."""
+        return (see :class:`~aiosnap.core.arena.SlabLease`). This default is :meth:`write`."""
         await self.write(name, data)
 
     async def write_file_verified(self, name: str, path: str, crc: int) -> None:
@@ -168,7 +168,7 @@ class Storage(abc.ABC):
     def reading(self) -> contextlib.AbstractAsyncContextManager[None]:
         """A context in which what is read comes from one version of the checkpoint, for
         backends where a writer can replace a whole checkpoint under a reader (one file:
-        :class:`~aiosnap.singlefile.ArchiveStorage`). This default does nothing."""
+        :class:`~aiosnap.interop.singlefile.ArchiveStorage`). This default does nothing."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod

@@ -16,8 +16,8 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from ..aio import complete_before_cancel
-from ..durable import (
+from ..core.aio import complete_before_cancel
+from ..core.durable import (
     copy_file_atomically,
     fsync_dir,
     makedirs_durably,
@@ -26,7 +26,7 @@ from ..durable import (
     remove_tree,
     temp_name,
 )
-from ..names import check_object_name
+from ..core.names import check_object_name
 from .base import BytesLike, ObjectInfo, Storage, preadv_all
 
 __all__ = ["LocalStorage"]

@@ -39,10 +39,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("s3:// storage needs aiobotocore: pip install 'aiosnap[s3]'") from exc
 
-from ..checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32c_of
 from ..config import S3Config
+from ..core.checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32c_of
+from ..core.names import check_object_name
 from ..errors import StorageError, StorageUnavailableError, first_error
-from ..names import check_object_name
 from .base import BytesLike, ObjectInfo, ScatterTarget, Storage, check_spool_file
 
 __all__ = ["S3Storage"]

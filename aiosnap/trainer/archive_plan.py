@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch.serialization import location_tag
 
+from ..core.stateful import is_stateful
 from ..format.archive import ALIGN, data_record_name, local_header
-from ..stateful import is_stateful
-from .plan import Chunk, Entry, Piece
+from .chunks import Chunk, Entry, Piece
 
 __all__ = ["MIN_ARCHIVE_CHUNK_BYTES", "layout_archive", "torch_pickle"]
 

@@ -4,7 +4,7 @@ The coroutines run on the background loop thread; the copies themselves run on o
 dedicated copier thread (torch releases the GIL while copying, so training threads and
 the loop keep going). CUDA tensors are copied on a dedicated stream, ordered after the
 work the caller had queued when ``save()`` was called, into the (pinned) arena. Each
-captured chunk is handed on as a descriptor (:mod:`aiosnap.staging`).
+captured chunk is handed on as a descriptor (:mod:`aiosnap.handoff.contract`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from ctypes import memmove
 
 import torch
 
-from ..cudaorder import CudaOrder
-from ..staging import SlabChunk, Staged
-from ..tensorio import copy_range_into, host_address, write_constants
-from .plan import Chunk, SavePlan
+from ..core.cudaorder import CudaOrder
+from ..core.tensorio import copy_range_into, host_address, write_constants
+from ..handoff.contract import SlabChunk, Staged
+from .chunks import Chunk, SavePlan
 from .slabs import SlabPool
 from .spool import SpoolSession
 

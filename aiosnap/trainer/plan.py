@@ -18,87 +18,24 @@ import pickle
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
+from ..core.gcpause import gc_paused
+from ..core.names import object_prefix
+from ..core.stateful import is_stateful
 from ..errors import UnsupportedStateError
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
-from ..gcpause import gc_paused
-from ..names import object_prefix
-from ..stateful import is_stateful
+from .archive_plan import layout_archive, torch_pickle
+from .chunks import ALIGN, Chunk, Entry, Piece, SavePlan
 from .dtensor import DTensorShard, dtensor_shard, is_dtensor
 from .layout_memo import Layout, LayoutMemo
 
-__all__ = ["ALIGN", "Agreement", "Chunk", "Entry", "Flattened", "Piece", "SavePlan", "make_plan"]
-
-ALIGN = 64
-"""Byte alignment of each piece inside a chunk (vectorised copies, dtype views)."""
-
-
-@dataclass(slots=True)
-class Entry:
-    """One tensor (or one pickled object, as bytes) to be stored. Not frozen (a frozen
-    dataclass costs four times as much to make, and a state may hold tens of thousands of
-    tensors); never changed once made."""
-
-    index: int
-    path: str
-    kind: str  # "tensor" | "pickle" | "sharded" (a DTensor's local shard)
-    tensor: torch.Tensor  # the source; for "pickle", a uint8 tensor of the pickled bytes
-    nbytes: int
-
-
-@dataclass(slots=True)
-class Piece:
-    """Bytes ``[src_offset, src_offset + nbytes)`` of an entry, at ``dst_offset`` of a chunk.
-    Never changed once made (not frozen, as :class:`Entry`)."""
-
-    entry: int
-    src_offset: int
-    nbytes: int
-    dst_offset: int
-
-
-@dataclass
-class Chunk:
-    """One data object: several small entries, or a slice of a large one."""
-
-    index: int
-    object_name: str
-    nbytes: int = 0
-    pieces: list[Piece] = field(default_factory=list)
-    constants: list[tuple[int, bytes]] = field(default_factory=list)
-    """Bytes the copier writes at these offsets besides the pieces (a single-file save's
-    zip headers and padding)."""
-
-
-@dataclass
-class SavePlan:
-    """Everything the capture needs (the source tensors, where each piece goes) and the
-    save's :class:`SaveSpec` (plain data, for the transfer side); copies nothing."""
-
-    spec: SaveSpec
-    entries: list[Entry]
-    chunks: list[Chunk]
-    handed_over: bool = False
-    """Set on the loop thread once the transfer side owns the save: from then on only it
-    settles the save's outcome (a multi-rank save's markers included)."""
-
-    @property
-    def step(self) -> int:
-        return self.spec.step
-
-    @property
-    def save_id(self) -> str:
-        return self.spec.save_id
-
-    @property
-    def total_bytes(self) -> int:
-        return self.spec.total_bytes
+__all__ = ["Agreement", "Flattened", "layout_chunks", "make_plan"]
 
 
 def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
@@ -429,8 +366,6 @@ def _local_plan(
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
     if single_file:
-        from .archive_plan import layout_archive, torch_pickle
-
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
         archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))

@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from ..arena import Arena
-from ..budget import ByteBudget
+from ..core.arena import Arena
+from ..core.budget import ByteBudget
 
 __all__ = ["LoadSlabs", "SlabPool"]
 

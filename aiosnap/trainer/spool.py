@@ -3,7 +3,7 @@ the append-only journal, and the files' lifetime.
 
 Chunks that the RAM budget cannot hold (or every chunk, in ``always`` mode) are copied into
 a slab, written to the spool disk, and staged to the transfer side as file paths
-(:class:`~aiosnap.staging.FileChunk`). The journal (:mod:`aiosnap.format.journal`) is
+(:class:`~aiosnap.handoff.contract.FileChunk`). The journal (:mod:`aiosnap.format.journal`) is
 started by the first spill; a spool file is deleted only after a journal record saying its
 chunk landed is on disk. Loop thread; file I/O runs on worker threads.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ..aio import complete_before_cancel
+from ..core.aio import complete_before_cancel
+from ..core.tensorio import bytes_view
 from ..format.journal import JOURNAL, JournalWriter
-from ..spooldir import Spool
-from ..staging import FileChunk
-from ..tensorio import bytes_view
-from .plan import Chunk, SavePlan
+from ..handoff.contract import FileChunk
+from ..handoff.spooldir import Spool
+from .chunks import Chunk, SavePlan
 from .slabs import SlabPool
 
 __all__ = ["Bounce", "SpoolSession"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..catalog.steps import committed_save_id, latest_committed, read_manifest, trust_committed
+from ..core.names import attempt_prefix, manifest_name, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
 from ..format.manifest import Manifest
-from ..names import attempt_prefix, manifest_name, step_dir
 from ..storage.base import Storage
 
 __all__ = ["Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]

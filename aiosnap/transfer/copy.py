@@ -11,10 +11,10 @@ import logging
 from collections.abc import Callable
 
 from ..catalog.steps import committed_save_id
-from ..checksums import crc32c_of
+from ..core.checksums import crc32c_of
+from ..core.names import attempt_prefix, step_dir
 from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import ByteRange, Manifest, manifest_name
-from ..names import attempt_prefix, step_dir
 from ..storage.base import Storage
 from ..storage.registry import roots_overlap
 from .commit import commit_manifest

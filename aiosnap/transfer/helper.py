@@ -23,10 +23,10 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..arena import Arena
 from ..config import Config
+from ..core.arena import Arena
 from ..errors import UploadProcessError
-from ..staging import TransferOutcome
+from ..handoff.contract import TransferOutcome
 from ..storage.base import Storage
 from .local import LocalTransfer
 from .protocol import pack_exception

@@ -4,7 +4,7 @@
 thread``) or the upload process's own (``process``, driven by :mod:`.helper`); the same
 code either way. It knows a save as its :class:`~aiosnap.format.spec.SaveSpec` and the
 chunks the trainer side stages (descriptors), and tells the trainer side what happened
-through a :class:`~aiosnap.staging.TransferListener`: the root's latest step (preflight),
+through a :class:`~aiosnap.handoff.contract.TransferListener`: the root's latest step (preflight),
 each chunk it is done with, each stage, the outcome. The commit protocol is in
 :mod:`.commit`.
 """
@@ -16,14 +16,14 @@ import logging
 import time
 from typing import Any
 
-from ..aio import finish_despite_cancel
-from ..arena import Arena
 from ..catalog.steps import apply_retention
 from ..config import Config
+from ..core.aio import finish_despite_cancel
+from ..core.arena import Arena
 from ..errors import first_error
 from ..format.manifest import Checksums, build_manifest
 from ..format.spec import SaveSpec
-from ..staging import Staged, TransferListener, TransferOutcome
+from ..handoff.contract import Staged, TransferListener, TransferOutcome
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit

@@ -3,7 +3,7 @@
 :class:`ProcessTransfer` starts ``python -m aiosnap.transfer.helper`` (a fresh interpreter,
 not a fork: nothing of the training process is inherited but the staging arena's memfd and
 one end of a Unix socket pair; no TCP port) when the checkpointer starts, and is the
-trainer's :class:`~aiosnap.staging.Transfer`: each call becomes one small message. A reader
+trainer's :class:`~aiosnap.handoff.contract.Transfer`: each call becomes one small message. A reader
 thread turns the upload process's reports into calls on the trainer's loop. When the upload
 process dies (killed, out of memory), the socket reaches end of file at once: the saves it
 had fail with :class:`~aiosnap.errors.UploadProcessError` and the next save starts a new one.
@@ -25,11 +25,11 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..arena import Arena
 from ..config import Config
+from ..core.arena import Arena
 from ..errors import ConfigError, UploadProcessError
 from ..format.spec import SaveSpec
-from ..staging import Staged, TransferListener, TransferOutcome
+from ..handoff.contract import Staged, TransferListener, TransferOutcome
 from ..storage.base import Storage
 from .protocol import unpack_exception
 

@@ -28,8 +28,9 @@ import random
 import time
 from typing import Literal
 
-from ..aio import run_all
 from ..catalog.steps import read_manifest
+from ..core.aio import run_all
+from ..core.names import attempt_prefix, manifest_name, object_prefix
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -39,7 +40,6 @@ from ..errors import (
 from ..format.manifest import Checksums, Manifest
 from ..format.parts import RankPart, aborted_name, build_part, failed_name, merge_parts, part_name
 from ..format.spec import SaveSpec
-from ..names import attempt_prefix, manifest_name, object_prefix
 from ..storage.base import Storage
 
 __all__ = [

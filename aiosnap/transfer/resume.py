@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..catalog.steps import apply_retention, latest_committed
-from ..checksums import file_crc32c_with_pieces
-from ..events import EventBus, ScopeEmitter
+from ..core.checksums import file_crc32c_with_pieces
+from ..core.events import EventBus, ScopeEmitter
 from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
 from ..format.manifest import build_manifest
-from ..spooldir import Spool
+from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
 

@@ -8,7 +8,7 @@ chunk is checked against the CRC32C it was written with by the storage as it sen
 
 A slab is handed back only when nothing reads it any more: a request abandoned mid-body
 (a timeout, a cancelled save) can leave its bytes in a closing connection's write buffer
-for a moment, and the slab must not be refilled under it (:class:`~aiosnap.arena.SlabLease`).
+for a moment, and the slab must not be refilled under it (:class:`~aiosnap.core.arena.SlabLease`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import asyncio
 import gc
 import logging
 
-from ..aio import drop_frame_locals, finish_despite_cancel
-from ..arena import Arena, SlabLease
-from ..checksums import RangeChecksums
+from ..core.aio import drop_frame_locals, finish_despite_cancel
+from ..core.arena import Arena, SlabLease
+from ..core.checksums import RangeChecksums
 from ..format.spec import ChunkSpec
-from ..staging import FileChunk, SlabChunk, Staged
+from ..handoff.contract import FileChunk, SlabChunk, Staged
 from ..storage.base import Storage
 
 __all__ = ["LEASE_WAIT_S", "upload_chunk"]

@@ -46,16 +46,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .aio import complete_before_cancel
-from .config import Config
-from .durable import fsync_dir, publish_if_absent
-from .errors import CorruptCheckpointError, ManifestError, StepOrderError
-from .format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
-from .format.manifest import MAX_MANIFEST_BYTES, Manifest
-from .format.spec import SaveSpec
-from .names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
-from .storage.base import BytesLike, ObjectInfo, Storage, preadv_all
-from .storage.registry import storage_from_url
+from ..config import Config
+from ..core.aio import complete_before_cancel
+from ..core.durable import fsync_dir, publish_if_absent
+from ..core.names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
+from ..errors import CorruptCheckpointError, ManifestError, StepOrderError
+from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..format.spec import SaveSpec
+from ..storage.base import BytesLike, ObjectInfo, Storage, preadv_all
+from ..storage.registry import storage_from_url
 
 __all__ = ["ArchiveStorage", "is_archive", "storage_for"]
 

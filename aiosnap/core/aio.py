@@ -7,7 +7,7 @@ import traceback
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from .errors import first_error
+from ..errors import first_error
 
 __all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel", "run_all"]
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
-from .errors import ForkedProcessError, WrongThreadError
+from ..errors import ForkedProcessError, WrongThreadError
 
 __all__ = ["LoopThread"]
 

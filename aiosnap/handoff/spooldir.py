@@ -19,12 +19,12 @@ import os
 import shutil
 from pathlib import Path
 
-from . import durable
-from .aio import complete_before_cancel
-from .budget import ByteBudget
-from .checksums import RangeChecksums
-from .config import SpoolConfig
-from .errors import SpoolBusyError
+from ..config import SpoolConfig
+from ..core import durable
+from ..core.aio import complete_before_cancel
+from ..core.budget import ByteBudget
+from ..core.checksums import RangeChecksums
+from ..errors import SpoolBusyError
 
 __all__ = ["LOCK", "Spool"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .format.spec import SaveSpec
-    from .storage.base import Storage
+    from ..format.spec import SaveSpec
+    from ..storage.base import Storage
 
 __all__ = ["FileChunk", "SlabChunk", "Staged", "Transfer", "TransferListener", "TransferOutcome"]
 

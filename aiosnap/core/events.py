@@ -126,10 +126,10 @@ class Event:
 
 
 class LoggingHandler:
-    """Writes each event to a standard logger (``aiosnap.events``): exceptions at WARNING,
+    """Writes each event to a standard logger (``aiosnap.core.events``): exceptions at WARNING,
     the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``."""
 
-    def __init__(self, logger: str = "aiosnap.events", level: int = logging.INFO) -> None:
+    def __init__(self, logger: str = "aiosnap.core.events", level: int = logging.INFO) -> None:
         self.logger = logging.getLogger(logger)
         self.level = level
 
