@@ -9,6 +9,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── ForkedProcessError           a checkpointer was used in a child made by os.fork()
     ├── SpoolBusyError               another process holds the spool directory's lock
     ├── UnsupportedStateError        a value in the state cannot be saved
+    ├── UnsupportedCheckpointError   a foreign checkpoint uses what aiosnap does not read
     ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
     ├── StateMismatchError           load(state): the checkpoint does not fit the given state
@@ -52,6 +53,7 @@ __all__ = [
     "StorageError",
     "StorageUnavailableError",
     "TruncatedObjectError",
+    "UnsupportedCheckpointError",
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
@@ -85,6 +87,12 @@ class SpoolBusyError(AiosnapError, RuntimeError):
 
 class UnsupportedStateError(AiosnapError, TypeError):
     """A value in the state cannot be saved (sparse or meta tensors, for example)."""
+
+
+class UnsupportedCheckpointError(AiosnapError, ValueError):
+    """A checkpoint of another format (DCP, ``torch.save``) uses something aiosnap does not
+    read (a tensor stored as a strided view, DCP stream transforms, ...); the message names
+    the item and the way out. The checkpoint itself may well be intact."""
 
 
 class StepOrderError(AiosnapError, ValueError):

@@ -46,6 +46,7 @@ def test_public_names_are_locked() -> None:
         "SyncCheckpointer",
         "SyncSaveHandle",
         "TruncatedObjectError",
+        "UnsupportedCheckpointError",
         "UnsupportedStateError",
         "UploadProcessError",
         "WrongThreadError",

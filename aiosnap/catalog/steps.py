@@ -62,7 +62,12 @@ async def latest_committed(storage: Storage) -> int | None:
 
 async def read_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of ``step``; CheckpointNotFoundError if it is not committed,
-    ManifestError (a CorruptCheckpointError) if it cannot be trusted."""
+    ManifestError (a CorruptCheckpointError) if it cannot be trusted. A foreign checkpoint
+    (a DCP folder, ...) gives the manifest translated from its own metadata."""
+    translated = await storage.translated_manifest(step)
+    if translated is not None:
+        assert isinstance(translated, Manifest)
+        return translated
     return _validated(await _manifest_bytes(storage, step), storage, step)
 
 

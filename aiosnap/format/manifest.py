@@ -6,6 +6,16 @@ all of it before anything acts on it: strict types (``true`` is not a number), t
 version, every object named inside the save's own attempt folder, every byte range inside
 its object, shapes that match byte counts, and the tree (see :mod:`aiosnap.format.tree`). Every
 problem is a :class:`~aiosnap.errors.ManifestError` naming the file.
+
+*Unverified ranges.* A checkpoint of another format (a DCP folder, a ``torch.save`` file,
+safetensors) is presented to the load machinery as a manifest translated from its own
+metadata (see :mod:`aiosnap.interop`). Such a format may record no checksum for some bytes:
+their range has ``crc32c`` None, and it is read without a check. Only a *translated*
+manifest, one whose ``foreign`` names the format it came from, may hold such ranges; it is
+built in memory from the foreign metadata (:meth:`Manifest.translated`) and never stored:
+:meth:`Manifest.to_json` refuses it, and a stored document naming ``foreign`` is refused by
+:meth:`Manifest.from_document`. So aiosnap's own manifests (every commit, every copy) keep a
+crc32c on every range.
 """
 
 from __future__ import annotations
@@ -73,7 +83,8 @@ class ByteRange(_Frozen):
     object: str
     offset: int = Field(ge=0, lt=_MAX_INT)
     nbytes: int = Field(gt=0, lt=_MAX_INT)
-    crc32c: int = Field(ge=0, lt=2**32)
+    crc32c: Annotated[int, Field(ge=0, lt=2**32)] | None
+    """None only in a manifest translated from a foreign format (see the module docstring)."""
 
 
 class DataObject(_Frozen):
@@ -86,7 +97,7 @@ class DataObject(_Frozen):
 
 _S = Strict()
 _StoredRange = Annotated[
-    tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S]], Strict(False)
+    tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S] | None], Strict(False)
 ]
 StoredShard = Annotated[
     tuple[Annotated[list[int], _S], Annotated[list[int], _S], Annotated[list[_StoredRange], _S]], Strict(False)
@@ -103,7 +114,8 @@ class Span(NamedTuple):
     object: str
     offset: int
     nbytes: int
-    crc32c: int
+    crc32c: int | None
+    """None: an unverified range of a translated manifest."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +188,7 @@ def _check_shards(entry: EntryRecord, itemsize: int) -> None:
         nbytes = math.prod(shape) * itemsize
         total = 0
         for _, offset, size, crc in ranges:  # what ByteRange checks for whole entries
-            if not (0 <= offset < _MAX_INT and 0 < size < _MAX_INT and 0 <= crc < 2**32):
+            if not (0 <= offset < _MAX_INT and 0 < size < _MAX_INT and (crc is None or 0 <= crc < 2**32)):
                 raise ValueError(f"{entry.path}: invalid byte range in the shard at {offsets}")
             total += size
         if total != nbytes:
@@ -209,6 +221,9 @@ class Manifest(_Frozen):
     metadata: dict[str, Any]
     rank_local: list[RankLocalRecord] | None = None
     """One record per rank (``world_size`` of them) when the save declared rank-local paths."""
+    foreign: Literal["dcp", "torch", "safetensors"] | None = None
+    """The format a translated manifest was made from (its ranges may lack a crc32c);
+    None for aiosnap's own manifests, which are the only ones ever stored."""
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -225,6 +240,8 @@ class Manifest(_Frozen):
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
         spans: dict[str, list[tuple[int, int]]] = {}
         for entry, r in self.all_ranges():
+            if r.crc32c is None and self.foreign is None:
+                raise ValueError(f"{entry.path}: a byte range without a crc32c (only translated manifests have them)")
             if r.object not in sizes:
                 raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
             if r.offset + r.nbytes > sizes[r.object]:
@@ -268,8 +285,19 @@ class Manifest(_Frozen):
         return sum(o.nbytes for o in self.objects)
 
     def to_json(self) -> bytes:
-        """The document, its last field the crc32c of every byte before that field."""
+        """The document, its last field the crc32c of every byte before that field. A
+        translated manifest is never stored: ValueError."""
+        if self.foreign is not None:
+            raise ValueError(f"a manifest translated from {self.foreign} is not stored; write a new one with checksums")
         return signed_json(self)
+
+    @classmethod
+    def translated(cls, doc: dict[str, Any], foreign: str, where: str) -> Manifest:
+        """The manifest ``doc`` (a document built in memory from a foreign format's
+        metadata), marked as translated from ``foreign``: validated like any manifest, its
+        ranges allowed to lack a crc32c; every problem a :class:`ManifestError`."""
+        with gc_paused():
+            return validated(cls, {**doc, "foreign": foreign}, where, f"manifest translated from {foreign}")
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -294,6 +322,8 @@ class Manifest(_Frozen):
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
         _check_version(doc.get("format_version"), where)
+        if "foreign" in doc:
+            raise ManifestError(f"{where}: a stored manifest never names a foreign format (translated ones stay in memory)")
         return validated(cls, doc, where, "manifest")
 
 

@@ -200,6 +200,14 @@ class Storage(abc.ABC):
     async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
         """Abort one unfinished multipart upload (one already gone is not an error)."""
 
+    async def translated_manifest(self, step: int) -> Any:
+        """The manifest of ``step`` translated from a foreign checkpoint's own metadata
+        (a read-only view of a DCP folder or a ``torch.save`` file:
+        :class:`~aiosnap.interop.foreign.ForeignStorage`), or None for a root of aiosnap's
+        own, whose ``manifest.json`` is read and validated as usual. (Typed ``Any``: storage
+        sits below the format.)"""
+        return None
+
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Get ready to serve requests (make clients, load service models), called in the
         background when a checkpointer opens this root so that its first save does not pay
