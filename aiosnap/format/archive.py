@@ -33,6 +33,7 @@ __all__ = [
     "data_record_name",
     "local_header",
     "parse_trailer",
+    "zip_directory",
 ]
 
 ARCHIVE = "archive"
@@ -138,23 +139,27 @@ def build_tail(
         if full == MANIFEST_RECORD:
             manifest_at = at + len(out)
         out += data
-    directory_at = at + len(out)
-    for record in records:
-        out += _central_entry(record)
-    directory_size = at + len(out) - directory_at
-    count = len(records)
-    if count >= _U16 or directory_at >= _U32 or directory_size >= _U32:
-        end64_at = at + len(out)
-        out += _EOCD64.pack(
-            _EOCD64_SIG, _EOCD64.size - 12, _VERSION, _VERSION, 0, 0, count, count, directory_size, directory_at
-        )
-        out += _LOCATOR.pack(_LOCATOR_SIG, 0, end64_at, 1)
     comment = b"aiosnap-archive step=%d save=%s manifest=%d+%d" % (
         step, save_id.encode("ascii"), manifest_at, len(manifest_bytes),
     )  # fmt: skip
+    out += zip_directory(records, at + len(out), comment)
+    return bytes(out)
+
+
+def zip_directory(records: Sequence[Record], at: int, comment: bytes = b"") -> bytes:
+    """The central directory of ``records`` and the end records (zip64 where needed), for a
+    directory that starts at offset ``at`` of the archive."""
+    out = bytearray()
+    for record in records:
+        out += _central_entry(record)
+    directory_size = len(out)
+    count = len(records)
+    if count >= _U16 or at >= _U32 or directory_size >= _U32:
+        end64_at = at + len(out)
+        out += _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, _VERSION, _VERSION, 0, 0, count, count, directory_size, at)
+        out += _LOCATOR.pack(_LOCATOR_SIG, 0, end64_at, 1)
     out += _EOCD.pack(
-        _EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16),
-        min(directory_size, _U32), min(directory_at, _U32), len(comment),
+        _EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16), min(directory_size, _U32), min(at, _U32), len(comment),
     )  # fmt: skip
     out += comment
     return bytes(out)

@@ -46,6 +46,7 @@ __all__ = [
     "leading_records",
     "parse_pickle",
     "read_range",
+    "records_in",
     "zip_records",
 ]
 
@@ -195,17 +196,37 @@ async def zip_records(
             raise CorruptCheckpointError(f"{where}: record {short[:100]!r} lies outside the archive")
         async with limit:
             head = await read_range(storage, name, start + local, _LOCAL.size, where)
-        sig, _, flags, method, *_, name_len, extra_len = _LOCAL.unpack(head)
-        if sig != _LOCAL_SIG or method != 0 or flags & 0x41:
-            raise CorruptCheckpointError(f"{where}: a damaged local header for record {short[:100]!r}")
-        data_at = local + _LOCAL.size + name_len + extra_len
-        if data_at + nbytes > length:
-            raise CorruptCheckpointError(f"{where}: record {short[:100]!r} runs past the archive's end")
-        if short in found:
-            raise CorruptCheckpointError(f"{where}: record {short[:100]!r} is there twice")
-        found[short] = ZipRecord(short, start + data_at, nbytes)
+        _add(found, short, local, nbytes, head, start, length, where)
 
     await run_all(locate(*item) for item in picked)
+    return found
+
+
+def _add(found: dict[str, ZipRecord], short: str, local: int, nbytes: int, head: bytes, start: int, length: int, where: str) -> None:
+    """Record ``short`` from its local header ``head`` (at ``local`` of the archive)."""
+    sig, _, flags, method, *_, name_len, extra_len = _LOCAL.unpack_from(head)
+    if sig != _LOCAL_SIG or method != 0 or flags & 0x41:
+        raise CorruptCheckpointError(f"{where}: a damaged local header for record {short[:100]!r}")
+    data_at = local + _LOCAL.size + name_len + extra_len
+    if data_at + nbytes > length:
+        raise CorruptCheckpointError(f"{where}: record {short[:100]!r} runs past the archive's end")
+    if short in found:
+        raise CorruptCheckpointError(f"{where}: record {short[:100]!r} is there twice")
+    found[short] = ZipRecord(short, start + data_at, nbytes)
+
+
+def records_in(archive: bytes, where: str) -> dict[str, ZipRecord]:
+    """The records of a ``torch.save`` archive held in memory (offsets in ``archive``)."""
+    length = len(archive)
+    if length < _EOCD.size:
+        raise CorruptCheckpointError(f"{where}: {length} bytes is too short for a zip archive")
+    count, size, offset = _end_record(archive[-_MAX_TAIL:], length, where)
+    found: dict[str, ZipRecord] = {}
+    for full, local, nbytes in _directory(archive[offset : offset + size], count, where):
+        if local + _LOCAL.size > length:
+            raise CorruptCheckpointError(f"{where}: a record lies outside the archive")
+        short = full.split("/", 1)[1] if "/" in full else full
+        _add(found, short, local, nbytes, archive[local : local + _LOCAL.size], 0, length, where)
     return found
 
 
