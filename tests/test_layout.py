@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).parent.parent / "aiosnap"
 
 LAYERS: list[set[str]] = [
-    {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing"},
+    {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing", "dcp"},
     {"service", "distributed"},
     {"trainer", "transfer"},
     {"catalog", "load", "handoff", "interop"},

@@ -323,7 +323,9 @@ class Manifest(_Frozen):
             raise ManifestError(f"{where}: not an aiosnap manifest")
         _check_version(doc.get("format_version"), where)
         if "foreign" in doc:
-            raise ManifestError(f"{where}: a stored manifest never names a foreign format (translated ones stay in memory)")
+            raise ManifestError(
+                f"{where}: a stored manifest never names a foreign format (translated ones stay in memory)"
+            )
         return validated(cls, doc, where, "manifest")
 
 

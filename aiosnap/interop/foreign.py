@@ -97,7 +97,9 @@ class ForeignStorage(Storage):
     async def translated_manifest(self, step: int) -> Manifest:
         found = (await self.translation()).manifest
         if found.step != step:
-            raise CheckpointNotFoundError(f"{self.url} is {self.translator.kind}: it holds step {found.step}, not {step}")
+            raise CheckpointNotFoundError(
+                f"{self.url} is {self.translator.kind}: it holds step {found.step}, not {step}"
+            )
         return found
 
     async def _object(self, name: str) -> VirtualObject:

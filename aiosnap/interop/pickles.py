@@ -82,9 +82,7 @@ _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(
-        self, data: bytes, allowed: set[str], persistent: Callable[[Any], Any] | None, where: str
-    ) -> None:
+    def __init__(self, data: bytes, allowed: set[str], persistent: Callable[[Any], Any] | None, where: str) -> None:
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._persistent = persistent
@@ -148,7 +146,9 @@ def plain_value(value: Any, where: str, leaf: Callable[[Any], Any] | None = None
     if kind is tuple:
         return tuple(plain_value(v, where, leaf, depth + 1) for v in value)
     if kind in (dict, OrderedDict):
-        items = [(plain_value(k, where, leaf, depth + 1), plain_value(v, where, leaf, depth + 1)) for k, v in value.items()]
+        items = [
+            (plain_value(k, where, leaf, depth + 1), plain_value(v, where, leaf, depth + 1)) for k, v in value.items()
+        ]
         try:
             rebuilt = kind(items)
         except TypeError as exc:  # an unhashable key

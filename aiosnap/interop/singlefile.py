@@ -56,6 +56,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
 from ..storage.base import BytesLike, ObjectInfo, Storage, preadv_all
 from ..storage.registry import storage_from_url
+from .dcp.api import checkpoint_storage, is_dcp_checkpoint
 
 __all__ = ["ArchiveStorage", "is_archive", "storage_for"]
 
@@ -607,8 +608,12 @@ def _manifest_step(name: str) -> int | None:
 
 def storage_for(url: str, config: Config | None = None) -> Storage:
     """The backend for a checkpoint location: a local path that is a file is a single-file
-    checkpoint (a Lightning checkpoint saved through aiosnap, say); anything else is the root
+    checkpoint (a Lightning checkpoint saved through aiosnap, say); a local folder holding a
+    DCP checkpoint (its ``.metadata``) is that checkpoint, read-only (see
+    :func:`aiosnap.interop.dcp.api.checkpoint_storage`); anything else is the root
     :func:`~aiosnap.storage.registry.storage_from_url` makes."""
     if "://" not in url and os.path.isfile(os.path.expanduser(url)):
         return ArchiveStorage(url)
+    if "://" not in url and is_dcp_checkpoint(url):
+        return checkpoint_storage(url, config)
     return storage_from_url(url, config)

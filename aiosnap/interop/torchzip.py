@@ -115,7 +115,9 @@ def _end_record(tail: bytes, length: int, where: str) -> tuple[int, int, int]:
         if sig != _EOCD64_SIG:
             raise CorruptCheckpointError(f"{where}: a damaged zip64 end record")
     if not 0 <= count <= _MAX_RECORDS or size > _MAX_DIRECTORY or offset + size > length:
-        raise CorruptCheckpointError(f"{where}: a zip directory of {count} records at {offset}+{size} in {length} bytes")
+        raise CorruptCheckpointError(
+            f"{where}: a zip directory of {count} records at {offset}+{size} in {length} bytes"
+        )
     return count, size, offset
 
 
@@ -202,7 +204,9 @@ async def zip_records(
     return found
 
 
-def _add(found: dict[str, ZipRecord], short: str, local: int, nbytes: int, head: bytes, start: int, length: int, where: str) -> None:
+def _add(
+    found: dict[str, ZipRecord], short: str, local: int, nbytes: int, head: bytes, start: int, length: int, where: str
+) -> None:
     """Record ``short`` from its local header ``head`` (at ``local`` of the archive)."""
     sig, _, flags, method, *_, name_len, extra_len = _LOCAL.unpack_from(head)
     if sig != _LOCAL_SIG or method != 0 or flags & 0x41:
@@ -286,7 +290,9 @@ class TensorRef:
     @property
     def contiguous(self) -> bool:
         """Its elements are the storage's, row-major, from ``offset`` (what a byte range holds)."""
-        return all(s == c for s, c, n in zip(self.stride, contiguous_strides(self.shape), self.shape, strict=True) if n > 1)
+        return all(
+            s == c for s, c, n in zip(self.stride, contiguous_strides(self.shape), self.shape, strict=True) if n > 1
+        )
 
 
 def contiguous_strides(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -433,4 +439,3 @@ def parse_pickle(data: bytes, where: str) -> tuple[Any, dict[str, StorageRef]]:
     graph = unpickle_restricted(data, ALLOWED, where, persistent=parser.persistent, limit=MAX_PICKLE_BYTES)
     value = plain_value(graph, where, parser.leaf)
     return value, parser.storages
-

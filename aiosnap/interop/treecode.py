@@ -81,7 +81,9 @@ def nest_paths(leaves: list[tuple[tuple[Any, ...], Any]], where: str) -> dict[st
         node[path[-1]] = _Leaf(leaf)
 
     def build(node: dict[Any, Any]) -> dict[str, Any]:
-        return dict_node([[encode_value(k, where), v.node if isinstance(v, _Leaf) else build(v)] for k, v in node.items()])
+        return dict_node(
+            [[encode_value(k, where), v.node if isinstance(v, _Leaf) else build(v)] for k, v in node.items()]
+        )
 
     return build(root)
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ...format.archive import Record, local_header, zip_directory
 from ...errors import CorruptCheckpointError
+from ...format.archive import Record, local_header, zip_directory
 from ..torchzip import contiguous_strides, records_in
 
 __all__ = ["BlobLayout", "payload_of_value", "tensor_blob"]
@@ -72,7 +72,7 @@ class _Pickler(pickle.Pickler):
             stride = contiguous_strides(obj.shape)
             if legacy is None:  # dtypes without a legacy storage class: torch.save's v3 form
                 storage = _StorageStub(obj.dtype, numel * obj.dtype.itemsize)
-                args = (storage, 0, obj.shape, stride, False, OrderedDict(), obj.dtype)
+                args: tuple[Any, ...] = (storage, 0, obj.shape, stride, False, OrderedDict(), obj.dtype)
                 return torch._utils._rebuild_tensor_v3, args
             storage = _StorageStub(obj.dtype, numel)
             return torch._utils._rebuild_tensor_v2, (storage, 0, obj.shape, stride, False, OrderedDict())

@@ -219,7 +219,10 @@ def _tensor_item(value: Record, fqn: str, where: str) -> TensorItem:
         if not _is(raw, "ChunkStorageMetadata"):
             raise _fail(here, "a chunk that is not ChunkStorageMetadata")
         fields = _fields(raw, here, "ChunkStorageMetadata", {"offsets", "sizes"})
-        offsets, sizes = _size(fields.get("offsets"), here, "a chunk's offsets"), _size(fields.get("sizes"), here, "a chunk's sizes")
+        offsets, sizes = (
+            _size(fields.get("offsets"), here, "a chunk's offsets"),
+            _size(fields.get("sizes"), here, "a chunk's sizes"),
+        )
         if len(offsets) != len(size) or len(sizes) != len(size):
             raise _fail(here, f"a chunk of {len(offsets)} dimension(s) in a tensor of {len(size)}")
         if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
@@ -307,7 +310,9 @@ def parse_metadata(data: bytes, where: str) -> DcpMetadata:
     graph = unpickle_restricted(data, ALLOWED, where, limit=MAX_METADATA_BYTES)
     if not _is(graph, "Metadata"):
         raise _fail(where, "not a DCP checkpoint's metadata")
-    fields = _fields(graph, where, "Metadata", {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"})
+    fields = _fields(
+        graph, where, "Metadata", {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
+    )
     described = fields.get("state_dict_metadata")
     if type(described) is not dict:
         raise _fail(where, "state_dict_metadata is not a dict")

@@ -98,7 +98,7 @@ async def _pickle_of(inner: Storage, loc: ItemLocation, where: str) -> tuple[Zip
 
 async def _tensor_payload(inner: Storage, item: TensorItem, chunk: Chunk, loc: ItemLocation, where: str) -> Payload:
     _, records, data = await _pickle_of(inner, loc, where)
-    value, storages = parse_pickle(data, where)
+    value, _ = parse_pickle(data, where)
     if not isinstance(value, TensorRef):
         raise CorruptCheckpointError(f"{where}: the item is not a tensor")
     if value.dtype != item.dtype or value.shape != chunk.sizes:
@@ -142,7 +142,9 @@ async def _value_payload(inner: Storage, loc: ItemLocation, where: str, known: I
 def _checked(item: TensorItem, chunk: Chunk, loc: ItemLocation, known: ItemChecksums, where: str) -> Payload:
     _, offset, length, item_crc, at, nbytes, crc = known
     if nbytes != _chunk_nbytes(item, chunk) or not (offset <= at and at + nbytes <= offset + length):
-        raise CorruptCheckpointError(f"{where}: its checksums give a payload of {nbytes} bytes at {at}, which does not fit")
+        raise CorruptCheckpointError(
+            f"{where}: its checksums give a payload of {nbytes} bytes at {at}, which does not fit"
+        )
     return Payload(loc.relative_path, at, nbytes, crc, item_crc)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -149,10 +150,8 @@ class Runtime:
     def close(self) -> None:
         async def close_all() -> None:
             for storage in list(self._storages.values()):
-                try:
+                with contextlib.suppress(Exception):  # closing at exit: nothing to report to
                     await storage.close()
-                except Exception:  # noqa: S110 - closing at exit: nothing to report to
-                    pass
 
         if self.loop.forked():
             return

@@ -35,7 +35,9 @@ class Tile:
     sizes: tuple[int, ...]
 
 
-def tile_boxes(size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int, target: int) -> list[Box]:
+def tile_boxes(
+    size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int, target: int
+) -> list[Box]:
     """The tiles (global offsets, sizes) of the chunk at ``offsets`` of ``sizes`` in a
     tensor of global ``size``: the chunk itself when the whole tensor fits ``target`` bytes."""
     if math.prod(size) * itemsize <= target or math.prod(sizes) == 0 or not size:
@@ -63,7 +65,7 @@ def tile_plan(plan: SavePlan, target: int) -> tuple[SavePlan, dict[MetadataIndex
         if item.type == WriteItemType.BYTE_IO or data is None:
             items.append(item)
             continue
-        itemsize = torch._utils._element_size(data.properties.dtype)
+        itemsize = data.properties.dtype.itemsize
         chunk_offsets, chunk_sizes = tuple(data.chunk.offsets), tuple(data.chunk.sizes)
         boxes = tile_boxes(tuple(data.size), chunk_offsets, chunk_sizes, itemsize, target)
         if len(boxes) == 1:

@@ -32,14 +32,14 @@ from ...core.aio import run_all
 from ...core.names import attempt_prefix
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
-from ...format.manifest import PLAIN_VERSION, FORMAT_VERSION, Manifest
+from ...format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest
 from ...format.tree import MAX_TREE_DEPTH
 from ...storage.base import Storage
 from ..foreign import STEP, Translation, VirtualObject
 from ..torchzip import contiguous_strides
 from ..treecode import encode_value, nest_paths
 from .checksums import is_aiosnap_save_id
-from .metadata import MAX_METADATA_BYTES, METADATA_FILE, BytesItem, DcpMetadata, TensorItem, parse_metadata
+from .metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorItem, parse_metadata
 from .payloads import NOT_PLAIN, Payload, item_payloads
 
 __all__ = ["PIECE_BYTES", "DcpTranslator", "key_path", "read_metadata_bytes"]
@@ -65,7 +65,7 @@ def key_path(planner_data: Any, fqn: str) -> tuple[Any, ...]:
     ``(fqn,)`` when the metadata does not say."""
     path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
     if (
-        type(path) in (tuple, list)
+        isinstance(path, (tuple, list))
         and 0 < len(path) <= MAX_TREE_DEPTH // 2
         and all(type(k) in (str, int) for k in path)
         and ".".join(map(str, path)) == fqn
@@ -85,6 +85,10 @@ def _ranges(name: str, payload: Payload) -> list[list[Any]]:
         found.append([name, payload.offset + done, take, None])
         done += take
     return found
+
+
+def _range_doc(stored: list[Any]) -> dict[str, Any]:
+    return dict(zip(("object", "offset", "nbytes", "crc32c"), stored, strict=True))
 
 
 def _rank_of(file: str) -> int:
@@ -108,7 +112,7 @@ class _Builder:
 
     def tensor(self, fqn: str, path: str, item: TensorItem) -> dict[str, Any]:
         itemsize = DTYPE_ITEMSIZE[item.dtype]
-        shards = []
+        shards: list[tuple[list[int], list[int], list[list[Any]]]] = []
         for chunk in item.chunks:
             payload = self.payloads[(fqn, chunk.offsets)]
             if not payload.contiguous:
@@ -118,7 +122,7 @@ class _Builder:
                     "StorageReader reads it), or save a contiguous copy"
                 )
             if math.prod(chunk.sizes):
-                shards.append([list(chunk.offsets), list(chunk.sizes), _ranges(self.name(payload.file), payload)])
+                shards.append((list(chunk.offsets), list(chunk.sizes), _ranges(self.name(payload.file), payload)))
         nbytes = math.prod(item.size) * itemsize
         entry: dict[str, Any] = {
             "path": path, "dtype": item.dtype, "shape": list(item.size),
@@ -126,11 +130,11 @@ class _Builder:
         }  # fmt: skip
         whole = len(item.chunks) == 1 and item.chunks[0].offsets == (0,) * len(item.size)
         if whole or not shards:
-            entry.update(kind="tensor", ranges=[dict(zip(("object", "offset", "nbytes", "crc32c"), r, strict=True))
-                                                for s in shards for r in s[2]])  # fmt: skip
+            ranges: list[list[Any]] = [r for shard in shards for r in shard[2]]
+            entry.update(kind="tensor", ranges=[_range_doc(r) for r in ranges])
             return {"t": "tensor", "id": self._add(entry)}
         self.sharded = True
-        entry.update(kind="sharded", ranges=[], shards=shards)
+        entry.update(kind="sharded", ranges=[], shards=[list(shard) for shard in shards])
         return {"t": "dtensor", "id": self._add(entry)}
 
     def value(self, fqn: str, path: str) -> Any:
@@ -140,8 +144,7 @@ class _Builder:
         entry = {
             "path": path, "kind": "pickle", "dtype": "uint8", "shape": [payload.nbytes], "stride": [1],
             "device": "cpu", "nbytes": payload.nbytes,
-            "ranges": [dict(zip(("object", "offset", "nbytes", "crc32c"), r, strict=True))
-                       for r in _ranges(self.name(payload.file), payload)],
+            "ranges": [_range_doc(r) for r in _ranges(self.name(payload.file), payload)],
         }  # fmt: skip
         return {"t": "pickle", "id": self._add(entry)}
 

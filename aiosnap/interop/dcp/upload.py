@@ -122,7 +122,7 @@ def _describe(items: list[WriteItem], planner: SavePlanner) -> list[_Item]:
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
             value = planner.resolve_data(item)
-            data = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)  # type: ignore[arg-type]
+            data = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
             found.append(_Item(item, len(data), data=data, payload=payload_of_value(data)))
         else:
             assert item.tensor_data is not None
@@ -245,5 +245,5 @@ def _remove(storage: Storage, runtime: Runtime, names: list[str]) -> None:
 
     try:
         runtime.run(remove())
-    except Exception as exc:  # noqa: BLE001 - reported, the save's own error is raised
+    except Exception as exc:
         log.warning("aiosnap: could not clean up a failed DCP save: %s", exc)

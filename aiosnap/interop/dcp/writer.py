@@ -147,7 +147,9 @@ class StorageWriter(_TorchStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         told = plan.storage_data
         if not isinstance(told, _RankPlan):
-            raise ConfigError("aiosnap.dcp.StorageWriter: the plan was not prepared by this writer's prepare_global_plan")
+            raise ConfigError(
+                "aiosnap.dcp.StorageWriter: the plan was not prepared by this writer's prepare_global_plan"
+            )
         self._save_id = told.save_id
         run = runtime()
         results = write_items(
@@ -186,4 +188,3 @@ class StorageWriter(_TorchStorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         text = _url_of(checkpoint_id)
         return bool(text) and (text.startswith(("s3://", "file://")) or "://" not in text)
-
