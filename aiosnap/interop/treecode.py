@@ -64,8 +64,10 @@ def encode_value(value: Any, where: str, tensor: Callable[[TensorRef], Any] | No
 
 def nest_paths(leaves: list[tuple[tuple[Any, ...], Any]], where: str) -> dict[str, Any]:
     """A tree of nested dicts holding each encoded leaf at its key path (``("model",
-    "w")``: ``{"model": {"w": leaf}}``), keys in first-seen order. A path that is a prefix
-    of another (a value and a dict under one key) is a CorruptCheckpointError."""
+    "w")``: ``{"model": {"w": leaf}}``), keys in first-seen order; below the top, a level
+    whose keys are the integers 0 to n-1 is a list (as DCP flattens lists:
+    ``("param_groups", 0, "lr")``). A path that is a prefix of another (a value and a dict
+    under one key) is a CorruptCheckpointError."""
     root: dict[Any, Any] = {}
     for path, leaf in leaves:
         if not path:
@@ -81,9 +83,10 @@ def nest_paths(leaves: list[tuple[tuple[Any, ...], Any]], where: str) -> dict[st
         node[path[-1]] = _Leaf(leaf)
 
     def build(node: dict[Any, Any]) -> dict[str, Any]:
-        return dict_node(
-            [[encode_value(k, where), v.node if isinstance(v, _Leaf) else build(v)] for k, v in node.items()]
-        )
+        children = [(k, v.node if isinstance(v, _Leaf) else build(v)) for k, v in node.items()]
+        if all(type(k) is int for k in node) and sorted(node) == list(range(len(node))) and node is not root:
+            return {"t": "list", "items": [child for _, child in sorted(children, key=lambda kv: int(kv[0]))]}
+        return dict_node([[encode_value(k, where), child] for k, child in children])
 
     return build(root)
 

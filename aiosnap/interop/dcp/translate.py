@@ -153,8 +153,14 @@ class _Builder:
         return len(self.entries) - 1
 
     def tree(self) -> Any:
+        """The nested tree, its keys in the order of the state dict DCP flattened (the
+        planner's key paths keep it; the metadata lists tensors first)."""
         leaves = []
-        for fqn, item in self.meta.items.items():
+        flattened = self.meta.planner_data if isinstance(self.meta.planner_data, dict) else {}
+        order = [fqn for fqn in flattened if fqn in self.meta.items]
+        order += [fqn for fqn in self.meta.items if fqn not in flattened]
+        for fqn in order:
+            item = self.meta.items[fqn]
             path = key_path(self.meta.planner_data, fqn)
             text = "/".join(map(str, path))
             leaf = self.tensor(fqn, text, item) if isinstance(item, TensorItem) else self.value(fqn, text)
