@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_child import main  # noqa: E402 - the same process set-up as every multi-rank test
+from dist_child import main
 
 CONFIG = {"ram_budget": "4MiB", "upload": {"chunk_size": "64KiB"}, "events": {"log": False}}
 """64 KiB slabs: the 40,000-element embedding (160 KB) is written as tiles."""

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from aiosnap.dcp import StorageReader, load
-from torch.distributed.checkpoint import FileSystemReader
 from tests.conftest import assert_same
+from torch.distributed.checkpoint import FileSystemReader
 
 from dist_launch import ok, run_ranks
 

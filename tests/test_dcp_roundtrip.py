@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from aiosnap import PickleNotAllowedError, SyncCheckpointer, UnsupportedCheckpointError
 from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
+from tests.conftest import assert_same
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from tests.conftest import assert_same
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
