@@ -63,10 +63,13 @@ async def look(storage: Storage, *, overwrite: bool) -> CommitPlan:
 
 
 async def _read_back(storage: Storage) -> bytes | None:
+    """The ``.metadata`` there now (empty when there is none); None when it cannot be read."""
     try:
         async with asyncio.timeout(READ_BACK_TIMEOUT_S):
             return await storage.read(METADATA_FILE, limit=MAX_METADATA_BYTES)
-    except Exception as exc:  # down, or gone: undecided
+    except FileNotFoundError:
+        return b""
+    except Exception as exc:  # down: undecided
         log.warning("aiosnap: cannot read back %s/%s (%r)", storage.url, METADATA_FILE, exc)
         return None
 
@@ -98,8 +101,17 @@ async def commit(
         raise FileExistsError(
             f"{storage.url}: another writer committed a DCP checkpoint here while this save ran; not replacing it"
         ) from exc
+    except BaseException as exc:
+        # the write failed (or was cancelled): did it land anyway? If not, this attempt's
+        # files go where no write of them can still land; else they stay, named by nothing
+        current = await _read_back(storage)
+        if current != metadata or not isinstance(exc, Exception):
+            if storage.settled_writes and current not in (metadata, None):
+                await _remove(storage, mine, "data of a save whose commit failed")
+            raise
+        log.info("aiosnap: %s committed although writing its .metadata reported %r", storage.url, exc)
     current = await _read_back(storage)
-    if current is not None and current != metadata:
+    if current and current != metadata:
         log.warning("aiosnap: %s was committed, then replaced by another writer's checkpoint at once", storage.url)
         await _remove(storage, mine, "data of a save another writer replaced")
         return

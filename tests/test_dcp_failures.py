@@ -1,0 +1,146 @@
+"""aiosnap's DCP writer when things go wrong: a failed ``async_save``, a failed commit, two
+writers of one new checkpoint, a save killed half-way. The previous checkpoint stays whole
+and loadable (by torch's reader and by aiosnap's), nothing half-written is taken for a
+checkpoint, and a failed attempt's files go where nothing else can still write them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from aiosnap.dcp import StorageReader, StorageWriter, load
+from aiosnap.interop.dcp.runtime import runtime
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(60),
+]
+
+SMALL = {"ram_budget": "1MiB", "upload": {"chunk_size": "64KiB"}, "events": {"log": False}}
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((60_000,), value), "b": torch.arange(7) + int(value), "step": int(value)}
+
+
+def _assert_holds(folder: Path, value: float) -> None:
+    """Both readers load the checkpoint at ``folder`` as the state of ``value``."""
+    for reader in (FileSystemReader(folder), StorageReader(folder, SMALL)):
+        target = {"w": torch.zeros(60_000), "b": torch.zeros(7, dtype=torch.int64), "step": None}
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert torch.equal(target["w"], torch.full((60_000,), value)) and target["step"] == int(value)
+    assert torch.equal(load(None, folder, config=SMALL)["b"], torch.arange(7) + int(value))
+
+
+def _files(folder: Path) -> set[str]:
+    return set(os.listdir(folder))
+
+
+def test_a_failed_async_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    before = _files(folder)
+    faulty = FaultyStorage(
+        LocalStorage(folder), fail_when=lambda n: n.startswith("__0_2."), error=OSError(28, "disk full")
+    )
+    writer = StorageWriter(folder, SMALL, storage=faulty)
+    future = dcp.async_save(
+        _state(2.0), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD, no_dist=True
+    )  # fmt: skip
+    with pytest.raises(BaseException, match="disk full") as caught:  # DCP wraps it in CheckpointException
+        future.result(timeout=30)
+    assert isinstance(caught.value.failures[0][0], OSError)  # DCP keeps the original error, with its type
+    assert any(n.startswith("__0_3.") for n in faulty.writes)  # later files were written, then removed
+    assert _files(folder) == before
+    _assert_holds(folder, 1.0)
+
+
+def test_a_failed_commit_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    before = _files(folder)
+    faulty = FaultyStorage(LocalStorage(folder), fail_when=lambda n: n == ".metadata", error=OSError(5, "I/O error"))
+    with pytest.raises(BaseException, match="I/O error"):
+        dcp.save(_state(2.0), storage_writer=StorageWriter(folder, SMALL, storage=faulty), no_dist=True)
+    assert _files(folder) == before  # the attempt's files went: its .metadata provably did not land
+    _assert_holds(folder, 1.0)
+
+
+def test_two_writers_of_one_new_checkpoint(tmp_path: Path) -> None:
+    """Both start while no checkpoint is there; the first to commit wins, the second fails
+    with FileExistsError instead of replacing it, and its files go."""
+    folder = tmp_path / "ck"
+    held = FaultyStorage(LocalStorage(folder))
+    held.hold_when = lambda name: name == ".metadata"
+    failure: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL, storage=held), no_dist=True)
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not any(n.startswith(".aiosnap-checksums") for n in held.writes) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first writer's data is written; its .metadata waits
+    dcp.save(_state(2.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    held.release(runtime().loop.loop)
+    thread.join(timeout=30)
+    assert failure and "FileExistsError" in repr(failure[0]) + str(failure[0]), failure
+    _assert_holds(folder, 2.0)
+    data = [n for n in _files(folder) if n.endswith(".distcp")]
+    assert len({n.split(".")[1] for n in data}) == 1  # only the winner's attempt is left
+
+
+CHILD = """
+import sys, time, torch, warnings
+warnings.simplefilter("ignore")
+import torch.distributed.checkpoint as dcp
+from aiosnap.dcp import StorageWriter
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage
+folder = sys.argv[1]
+slow = FaultyStorage(LocalStorage(folder), delay=0.05)  # every write takes a while: killed half-way
+print("saving", flush=True)
+dcp.save({"w": torch.full((60_000,), 2.0), "b": torch.arange(7) + 2, "step": 2},
+         storage_writer=StorageWriter(folder, {"ram_budget": "1MiB", "upload": {"chunk_size": "64KiB",
+         "concurrency": 1}, "events": {"log": False}}, storage=slow), no_dist=True)
+print("done", flush=True)
+"""
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    before = _files(folder)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(folder)], cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}, start_new_session=True, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(_files(folder) - before) < 2 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.01)
+        assert child.poll() is None, "the save ended before it could be killed"
+        os.killpg(child.pid, signal.SIGKILL)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    assert len(_files(folder) - before) >= 2  # some of the new attempt's files had landed
+    _assert_holds(folder, 1.0)
