@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from aiosnap import SyncCheckpointer
 from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from tests.conftest import assert_same, s3_config
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 pytestmark = [
     pytest.mark.both_servers,
