@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
+    from .interop.convert import export
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -53,6 +54,7 @@ _LAZY = {
     "JsonlHandler": "core.events",
     "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
+    "export": "interop.convert",
     "RNGState": "core.rng",
     "ShardedState": "distributed.stateful",
 }
@@ -107,5 +109,6 @@ __all__ = [
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
+    "export",
     "load_config",
 ]

@@ -50,6 +50,7 @@ def test_public_names_are_locked() -> None:
         "UnsupportedStateError",
         "UploadProcessError",
         "WrongThreadError",
+        "export",
         "load_config",
     }
 
