@@ -1,7 +1,9 @@
 """Run as a child process (:func:`run_probe`): save a state 4x the RAM budget and report
 the budget's high-water mark and the process's peak RSS increase (Linux /proc). With
 ``staged-load [cuda]``: load 160 MiB into strided (or CUDA) tensors through the staging
-slabs and report the load's peak RSS increase."""
+slabs and report the load's peak RSS increase. With ``export SRC WORK``: export the checkpoint
+at SRC (10x the budget) to an aiosnap root, that to a DCP folder, that to a torch.save file,
+and report each export's peak RSS increase."""
 
 from __future__ import annotations
 
@@ -81,8 +83,24 @@ def staged_load(root: str, budget_mib: int, device: str = "cpu") -> None:
     print(json.dumps({"state_bytes": total, "budget": budget, "rss_increase": rss.increase, "values_equal": equal}))
 
 
+def exports(budget_mib: int, source: str, work: str) -> None:
+    from aiosnap import export
+
+    config = {"ram_budget": f"{budget_mib}MiB", "events": {"log": False}}
+    figures = {}
+    steps = [("aiosnap", source, f"{work}/root"), ("dcp", f"{work}/root", f"{work}/dcp-out")]
+    steps.append(("torch", f"{work}/dcp-out", f"{work}/f.pt"))
+    for to, src, dest in steps:
+        with PeakRSS() as rss:
+            result = export(src, dest, to=to, config=config)
+        figures[to] = {"rss_increase": rss.increase, "nbytes": result.nbytes}
+    print(json.dumps({"budget": budget_mib * MiB, "exports": figures}))
+
+
 if __name__ == "__main__":
-    if sys.argv[3:4] == ["staged-load"]:
+    if sys.argv[3:4] == ["export"]:
+        exports(int(sys.argv[2]), sys.argv[1], sys.argv[4])
+    elif sys.argv[3:4] == ["staged-load"]:
         staged_load(sys.argv[1], int(sys.argv[2]), *sys.argv[4:5])
     else:
         main(sys.argv[1], int(sys.argv[2]))

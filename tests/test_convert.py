@@ -21,14 +21,16 @@ from aiosnap import ChecksumMismatchError, CorruptCheckpointError, PickleNotAllo
 from aiosnap.cli import main as cli
 from aiosnap.dcp import StorageWriter
 from aiosnap.interop.singlefile import ArchiveStorage
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tests.conftest import assert_same
+from tests.memory_probe import SLACK, needs_peak_rss, run_probe
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
     pytest.mark.timeout(120),
 ]
 
+MiB = 1024 * 1024
 SMALL = {"ram_budget": "1MiB", "upload": {"chunk_size": "64KiB"}, "events": {"log": False}}
 SOURCES = ("aiosnap-root", "aiosnap-file", "dcp-torch", "dcp-aiosnap", "torch-file")
 SINKS = ("aiosnap", "dcp", "torch")
@@ -58,7 +60,9 @@ def _make(kind: str, folder: Path, state: dict[str, Any]) -> Path:
             ckpt.save(state, step=9).wait(timeout=30)
     elif kind == "aiosnap-file":
         path = folder / "single.ckpt"
-        with SyncCheckpointer({**SMALL, "storage": {"url": str(folder / "unused")}}, storage=ArchiveStorage(path)) as ckpt:
+        with SyncCheckpointer(
+            {**SMALL, "storage": {"url": str(folder / "unused")}}, storage=ArchiveStorage(path)
+        ) as ckpt:
             ckpt.save(state, step=9).wait(timeout=30)
     elif kind == "dcp-torch":
         dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
@@ -219,5 +223,21 @@ def test_the_cli_answers_for_a_dcp_folder_without_torch(sources: dict[str, Path]
 def test_pickle_of_the_gadget_is_what_we_think(tmp_path: Path) -> None:
     """The gadget above is real: plain unpickling runs it."""
     marker = tmp_path / "ran"
-    pickle.loads(pickle.dumps(Gadget(marker)))  # noqa: S301 - the point of the test
+    pickle.loads(pickle.dumps(Gadget(marker)))
     assert marker.exists()
+
+
+@needs_peak_rss
+def test_an_export_ten_times_the_budget_streams_within_it(tmp_path: Path) -> None:
+    budget_mib = 16
+    source = tmp_path / "dcp"
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(20 * MiB, generator=g), "b": torch.randn(4 * MiB, generator=g).view(1024, -1),
+             "small": {str(i): torch.randn(100, generator=g) for i in range(50)}}  # fmt: skip
+    state["c"] = torch.randn(16 * MiB, generator=g)  # 160 MiB in all: 10x the budget
+    dcp.save(state, storage_writer=FileSystemWriter(source), no_dist=True)
+    del state
+    figures = run_probe(source, budget_mib, "export", str(tmp_path))
+    for to, found in figures["exports"].items():
+        assert found["nbytes"] >= 10 * figures["budget"], (to, found)
+        assert found["rss_increase"] <= figures["budget"] + SLACK, (to, figures)

@@ -101,7 +101,7 @@ async def _export(
             selection = select(manifest, paths, where=where)
             budget = config.ram_budget_bytes()
             slab = slab_bytes_for(config, budget)
-            pool = SlabPool(slab, max(1, budget // slab - 1), runtime().loop.loop)  # one slab kept for sharded rows
+            pool = SlabPool(slab, max(4, budget // slab), runtime().loop.loop)
             try:
                 if to == "aiosnap":
                     sink = AiosnapSink(storage_from_url(dest, config), manifest.step, dict(manifest.metadata))

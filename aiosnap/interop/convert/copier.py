@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from ...core.aio import run_all
 from ...core.arena import SlabLease
 from ...core.checksums import RangeChecksums
@@ -82,6 +84,22 @@ class Sink(Protocol):
         ...
 
 
+class PoolSlabs:
+    """The export's slab pool lent to the resharding reads of a sharded entry
+    (:class:`~aiosnap.load.staged.StagingSlabs`): stored ranges are staged in the budget too."""
+
+    def __init__(self, pool: SlabPool) -> None:
+        self.pool = pool
+        self.slab_bytes = pool.slab_bytes
+
+    async def acquire(self) -> tuple[int, torch.Tensor]:
+        slab = await self.pool.acquire()
+        return slab, torch.frombuffer(self.pool.view(slab), dtype=torch.uint8)
+
+    def release(self, slab: int) -> None:
+        self.pool.release(slab)
+
+
 def _pieces(obj: DestObject, size: int) -> Iterator[tuple[int, list[Segment]]]:
     """``obj`` cut into pieces of at most ``size`` bytes: (offset, segments)."""
     offset, filled = 0, 0
@@ -117,6 +135,7 @@ async def stream(
 ) -> None:
     """Fill and hand over every object of the layout (see the module)."""
     limit = asyncio.Semaphore(concurrency)
+    slabs = PoolSlabs(pool)
     cursors: dict[int, Cursor] = {}
     writes: list[asyncio.Task[None]] = []
     window = pool.slab_bytes
@@ -127,7 +146,7 @@ async def stream(
                 try:
                     size = sum(len(s) if isinstance(s, bytes) else s.nbytes for s in segments)
                     view = pool.view(slab, size)
-                    cuts = await _fill(source, entries, cursors, segments, view, where, limit, window)
+                    cuts = await _fill(source, entries, cursors, segments, view, where, limit, window, slabs)
                     checksums = await asyncio.to_thread(RangeChecksums, view, cuts)
                     lease = pool.lease(slab, size)
                 except BaseException:
@@ -176,6 +195,7 @@ async def _fill(
     where: str,
     limit: asyncio.Semaphore,
     window: int,
+    slabs: PoolSlabs,
 ) -> list[int]:
     """Put ``segments`` into ``view``; the segment boundaries."""
     cuts = []
@@ -187,7 +207,8 @@ async def _fill(
         else:
             cursor = cursors.get(segment.entry)
             if cursor is None:
-                cursor = cursors[segment.entry] = cursor_for(source, entries[segment.entry], where, limit, window)
+                entry = entries[segment.entry]
+                cursor = cursors[segment.entry] = cursor_for(source, entry, where, limit, window, slabs)
             length = segment.nbytes
             await cursor.serve(segment.start, segment.start + length, view[position : position + length])
         cuts += [position, position + length]

@@ -29,6 +29,7 @@ from ...errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedOb
 from ...format.manifest import ByteRange, EntryRecord
 from ...load.decode import torch_dtype
 from ...load.reshard import ShardTarget, overlaps, read_into_targets
+from ...load.staged import StagingSlabs
 from ...storage.base import Storage
 from .selection import stub_manifest
 
@@ -98,11 +99,20 @@ class PlainCursor:
 
 
 class ShardedCursor:
-    """Serves the bytes of a sharded entry's full tensor (see the module)."""
+    """Serves the bytes of a sharded entry's full tensor (see the module). Its window is a
+    slab borrowed from ``slabs`` while the entry is read (a row larger than a slab: memory of
+    its own)."""
 
     def __init__(
-        self, storage: Storage, entry: EntryRecord, where: str, limit: asyncio.Semaphore, window_bytes: int
+        self,
+        storage: Storage,
+        entry: EntryRecord,
+        where: str,
+        limit: asyncio.Semaphore,
+        window_bytes: int,
+        slabs: StagingSlabs | None = None,
     ) -> None:
+        self.slabs = slabs
         self.storage = storage
         self.entry = entry
         self.where = where
@@ -115,15 +125,33 @@ class ShardedCursor:
         self.window: torch.Tensor | None = None
         self.first_row = 0
         self.manifest = stub_manifest([entry])  # what the resharding reads look at
+        self._memory: torch.Tensor | None = None  # the window's bytes
+        self._slab: int | None = None
+
+    async def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._memory is None or self._memory.numel() < nbytes:
+            self._give_back()
+            if self.slabs is not None and nbytes <= self.slabs.slab_bytes:
+                self._slab, self._memory = await self.slabs.acquire()
+            else:
+                self._memory = torch.empty(nbytes, dtype=torch.uint8)
+        return self._memory[:nbytes]
+
+    def _give_back(self) -> None:
+        if self._slab is not None and self.slabs is not None:
+            self.slabs.release(self._slab)
+        self._slab, self._memory, self.window = None, None, None
 
     async def _load(self, row: int) -> None:
         last = min(self.rows, row + self.rows_per_window)
         shape = tuple(self.entry.shape)
         box_shape = (last - row, *shape[1:]) if shape else ()
-        window = torch.empty(box_shape, dtype=self.dtype)
+        memory = await self._buffer((last - row) * self.row_bytes)
+        window = memory.view(self.dtype).view(box_shape) if box_shape else memory.view(self.dtype).view(())
         offsets = (row, *(0,) * (len(shape) - 1)) if shape else ()
         target = ShardTarget(window, offsets, box_shape, window)
-        await read_into_targets(self.storage, self.where, overlaps(self.manifest, {0: target}), self.limit)
+        pieces = overlaps(self.manifest, {0: target})
+        await read_into_targets(self.storage, self.where, pieces, self.limit, self.slabs)
         self.window, self.first_row = window, row
 
     async def serve(self, start: int, end: int, dest: memoryview) -> None:
@@ -142,16 +170,26 @@ class ShardedCursor:
             take = min(end - position, len(source) - at)
             dest[position - start : position - start + take] = source[at : at + take]
             position += take
+        if end >= self.rows * self.row_bytes:
+            self._give_back()  # the last bytes were served: the slab goes back now, not at the export's end
 
     def finish(self) -> None:
-        self.window = None
+        self._give_back()
 
 
 Cursor = PlainCursor | ShardedCursor
 
 
-def cursor_for(storage: Storage, entry: EntryRecord, where: str, limit: asyncio.Semaphore, window_bytes: int) -> Cursor:
-    """A cursor over ``entry``'s full bytes."""
+def cursor_for(
+    storage: Storage,
+    entry: EntryRecord,
+    where: str,
+    limit: asyncio.Semaphore,
+    window_bytes: int,
+    slabs: StagingSlabs | None = None,
+) -> Cursor:
+    """A cursor over ``entry``'s full bytes (``slabs``: where a sharded one stages the stored
+    ranges it copies from)."""
     if entry.kind == "sharded":
-        return ShardedCursor(storage, entry, where, limit, window_bytes)
+        return ShardedCursor(storage, entry, where, limit, window_bytes, slabs)
     return PlainCursor(storage, entry, where, limit)
