@@ -56,6 +56,7 @@ def _full(value: Any) -> Any:
 
 
 def save_fsdp(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    import aiosnap
     import aiosnap.dcp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -74,6 +75,9 @@ def save_fsdp(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[
     dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
     writer = aiosnap.dcp.StorageWriter(root / "process", CONFIG)
     dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    native = {**CONFIG, "storage": {"url": str(root / "native")}, "distributed": {"commit_timeout": 60}}
+    with aiosnap.SyncCheckpointer(native) as ckpt:  # aiosnap's own multi-rank format, for the converter
+        ckpt.save({**state, "rank": {"seed": 100 + rank}}, step=5, rank_local=["rank"]).wait(timeout=60)
     return {"files": sorted(p.name for p in (root / "aiosnap").iterdir())}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from aiosnap import export
 from aiosnap.dcp import StorageReader, load
 from tests.conftest import assert_same
 from torch.distributed.checkpoint import FileSystemReader
@@ -65,3 +66,22 @@ def test_two_ranks_consolidated_in_one_process(saved_by_2: Path, variant: str) -
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert_same(target["model"], expected["model"])
         assert_same(target["optim"]["state"], expected["optim"]["state"])
+
+
+@pytest.mark.parametrize("source", ["aiosnap", "torch", "native"])
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_multi_rank_sources_export_consolidated(saved_by_2: Path, source: str, to: str, tmp_path: Path) -> None:
+    """Shards of both ranks become full tensors (aiosnap's own multi-rank format too, whose
+    rank-local values are taken as rank 0 saved them)."""
+    expected = torch.load(saved_by_2 / "expected.pt", weights_only=True)
+    dest = tmp_path / ("out.pt" if to == "torch" else "out")
+    export(str(saved_by_2 / source), str(dest), to=to, config={"ram_budget": "1MiB", "upload": {"chunk_size": "64KiB"}})
+    if to == "torch":
+        loaded = torch.load(dest, weights_only=True)
+    else:
+        loaded = _zeros({**expected, **({"rank": {"seed": 0}} if source == "native" else {})})
+        dcp.load(loaded, storage_reader=FileSystemReader(dest), no_dist=True)
+    assert_same(dict(loaded["model"]), expected["model"])  # (aiosnap keeps an OrderedDict as such)
+    assert_same(loaded["optim"]["state"], expected["optim"]["state"])
+    if source == "native":
+        assert loaded["rank"] == {"seed": 100}
