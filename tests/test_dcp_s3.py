@@ -3,12 +3,13 @@ checks every body's CRC32C), with the fault proxy resetting connections mid-body
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from aiosnap import SyncCheckpointer
+from aiosnap import SyncCheckpointer, export
 from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
 from tests.conftest import assert_same, s3_config
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -74,3 +75,21 @@ def test_async_save_through_connection_resets(s3_endpoint: str, s3_bucket: str, 
     target = {"model": {"big": torch.zeros(4_000_000), "small": torch.zeros(10, 3)}, "step": None}
     dcp.load(target, storage_reader=StorageReader(url, config), no_dist=True)
     assert_same(target["model"], state["model"])
+
+
+def test_export_to_and_from_s3(s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path) -> None:
+    config = s3_config(s3_endpoint, s3_bucket)
+    state = _state()
+    torch.save(state, tmp_path / "plain.pt")
+    dcp_url = f"s3://{s3_bucket}/exported/dcp"
+    export(str(tmp_path / "plain.pt"), dcp_url, to="dcp", config=config)
+    assert "exported/dcp/.metadata" in _keys(s3_client, s3_bucket, "exported/dcp/")
+    export(dcp_url, str(tmp_path / "back.pt"), to="torch", config=config)  # a DCP folder on S3, detected
+    assert_same(torch.load(tmp_path / "back.pt", weights_only=True), state)
+    file_url = f"s3://{s3_bucket}/exported/one.pt"
+    export(dcp_url, file_url, to="torch", config=config)
+    s3_client.download_file(s3_bucket, "exported/one.pt", str(tmp_path / "one.pt"))
+    assert_same(torch.load(tmp_path / "one.pt", weights_only=True), state)
+    export(file_url, str(tmp_path / "root"), to="aiosnap", config=config)  # a torch.save object on S3, detected
+    with SyncCheckpointer({"storage": {"url": str(tmp_path / "root")}, "events": {"log": False}}) as ckpt:
+        assert_same(ckpt.load(), state)
