@@ -463,7 +463,7 @@ def bench_command(
     which: Annotated[
         str,
         typer.Argument(
-            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
+            help="local | s3 | spool | lightning | load | many | interference | distributed | dcp; options go to it"
         ),
     ] = "local",
 ) -> None:

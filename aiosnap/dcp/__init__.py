@@ -9,6 +9,9 @@ The one-line switch: give DCP aiosnap's storage layer, and keep the rest of the 
     dcp.async_save(state_dict, storage_writer=aiosnap.dcp.StorageWriter(path))
     dcp.load(state_dict, storage_reader=aiosnap.dcp.StorageReader(path))
 
+:class:`Stager` stages ``async_save`` in reused buffers within the RAM budget
+(``async_stager=aiosnap.dcp.Stager(config)``).
+
 What the writer makes is a real DCP checkpoint (torch's ``FileSystemReader`` reads a local
 one); the reader reads any DCP checkpoint (torch's writers' too). :func:`load` loads one into
 live state through aiosnap's own load path (in place, partial, resharded into DTensors on
@@ -26,9 +29,10 @@ from ..checkpointer import SyncCheckpointer
 from ..config import Config
 from ..interop.dcp.api import checkpoint_storage, is_dcp_checkpoint
 from ..interop.dcp.reader import StorageReader
+from ..interop.dcp.stager import Stager
 from ..interop.dcp.writer import StorageWriter
 
-__all__ = ["StorageReader", "StorageWriter", "checkpoint_storage", "is_dcp_checkpoint", "load"]
+__all__ = ["Stager", "StorageReader", "StorageWriter", "checkpoint_storage", "is_dcp_checkpoint", "load"]
 
 
 def load(
