@@ -45,13 +45,13 @@ from ...errors import ConfigError, PickleNotAllowedError
 from ...format.manifest import ByteRange
 from ...load.fetch_runs import Range, Run, plan_runs, read_run
 from ...storage.base import Storage
-from ..torchzip import DeviceValue, DtypeValue, SizeValue
+from ..torchzip import DeviceValue, DtypeValue, SizeValue, contiguous_strides
+from .location import CheckpointLocation
 from .metadata import DcpMetadata, ItemKey, parse_metadata
 from .payloads import NOT_PLAIN, Payload, item_payloads
 from .runtime import runtime
 from .torchmeta import to_torch
 from .translate import read_metadata_bytes
-from .writer import _config, _url_of
 
 __all__ = ["StorageReader"]
 
@@ -90,15 +90,7 @@ class _Job:
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    found, step = [], 1
-    for size in reversed(shape):
-        found.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(found))
-
-
-class StorageReader(_TorchStorageReader):
+class StorageReader(CheckpointLocation, _TorchStorageReader):
     """A DCP storage reader for ``url`` (a folder path, ``file://`` or ``s3://bucket/prefix``).
 
     ``config``: an :class:`aiosnap.Config` (or a dict of its fields) for the RAM budget,
@@ -115,26 +107,14 @@ class StorageReader(_TorchStorageReader):
         allow_pickle: bool = False,
         storage: Storage | None = None,
     ) -> None:
-        super().__init__()
-        self.url = _url_of(url)
-        self.config = _config(config)
+        CheckpointLocation.__init__(self, url, config, storage)
         self.allow_pickle = allow_pickle
-        self._storage = storage
         self.load_id = str(uuid.uuid4())
         self._meta: DcpMetadata | None = None
         self._payloads: dict[ItemKey, Payload] = {}
 
-    @property
-    def storage(self) -> Storage:
-        return self._storage if self._storage is not None else runtime().storage(self.url, self.config)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.url = _url_of(checkpoint_id)
+        self._point_at(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self._meta, self._payloads = None, {}
 
@@ -239,7 +219,7 @@ class StorageReader(_TorchStorageReader):
             assert ref is not None
             view = (ref.shape, ref.stride, ref.offset)
             return _Job(request, payload, 0, payload.nbytes, memoryview(bytearray(payload.nbytes)), target, dtype, view)
-        strides = _strides(chunk.sizes)
+        strides = contiguous_strides(chunk.sizes)
         first = sum(o * s for o, s in zip(box_start, strides, strict=True))
         whole = box_start == (0,) * len(chunk.sizes) and box_shape == chunk.sizes
         if payload.crc32c is not None or whole:  # a checked payload is read whole (its crc32c covers all of it)
@@ -294,8 +274,3 @@ class StorageReader(_TorchStorageReader):
                 with torch.no_grad():
                     job.target.copy_(source)
             planner.commit_tensor(job.request, job.target)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        text = _url_of(checkpoint_id)
-        return bool(text) and (text.startswith(("s3://", "file://")) or "://" not in text)

@@ -38,6 +38,7 @@ from ...errors import ConfigError
 from ...storage.base import Storage
 from .checksums import SaveChecksums
 from .commit import CommitPlan, commit, look
+from .location import CheckpointLocation
 from .runtime import runtime
 from .tiles import Tile, tile_plan
 from .upload import WrittenItem, write_items
@@ -58,19 +59,7 @@ class _RankPlan:
     rank: int
 
 
-def _url_of(checkpoint_id: str | os.PathLike[str]) -> str:
-    return os.fspath(checkpoint_id)
-
-
-def _config(config: Config | dict[str, Any] | None) -> Config:
-    if config is None or isinstance(config, dict):
-        return Config(**(config or {}))
-    if isinstance(config, Config):
-        return config
-    raise ConfigError(f"config: expected an aiosnap Config or a dict of its fields, got {type(config).__name__}")
-
-
-class StorageWriter(_TorchStorageWriter):
+class StorageWriter(CheckpointLocation, _TorchStorageWriter):
     """A DCP storage writer for ``url`` (a folder path, ``file://`` or ``s3://bucket/prefix``).
 
     ``config``: an :class:`aiosnap.Config` (or a dict of its fields) for the RAM budget,
@@ -89,11 +78,8 @@ class StorageWriter(_TorchStorageWriter):
         overwrite: bool = True,
         storage: Storage | None = None,
     ) -> None:
-        super().__init__()
-        self.url = _url_of(url)
-        self.config = _config(config)
+        CheckpointLocation.__init__(self, url, config, storage)
         self.overwrite = overwrite
-        self._storage = storage
         self.is_coordinator = True
         self.rank = 0
         self._fresh()
@@ -106,20 +92,10 @@ class StorageWriter(_TorchStorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_tiles"} | {"_tiles": {}}
 
-    @property
-    def storage(self) -> Storage:
-        """The backend this writer writes through."""
-        return self._storage if self._storage is not None else runtime().storage(self.url, self.config)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
     # -- DCP's calls ----------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.url = _url_of(checkpoint_id)
+        self._point_at(checkpoint_id)
         self._fresh()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -183,8 +159,3 @@ class StorageWriter(_TorchStorageWriter):
         own = sorted({w.relative_path for w in written.values()})
         document = pickle.dumps(metadata)
         runtime().run(commit(self.storage, self._commit, document, checksums.to_json(), self._save_id, own))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        text = _url_of(checkpoint_id)
-        return bool(text) and (text.startswith(("s3://", "file://")) or "://" not in text)
