@@ -241,3 +241,20 @@ def test_an_export_ten_times_the_budget_streams_within_it(tmp_path: Path) -> Non
     for to, found in figures["exports"].items():
         assert found["nbytes"] >= 10 * figures["budget"], (to, found)
         assert found["rss_increase"] <= figures["budget"] + SLACK, (to, figures)
+
+
+def test_verify_lists_damage_in_a_dcp_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "ck"
+    dcp.save({"w": torch.arange(20_000.0)}, storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    assert cli(["verify", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unverified_bytes"] == 0  # aiosnap wrote it: every range checked
+    data_file = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    assert cli(["verify", str(folder)]) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    torch_written = tmp_path / "torch"
+    dcp.save({"w": torch.arange(20_000.0)}, storage_writer=FileSystemWriter(torch_written), no_dist=True)
+    assert cli(["verify", str(torch_written)]) == 0
+    assert "no recorded checksum" in capsys.readouterr().out
