@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from aiosnap import ConfigError, PickleNotAllowedError, SyncCheckpointer, UnsupportedCheckpointError
 from aiosnap.dcp import Stager, StorageReader, StorageWriter, checkpoint_storage, load
-from tests.conftest import assert_same
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, assert_same
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -216,3 +217,26 @@ def test_stager_reuses_its_buffers_within_the_budget(tmp_path: Path) -> None:
     assert os.listdir(spool) == []
     with pytest.raises(ConfigError, match="past ram_budget"):
         Stager({"ram_budget": "1MiB"}).stage({"x": torch.randn(1_000_000)})
+
+
+def test_saves_through_the_writer_emit_events(tmp_path: Path) -> None:
+    journal = tmp_path / "events.jsonl"
+    config = {**SMALL, "events": {"log": False, "jsonl": str(journal)}}
+    dcp.save({"x": torch.ones(1000)}, storage_writer=StorageWriter(tmp_path / "ck", config), no_dist=True)
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(e["kind"], e["stage"]) for e in events] == [
+        ("start", None),
+        ("end", "upload"),
+        ("end", "commit"),
+        ("end", None),
+    ]
+    assert events[1]["nbytes"] > 4000 and events[-1]["save_id"] == events[0]["save_id"]
+    failed = tmp_path / "failed.jsonl"
+    broken = FaultyStorage(
+        LocalStorage(tmp_path / "ck2"), fail_when=lambda n: n.endswith(".distcp"), error=OSError(5, "EIO")
+    )
+    writer = StorageWriter(tmp_path / "ck2", {**SMALL, "events": {"log": False, "jsonl": str(failed)}}, storage=broken)
+    with pytest.raises(BaseException, match="EIO"):
+        dcp.save({"x": torch.ones(3)}, storage_writer=writer, no_dist=True)
+    events = [json.loads(line) for line in failed.read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["start", "exception"] and events[1]["error_type"] == "OSError"

@@ -38,6 +38,7 @@ from ...errors import ConfigError
 from ...storage.base import Storage
 from .checksums import SaveChecksums
 from .commit import CommitPlan, commit, look
+from .events import save_events
 from .location import CheckpointLocation
 from .runtime import runtime
 from .tiles import Tile, tile_plan
@@ -128,10 +129,12 @@ class StorageWriter(CheckpointLocation, _TorchStorageWriter):
             )
         self._save_id = told.save_id
         run = runtime()
-        results = write_items(
-            plan.items, self._tiles, planner, self.storage, run, run.pool(self.config),
-            rank=told.rank, save_id=told.save_id, concurrency=self.config.upload.concurrency,
-        )  # fmt: skip
+        with save_events(self.config, self.url, told.save_id, told.rank, "upload", whole=False) as figures:
+            results = write_items(
+                plan.items, self._tiles, planner, self.storage, run, run.pool(self.config),
+                rank=told.rank, save_id=told.save_id, concurrency=self.config.upload.concurrency,
+            )  # fmt: skip
+            figures["nbytes"] = sum(r.size_in_bytes for r in results)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -158,4 +161,7 @@ class StorageWriter(CheckpointLocation, _TorchStorageWriter):
         )
         own = sorted({w.relative_path for w in written.values()})
         document = pickle.dumps(metadata)
-        runtime().run(commit(self.storage, self._commit, document, checksums.to_json(), self._save_id, own))
+        with save_events(self.config, self.url, self._save_id, self.rank, "commit", whole=True) as figures:
+            runtime().run(commit(self.storage, self._commit, document, checksums.to_json(), self._save_id, own))
+            figures["nbytes"] = len(document)
+            figures["total"] = sum(w.length for w in written.values())
