@@ -159,8 +159,8 @@ async def stream(
                 assert lease.view is not None
                 piece = Piece(obj, offset, lease.view, checksums)
                 writes.append(asyncio.create_task(_put(sink, piece, pool, slab, lease, progress)))
-                while sum(not w.done() for w in writes) >= concurrency:
-                    await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
+                while len(running := [w for w in writes if not w.done()]) >= concurrency:
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
         await run_all(_wait(w) for w in writes)
         for cursor in cursors.values():
             cursor.finish()

@@ -187,8 +187,8 @@ def write_items(
     written: list[str] = []
     try:
         for file in files:
-            while len([f for f in pending if not f.done()]) >= concurrency:
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            while len(running := [f for f in pending if not f.done()]) >= concurrency:
+                concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             _raise_first(pending)
             if file.nbytes > pool.slab_bytes:  # one value larger than a slab
                 buffer = memoryview(bytearray(file.nbytes))
