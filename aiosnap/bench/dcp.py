@@ -12,8 +12,9 @@ pool and storage client with them), as a training job makes them once.
   blocks, how long until the checkpoint is durable, the peak RSS increase; then ``dcp.load``
   of the checkpoint with torch's ``FileSystemReader`` and with aiosnap's ``StorageReader``;
 - on the S3 test server (moto, on loopback; ``--s3``): aiosnap's writer and reader, and
-  ``s3torchconnector``'s DCP writer and reader when that package is installed and can be
-  pointed at the local server (the report says so when it cannot).
+  ``s3torchconnector``'s DCP writer and reader (its ``S3StorageWriter``/``S3StorageReader``
+  take no endpoint, so their file system is replaced by one whose client has the test
+  server's; when the package is not installed the report says so).
 
 Ratios: aiosnap's figure over torch's (the goal: at most 1 on every figure). Run it on a
 quiet machine: the development machine's 2 shared cores make single runs noisy.
@@ -56,15 +57,28 @@ def _zeros(value: Any) -> Any:
     return torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
 
 
+def _s3tc_filesystem(config: dict[str, Any]) -> Any:
+    """s3torchconnector's DCP file system on the test server (path-style addressing)."""
+    from s3torchconnector._s3client import S3Client, S3ClientConfig
+    from s3torchconnector.dcp import S3FileSystem
+
+    client = S3Client(
+        "us-east-1", endpoint=config["s3"]["endpoint_url"], s3client_config=S3ClientConfig(force_path_style=True)
+    )
+    return S3FileSystem("us-east-1", s3_client=client)
+
+
 def _writer(tool: str, url: str, config: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     if tool == "torch":
         return FileSystemWriter(url)
     if tool == "s3torchconnector":
-        from s3torchconnector.dcp import S3StorageWriter  # type: ignore[import-not-found]
+        from s3torchconnector.dcp import S3StorageWriter
 
-        return S3StorageWriter(region="us-east-1", path=url, s3client_config=None)
+        writer = S3StorageWriter(region="us-east-1", path=url)
+        writer.fs = _s3tc_filesystem(config)  # its DCP writer takes no endpoint: its file system does
+        return writer
     import aiosnap.dcp
 
     return aiosnap.dcp.StorageWriter(url, config)
@@ -78,7 +92,9 @@ def _reader(tool: str, url: str, config: dict[str, Any]) -> Any:
     if tool == "s3torchconnector":
         from s3torchconnector.dcp import S3StorageReader
 
-        return S3StorageReader(region="us-east-1", path=url)
+        reader = S3StorageReader(region="us-east-1", path=url)
+        reader.fs = _s3tc_filesystem(config)
+        return reader
     import aiosnap.dcp
 
     return aiosnap.dcp.StorageReader(url, config)
@@ -156,11 +172,10 @@ def _s3(size_mb: int, config: dict[str, Any]) -> dict[str, Any]:
         s3 = {**config, "s3": {"endpoint_url": endpoint, "addressing_style": "path"}}
         found["aiosnap"] = _run("aiosnap", "s3://bench/aiosnap", size_mb, s3)
         try:
-            import s3torchconnector  # type: ignore[import-not-found]  # noqa: F401
+            import s3torchconnector  # noqa: F401
         except ImportError:
             found["s3torchconnector"] = {"skipped": "s3torchconnector is not installed (pip install s3torchconnector)"}
         else:
-            os.environ["AWS_ENDPOINT_URL_S3"] = endpoint  # its client reads the endpoint from the environment
             found["s3torchconnector"] = _run("s3torchconnector", "s3://bench/s3tc", size_mb, s3)
         if "blocked_s" in found.get("s3torchconnector", {}):
             found["ratios_aiosnap_over_s3torchconnector"] = _ratios(found["aiosnap"], found["s3torchconnector"])
