@@ -27,7 +27,8 @@ from ..format.manifest import PLAIN_VERSION, Manifest
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .foreign import STEP, ForeignStorage, Translation, VirtualObject
-from .torchzip import MAX_PICKLE_BYTES, TensorRef, contiguous_strides, parse_pickle, read_range, zip_records
+from .torchpickle import MAX_PICKLE_BYTES, TensorRef, contiguous_strides, parse_pickle
+from .torchzip import read_range, zip_records
 from .treecode import encode_value
 
 __all__ = ["PIECE_BYTES", "TorchTranslator", "is_torch_file", "torch_file_storage"]

@@ -1,7 +1,7 @@
 """Plain values read from a foreign checkpoint, as nodes of an aiosnap tree
 (:mod:`aiosnap.format.tree`): what a translated manifest holds besides its tensors.
 
-Pure code, no torch. The values come from :func:`aiosnap.interop.torchzip.parse_pickle` (or
+Pure code, no torch. The values come from :func:`aiosnap.interop.torchpickle.parse_pickle` (or
 another format's parser): None, bool, int, float, str, bytes, complex, lists, tuples, dicts
 and OrderedDicts, and the stand-ins for dtypes, sizes and devices; each tensor leaf is handed
 to ``tensor`` (which gives the node that stands for it).
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .torchzip import DeviceValue, DtypeValue, SizeValue, TensorRef
+from .torchpickle import DeviceValue, DtypeValue, SizeValue, TensorRef
 
 __all__ = ["dict_node", "encode_value", "nest_paths"]
 

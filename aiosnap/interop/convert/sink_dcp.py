@@ -41,7 +41,7 @@ from ..dcp.metadata import METADATA_FILE
 from ..dcp.tiles import tile_boxes
 from ..dcp.upload import data_file_name
 from ..dcp.writer import DCP_VERSION, TILE_MARGIN
-from ..torchzip import contiguous_strides
+from ..torchpickle import contiguous_strides
 from .copier import DestObject, Piece, Segment, Slice
 from .selection import Selection, stub_manifest
 

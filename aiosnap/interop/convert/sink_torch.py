@@ -31,7 +31,7 @@ from ...format.archive import Record, local_header, zip_directory
 from ...load.decode import torch_dtype
 from ...storage.base import Storage
 from ...storage.registry import storage_from_url
-from ..torchzip import contiguous_strides
+from ..torchpickle import contiguous_strides
 from .copier import DestObject, Piece, Slice
 from .selection import Selection
 

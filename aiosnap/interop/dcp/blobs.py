@@ -25,7 +25,8 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ...format.archive import Record, local_header, zip_directory
-from ..torchzip import contiguous_strides, records_in
+from ..torchpickle import contiguous_strides
+from ..torchzip import records_in
 
 __all__ = ["BlobLayout", "payload_of_value", "tensor_blob"]
 

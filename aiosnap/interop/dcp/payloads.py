@@ -22,7 +22,8 @@ from ...core.aio import run_all
 from ...errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
 from ...storage.base import Storage
-from ..torchzip import TensorRef, ZipRecord, leading_records, parse_pickle, read_range, zip_records
+from ..torchpickle import TensorRef, parse_pickle
+from ..torchzip import ZipRecord, leading_records, read_range, zip_records
 from .checksums import ItemChecksums, SaveChecksums, checksums_name, is_aiosnap_save_id
 from .metadata import BytesItem, Chunk, DcpMetadata, ItemKey, ItemLocation, TensorItem
 

@@ -45,7 +45,7 @@ from ...errors import ConfigError, PickleNotAllowedError
 from ...format.manifest import ByteRange
 from ...load.fetch_runs import Range, Run, plan_runs, read_run
 from ...storage.base import Storage
-from ..torchzip import DeviceValue, DtypeValue, SizeValue, contiguous_strides
+from ..torchpickle import DeviceValue, DtypeValue, SizeValue, contiguous_strides
 from .location import CheckpointLocation
 from .metadata import DcpMetadata, ItemKey, parse_metadata
 from .payloads import NOT_PLAIN, Payload, item_payloads

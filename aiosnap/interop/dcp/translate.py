@@ -36,7 +36,7 @@ from ...format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest
 from ...format.tree import MAX_TREE_DEPTH
 from ...storage.base import Storage
 from ..foreign import STEP, Translation, VirtualObject
-from ..torchzip import contiguous_strides
+from ..torchpickle import contiguous_strides
 from ..treecode import encode_value, nest_paths
 from .checksums import is_aiosnap_save_id
 from .metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorItem, parse_metadata
