@@ -23,7 +23,7 @@ from aiosnap import AiosnapError, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
 from aiosnap.interop.dcp.metadata import parse_metadata
 from tests.conftest import assert_same
-from tests.fuzzing import INTERESTING
+from tests.fuzzing import INTERESTING, laughs
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
@@ -238,7 +238,10 @@ def test_forged_metadata_fields_fail_cleanly(tmp_path: Path, request: pytest.Fix
     cases = max(50, int(request.config.getoption("--fuzz-cases")) // 20)
     rng = random.Random(23)
     pwned = tmp_path / MARKER
-    extra = [torch.Size([2, 2]), torch.Size([2**62]), torch.float64, Gadget(pwned), _StorageInfo("x.distcp", 0, 1)]
+    extra = [
+        torch.Size([2, 2]), torch.Size([2**62]), torch.float64, Gadget(pwned), _StorageInfo("x.distcp", 0, 1),
+        laughs(10, 7),  # 10**7 values from a few hundred bytes: never rebuilt as a tree
+    ]  # fmt: skip
     for writer in ("torch", "aiosnap"):
         folder = tmp_path / writer
         state = _saved(folder, writer)

@@ -22,7 +22,16 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["Record", "RecordType", "plain_value", "record_type", "unpickle_restricted"]
+__all__ = [
+    "MAX_DEPTH",
+    "NODES_PER_BYTE",
+    "Record",
+    "RecordType",
+    "node_budget",
+    "plain_value",
+    "record_type",
+    "unpickle_restricted",
+]
 
 MAX_DEPTH = 100
 """Deepest nesting a plain value taken from a pickle may have."""
@@ -128,36 +137,70 @@ def unpickle_restricted(
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
+NODES_BASE = 100_000
+NODES_PER_BYTE = 8
+"""Most values (containers and leaves) :func:`plain_value` rebuilds from a pickle of ``n``
+bytes: ``NODES_BASE + NODES_PER_BYTE * n``. A pickle may refer to one container many times
+(its memo), and the rebuilt tree repeats it each time: without a bound, a pickle of a
+kilobyte (lists of ten references to one list, eight levels deep) would rebuild 10**8
+values. An honest pickle spends at least a byte on each value it holds, so the bound leaves
+room for a lot of sharing."""
 
 
-def plain_value(value: Any, where: str, leaf: Callable[[Any], Any] | None = None, depth: int = 0) -> Any:
+def node_budget(nbytes: int) -> int:
+    """How many values :func:`plain_value` may rebuild from a pickle of ``nbytes`` bytes."""
+    return NODES_BASE + NODES_PER_BYTE * nbytes
+
+
+class _Rebuilder:
+    """One :func:`plain_value` call: where the pickle is from, and how many values it may
+    still build."""
+
+    def __init__(self, where: str, budget: int) -> None:
+        self.where = where
+        self.left = budget
+
+    def value(self, value: Any, depth: int, leaf: Callable[[Any], Any] | None) -> Any:
+        where = self.where
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested more than {MAX_DEPTH} levels deep")
+        self.left -= 1
+        if self.left < 0:
+            raise CorruptCheckpointError(
+                f"{where}: holds more values than its size allows (containers referred to over and over)"
+            )
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if kind is list:
+            return [self.value(v, depth + 1, leaf) for v in value]
+        if kind is tuple:
+            return tuple(self.value(v, depth + 1, leaf) for v in value)
+        if kind in (dict, OrderedDict):
+            items = [(self.value(k, depth + 1, leaf), self.value(v, depth + 1, leaf)) for k, v in value.items()]
+            try:
+                rebuilt = kind(items)
+            except TypeError as exc:  # an unhashable key
+                raise CorruptCheckpointError(f"{where}: a dict key that cannot be one ({exc})") from None
+            meta = getattr(value, "_metadata", None)  # a module's state dict keeps its version metadata
+            if kind is OrderedDict and meta is not None:
+                rebuilt._metadata = self.value(meta, depth + 1, None)  # type: ignore[attr-defined]
+            return rebuilt
+        if isinstance(value, (Record, type)) and leaf is not None:
+            return leaf(value)
+        name = value.qualname if isinstance(value, Record) else getattr(value, "qualname", type(value).__name__)
+        raise CorruptCheckpointError(f"{where}: holds a {str(name)[:100]!r} where plain data was expected")
+
+
+def plain_value(value: Any, where: str, leaf: Callable[[Any], Any] | None = None, *, budget: int) -> Any:
     """``value`` if it is plain data (None, bool, int, float, str, bytes, and lists, tuples,
     dicts and OrderedDicts of them, dict keys hashable), with each :class:`Record` handed to
     ``leaf`` (which returns what stands in its place, or raises); CorruptCheckpointError
-    for anything else. Containers are rebuilt, so nothing of the pickle's own objects is
+    for anything else, for nesting deeper than :data:`MAX_DEPTH` and for more than
+    ``budget`` values in all (see :data:`NODES_PER_BYTE`; :func:`node_budget` gives it for
+    a pickle's size). Containers are rebuilt, so nothing of the pickle's own objects is
     shared with the result."""
-    if depth > MAX_DEPTH:
-        raise CorruptCheckpointError(f"{where}: nested more than {MAX_DEPTH} levels deep")
-    kind = type(value)
-    if kind in _PLAIN:
-        return value
-    if kind is list:
-        return [plain_value(v, where, leaf, depth + 1) for v in value]
-    if kind is tuple:
-        return tuple(plain_value(v, where, leaf, depth + 1) for v in value)
-    if kind in (dict, OrderedDict):
-        items = [
-            (plain_value(k, where, leaf, depth + 1), plain_value(v, where, leaf, depth + 1)) for k, v in value.items()
-        ]
-        try:
-            rebuilt = kind(items)
-        except TypeError as exc:  # an unhashable key
-            raise CorruptCheckpointError(f"{where}: a dict key that cannot be one ({exc})") from None
-        meta = getattr(value, "_metadata", None)  # a module's state dict keeps its version metadata
-        if kind is OrderedDict and meta is not None:
-            rebuilt._metadata = plain_value(meta, where, None, depth + 1)  # type: ignore[attr-defined]
-        return rebuilt
-    if isinstance(value, (Record, type)) and leaf is not None:
-        return leaf(value)
-    name = value.qualname if isinstance(value, Record) else getattr(value, "qualname", type(value).__name__)
-    raise CorruptCheckpointError(f"{where}: holds a {str(name)[:100]!r} where plain data was expected")
+    try:
+        return _Rebuilder(where, budget).value(value, 0, leaf)
+    except (RecursionError, MemoryError) as exc:
+        raise CorruptCheckpointError(f"{where}: too large or too deep to read ({type(exc).__name__})") from None

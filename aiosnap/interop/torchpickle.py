@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import DTYPE_ITEMSIZE
-from .pickles import Record, plain_value, unpickle_restricted
+from .pickles import Record, node_budget, plain_value, unpickle_restricted
 
 __all__ = [
     "ALLOWED",
@@ -211,5 +211,5 @@ def parse_pickle(data: bytes, where: str) -> tuple[Any, dict[str, StorageRef]]:
     names by key. CorruptCheckpointError for anything else."""
     parser = _Parser(where)
     graph = unpickle_restricted(data, ALLOWED, where, persistent=parser.persistent, limit=MAX_PICKLE_BYTES)
-    value = plain_value(graph, where, parser.leaf)
+    value = plain_value(graph, where, parser.leaf, budget=node_budget(len(data)))
     return value, parser.storages

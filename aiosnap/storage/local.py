@@ -83,7 +83,20 @@ class LocalStorage(Storage):
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:
-            return await f.read(-1 if limit is None else limit + 1)
+            if limit is None:
+                return await f.read()
+            # read(n) reserves n bytes first: a limit far above the file's size (1 GiB for a
+            # DCP .metadata) must not become an allocation of that much
+            size = os.fstat(f.fileno()).st_size
+            parts: list[bytes] = []
+            total = 0
+            while total <= limit:
+                part = await f.read(min(limit + 1 - total, max(size + 1 - total, 1024**2)))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+            return b"".join(parts)
 
     async def size(self, name: str) -> int:
         path = self._path(name)

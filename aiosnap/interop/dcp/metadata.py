@@ -17,6 +17,7 @@ the checked records for ``StorageReader.read_metadata``.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,12 @@ from typing import Any
 from ...core.names import check_object_name
 from ...errors import CorruptCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
-from ..pickles import Record, plain_value, unpickle_restricted
+from ..pickles import Record, node_budget, plain_value, unpickle_restricted
 
 __all__ = [
     "METADATA_FILE",
+    "MAX_DIMS",
+    "MAX_KEY_CHARS",
     "MAX_METADATA_BYTES",
     "BytesItem",
     "Chunk",
@@ -42,6 +45,15 @@ MAX_METADATA_BYTES = 1024**3
 """A ``.metadata`` larger than this is refused unread (a hostile file must not exhaust memory)."""
 _MAX_INT = 2**63
 _MAX_DIM = 2**62
+MAX_KEY_CHARS = 4096
+"""Longest state dict key (and file name: 1024) a ``.metadata`` may hold."""
+MAX_DIMS = 64
+"""Most dimensions a tensor of a ``.metadata`` may have."""
+MIN_CHUNKS, BYTES_PER_CHUNK = 1000, 8
+"""A ``.metadata`` of ``n`` bytes describes at most ``MIN_CHUNKS + n // BYTES_PER_CHUNK``
+chunks: a chunk DCP pickles costs 18 bytes or more, even with its offsets and sizes shared."""
+MAX_CHUNK_COMPARISONS = 1_000_000
+"""Pairs of chunks of one tensor compared at most (or 64 per chunk) to find an overlap."""
 _MD = "torch.distributed.checkpoint.metadata"
 ALLOWED = {
     f"{_MD}.Metadata", f"{_MD}.TensorStorageMetadata", f"{_MD}.TensorProperties", f"{_MD}.ChunkStorageMetadata",
@@ -150,12 +162,12 @@ def _size(value: Any, where: str, what: str) -> tuple[int, ...]:
         value = value.args[0]
     elif not isinstance(value, tuple):
         raise _fail(where, f"{what} is not a torch.Size")
-    if type(value) not in (tuple, list) or len(value) > 64:
+    if type(value) not in (tuple, list) or len(value) > MAX_DIMS:
         raise _fail(where, f"{what} is not a torch.Size")
     return tuple(_int(v, where, what, 0, _MAX_DIM) for v in value)
 
 
-def _str(value: Any, where: str, what: str, limit: int = 4096) -> str:
+def _str(value: Any, where: str, what: str, limit: int = MAX_KEY_CHARS) -> str:
     if type(value) is not str or len(value) > limit:
         raise _fail(where, f"{what} is not a string (of at most {limit} characters)")
     return value
@@ -204,7 +216,9 @@ def _properties(value: Any, where: str) -> dict[str, Any]:
     return found
 
 
-def _tensor_item(value: Record, fqn: str, where: str) -> TensorItem:
+def _tensor_item(value: Record, fqn: str, where: str, budget: list[int]) -> TensorItem:
+    """A tensor's metadata; ``budget[0]``: how many more chunks the file may describe (its
+    chunk lists may be one list referred to by every tensor: each is counted again)."""
     here = f"{where} ({fqn[:200]!r})"
     state = _fields(value, here, "TensorStorageMetadata", {"properties", "size", "chunks"})
     if set(state) != {"properties", "size", "chunks"}:
@@ -213,6 +227,9 @@ def _tensor_item(value: Record, fqn: str, where: str) -> TensorItem:
     size = _size(state["size"], here, "a tensor's size")
     if type(state["chunks"]) is not list:
         raise _fail(here, "a tensor's chunks are not a list")
+    budget[0] -= len(state["chunks"])
+    if budget[0] < 0:
+        raise _fail(where, "describes more chunks than its size allows (chunk lists referred to over and over)")
     chunks = []
     volume = 0
     for raw in state["chunks"]:
@@ -233,7 +250,41 @@ def _tensor_item(value: Record, fqn: str, where: str) -> TensorItem:
         raise _fail(here, f"its chunks hold {volume} elements, the tensor {math.prod(size)}")
     if len({c.offsets for c in chunks}) != len(chunks):
         raise _fail(here, "two chunks at the same offsets")
+    _check_disjoint(chunks, here)
     return TensorItem(chunks=tuple(chunks), size=size, **properties)
+
+
+def _check_disjoint(chunks: list[Chunk], where: str) -> None:
+    """No two chunks share an element (with their volumes adding up to the tensor's, inside
+    it, they then tile it: no element is stored twice or never). A sweep along the dimension
+    with the most distinct chunk offsets compares each chunk only with those it meets in that
+    dimension: a few per chunk for the shardings and tilings DCP writes."""
+    boxes = [c for c in chunks if all(c.sizes)]
+    if len(boxes) < 2:
+        return
+    dims = len(boxes[0].sizes)
+    sweep = max(range(dims), key=lambda d: len({c.offsets[d] for c in boxes}))
+    boxes.sort(key=lambda c: c.offsets[sweep])
+    comparisons = max(MAX_CHUNK_COMPARISONS, 64 * len(boxes))
+    open_ends: list[tuple[int, int]] = []  # (end along the sweep, index): a heap of the chunks met so far
+    met: dict[int, Chunk] = {}
+    for index, box in enumerate(boxes):
+        start = box.offsets[sweep]
+        while open_ends and open_ends[0][0] <= start:
+            met.pop(heapq.heappop(open_ends)[1])
+        comparisons -= len(met)
+        if comparisons < 0:
+            raise _fail(where, f"{len(chunks)} chunks laid out too intricately to check that they do not overlap")
+        for other in met.values():
+            if all(
+                o1 < o2 + n2 and o2 < o1 + n1
+                for o1, n1, o2, n2 in zip(box.offsets, box.sizes, other.offsets, other.sizes, strict=True)
+            ):
+                raise _fail(
+                    where, f"the chunks at {list(other.offsets)} and {list(box.offsets)} overlap (and so leave a hole)"
+                )
+        met[index] = box
+        heapq.heappush(open_ends, (start + box.sizes[sweep], index))
 
 
 def _index(value: Any, where: str) -> tuple[ItemKey, int | None]:
@@ -317,10 +368,11 @@ def parse_metadata(data: bytes, where: str) -> DcpMetadata:
     if type(described) is not dict:
         raise _fail(where, "state_dict_metadata is not a dict")
     items: dict[str, TensorItem | BytesItem] = {}
+    chunk_budget = [MIN_CHUNKS + len(data) // BYTES_PER_CHUNK]
     for fqn, value in described.items():
         _str(fqn, where, "a state dict key")
         if _is(value, "TensorStorageMetadata"):
-            items[fqn] = _tensor_item(value, fqn, where)
+            items[fqn] = _tensor_item(value, fqn, where, chunk_budget)
         elif _is(value, "BytesStorageMetadata"):
             _fields(value, where, "BytesStorageMetadata", set())
             items[fqn] = BytesItem()
@@ -342,7 +394,7 @@ def parse_metadata(data: bytes, where: str) -> DcpMetadata:
     if version is not None:
         _str(version, where, "the version", 64)
     try:
-        planner_data = plain_value(fields.get("planner_data"), f"{where} (planner_data)")
+        planner_data = plain_value(fields.get("planner_data"), f"{where} (planner_data)", budget=node_budget(len(data)))
     except CorruptCheckpointError:
         planner_data = None  # a planner's own data: not needed to read the checkpoint
     return DcpMetadata(

@@ -27,7 +27,7 @@ from ..torchzip import ZipRecord, leading_records, read_range, zip_records
 from .checksums import ItemChecksums, SaveChecksums, checksums_name, is_aiosnap_save_id
 from .metadata import BytesItem, Chunk, DcpMetadata, ItemKey, ItemLocation, TensorItem
 
-__all__ = ["NOT_PLAIN", "Payload", "item_payloads", "read_checksums"]
+__all__ = ["NOT_PLAIN", "Payload", "file_sizes", "item_payloads", "read_checksums"]
 
 HEAD_BYTES = 4096
 """Bytes read from the start of each blob first: ``data.pkl`` and the data record's header
@@ -41,8 +41,8 @@ class Payload:
     """The payload of one item: ``nbytes`` at ``offset`` of ``file``; for a tensor chunk its
     storage as stored (``tensor``: its offset and strides in the storage; None when it is
     the chunk's bytes, contiguous, from ``offset``); for a value its decoded ``value``
-    (:data:`NOT_PLAIN` when it is more than plain data). ``crc32c`` of the payload and
-    ``item_crc32c`` of the whole item, when the writer recorded them."""
+    (:data:`NOT_PLAIN` when it is more than plain data, ``why`` saying what). ``crc32c`` of
+    the payload and ``item_crc32c`` of the whole item, when the writer recorded them."""
 
     file: str
     offset: int
@@ -51,6 +51,7 @@ class Payload:
     item_crc32c: int | None = None
     tensor: TensorRef | None = None
     value: Any = None
+    why: str = ""
 
     @property
     def contiguous(self) -> bool:
@@ -121,7 +122,7 @@ async def _tensor_payload(inner: Storage, item: TensorItem, chunk: Chunk, loc: I
         return Payload(loc.relative_path, record.offset, _chunk_nbytes(item, chunk))
     if value.contiguous:
         return Payload(loc.relative_path, record.offset + value.offset * itemsize, _chunk_nbytes(item, chunk))
-    return Payload(loc.relative_path, record.offset, record.nbytes, tensor=value)
+    return Payload(loc.relative_path, record.offset, needed, tensor=value)  # the storage the view reaches into
 
 
 async def _value_payload(inner: Storage, loc: ItemLocation, where: str, known: ItemChecksums | None) -> Payload:
@@ -131,13 +132,14 @@ async def _value_payload(inner: Storage, loc: ItemLocation, where: str, known: I
     else:
         record, _, data = await _pickle_of(inner, loc, where)
         at, nbytes, crc, item_crc = record.offset, record.nbytes, None, None
+    why = ""
     try:
         value, storages = parse_pickle(data, where)
-    except CorruptCheckpointError:
-        value, storages = NOT_PLAIN, {}
+    except CorruptCheckpointError as exc:
+        value, storages, why = NOT_PLAIN, {}, str(exc).removeprefix(f"{where}: ")
     if storages:  # tensors inside a value: read back only as a whole, with allow_pickle
-        value = NOT_PLAIN
-    return Payload(loc.relative_path, at, nbytes, crc, item_crc, value=value)
+        value, why = NOT_PLAIN, "it holds tensors"
+    return Payload(loc.relative_path, at, nbytes, crc, item_crc, value=value, why=why)
 
 
 def _checked(item: TensorItem, chunk: Chunk, loc: ItemLocation, known: ItemChecksums, where: str) -> Payload:
@@ -149,10 +151,38 @@ def _checked(item: TensorItem, chunk: Chunk, loc: ItemLocation, known: ItemCheck
     return Payload(loc.relative_path, at, nbytes, crc, item_crc)
 
 
+async def file_sizes(inner: Storage, meta: DcpMetadata, where: str, *, concurrency: int = 16) -> dict[str, int]:
+    """The size of every data file ``meta`` names, each item's bytes checked to lie inside
+    its file (before anything is read or allocated for them: what a ``.metadata`` or an
+    archive claims is bounded by what is really there)."""
+    sizes: dict[str, int] = {}
+    limit = asyncio.Semaphore(concurrency)
+
+    async def size_of(file: str) -> None:
+        async with limit:
+            try:
+                sizes[file] = await inner.size(file)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{where}: data file {file!r} is missing") from exc
+
+    await run_all(size_of(f) for f in meta.files)
+    for (fqn, _), loc in meta.locations.items():
+        if loc.offset + loc.length > sizes[loc.relative_path]:
+            raise CorruptCheckpointError(
+                f"{where}: {fqn[:200]!r} runs past the end of {loc.relative_path!r} "
+                f"(bytes {loc.offset}+{loc.length} of {sizes[loc.relative_path]})"
+            )
+    return sizes
+
+
 async def item_payloads(
-    inner: Storage, meta: DcpMetadata, where: str, *, concurrency: int = 16
+    inner: Storage, meta: DcpMetadata, where: str, *, concurrency: int = 16, sizes: dict[str, int] | None = None
 ) -> dict[ItemKey, Payload]:
-    """The payload of every item of ``meta`` (the metadata of the checkpoint in ``inner``)."""
+    """The payload of every item of ``meta`` (the metadata of the checkpoint in ``inner``),
+    each item first checked to lie inside its file (:func:`file_sizes`, unless their
+    ``sizes`` come from it already)."""
+    if sizes is None:
+        await file_sizes(inner, meta, where, concurrency=concurrency)
     checksums = await read_checksums(inner, meta, where)
     known = checksums.by_place() if checksums is not None else {}
     limit = asyncio.Semaphore(concurrency)

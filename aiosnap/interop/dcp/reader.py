@@ -178,8 +178,9 @@ class StorageReader(CheckpointLocation, _TorchStorageReader):
         if payload.value is NOT_PLAIN:
             if not self.allow_pickle:
                 raise PickleNotAllowedError(
-                    f"{self.url}: {request.storage_index.fqn!r} is a pickled object; loading it can execute "
-                    "arbitrary code: pass StorageReader(..., allow_pickle=True) only if you trust this checkpoint"
+                    f"{self.url}: {request.storage_index.fqn!r} is a pickled object aiosnap does not decode as "
+                    f"plain data ({payload.why[:300] or 'more than plain data'}); loading it can execute arbitrary "
+                    "code: pass StorageReader(..., allow_pickle=True) only if you trust this checkpoint"
                 )
             loc = self._located(request.storage_index)
             data = self._read_whole(loc[0], loc[1], loc[2], payload.item_crc32c)

@@ -22,13 +22,11 @@ Coroutines on the caller's loop; no torch.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import re
 from typing import Any
 
-from ...core.aio import run_all
 from ...core.names import attempt_prefix
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
@@ -40,7 +38,7 @@ from ..torchpickle import contiguous_strides
 from ..treecode import encode_value, nest_paths
 from .checksums import is_aiosnap_save_id
 from .metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorItem, parse_metadata
-from .payloads import NOT_PLAIN, Payload, item_payloads
+from .payloads import NOT_PLAIN, Payload, file_sizes, item_payloads
 
 __all__ = ["PIECE_BYTES", "DcpTranslator", "key_path", "read_metadata_bytes"]
 
@@ -188,21 +186,8 @@ class DcpTranslator:
 
     async def translate_metadata(self, inner: Storage, meta: DcpMetadata, version: bytes, where: str) -> Translation:
         """The translation of the checked metadata ``meta`` of the checkpoint in ``inner``."""
-        payloads = await item_payloads(inner, meta, where, concurrency=self.concurrency)
-        sizes: dict[str, int] = {}
-        limit = asyncio.Semaphore(self.concurrency)
-
-        async def size_of(file: str) -> None:
-            async with limit:
-                try:
-                    sizes[file] = await inner.size(file)
-                except FileNotFoundError as exc:
-                    raise CorruptCheckpointError(f"{where}: data file {file!r} is missing") from exc
-
-        await run_all(size_of(f) for f in meta.files)
-        for (fqn, _), loc in meta.locations.items():
-            if loc.offset + loc.length > sizes[loc.relative_path]:
-                raise CorruptCheckpointError(f"{where}: {fqn[:200]!r} runs past the end of {loc.relative_path!r}")
+        sizes = await file_sizes(inner, meta, where, concurrency=self.concurrency)
+        payloads = await item_payloads(inner, meta, where, concurrency=self.concurrency, sizes=sizes)
         save_id = meta.save_id if is_aiosnap_save_id(meta.save_id) else version.hex()[:16]
         assert save_id is not None
         builder = _Builder(meta, payloads, save_id, where)
