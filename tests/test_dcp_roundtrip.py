@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from aiosnap import ConfigError, PickleNotAllowedError, SyncCheckpointer, UnsupportedCheckpointError
-from aiosnap.dcp import Stager, StorageReader, StorageWriter, checkpoint_storage, load
+from aiosnap import PickleNotAllowedError, SyncCheckpointer, UnsupportedCheckpointError
+from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, assert_same
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -195,28 +195,6 @@ def test_checkpoint_storage_is_read_only(tmp_path: Path) -> None:
         with pytest.raises(PermissionError, match="read-only"):
             ckpt.save({"x": torch.zeros(3)}, step=1).wait(timeout=30)
     assert torch.equal(load(None, folder)["x"], torch.ones(3))
-
-
-def test_stager_reuses_its_buffers_within_the_budget(tmp_path: Path) -> None:
-    spool = tmp_path / "spool"
-    stager = Stager({"ram_budget": "1MiB", "spool": {"dir": str(spool)}, "events": {"log": False}})
-    state = {"small": torch.arange(100_000.0), "big": torch.randn(300_000), "n": 3}  # 0.4 MB in RAM, 1.2 MB past it
-    first = stager.stage(state)
-    assert first["small"].data_ptr() != state["small"].data_ptr() and len(os.listdir(spool)) == 1
-    assert first["big"].untyped_storage().filename  # the part past the budget: a spool file
-    state["small"] += 1
-    second = stager.stage(state)
-    assert second["small"].data_ptr() == first["small"].data_ptr()  # the same buffer, reused
-    assert torch.equal(second["small"], state["small"]) and torch.equal(second["big"], state["big"])
-    folder = tmp_path / "ck"
-    future = dcp.async_save(state, storage_writer=StorageWriter(folder, SMALL), async_stager=stager, no_dist=True)
-    state["small"] += 1  # as soon as async_save returned, training may change the state
-    future.result(timeout=30)
-    assert torch.equal(load(None, folder)["small"], state["small"] - 1)
-    stager.close()
-    assert os.listdir(spool) == []
-    with pytest.raises(ConfigError, match="past ram_budget"):
-        Stager({"ram_budget": "1MiB"}).stage({"x": torch.randn(1_000_000)})
 
 
 def test_saves_through_the_writer_emit_events(tmp_path: Path) -> None:
