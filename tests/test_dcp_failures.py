@@ -5,6 +5,8 @@ checkpoint, and a failed attempt's files go where nothing else can still write t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,8 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from aiosnap import Config
+from aiosnap.core.loop import LoopThread
 from aiosnap.dcp import StorageReader, StorageWriter, load
-from aiosnap.interop.dcp.runtime import runtime
+from aiosnap.interop.dcp.runtime import SlabPool, runtime
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 from torch.distributed.checkpoint import FileSystemReader
@@ -144,3 +148,61 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_whole(tmp_path: P
         child.wait(timeout=10)
     assert len(_files(folder) - before) >= 2  # some of the new attempt's files had landed
     _assert_holds(folder, 1.0)
+
+
+def test_an_interrupt_as_a_slab_arrives_loses_no_slab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C lands while ``write_data`` waits for a staging slab, just as one is lent to
+    it (the slab's coroutine finishes before the cancellation reaches it): the slab goes
+    back to the pool instead of being lost with the result (four lost: every later save
+    in the process hangs)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt here")
+    pool = runtime().pool(Config(**SMALL))
+    real = SlabPool.acquire
+    interrupted = threading.Event()
+
+    async def lent_as_the_interrupt_lands(self: SlabPool) -> int:
+        slab = await real(self)
+        if self is pool and not interrupted.is_set():
+            interrupted.set()
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            # the caller, interrupted, cancels this (or, woken late, finds it done) ...
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.5)
+            # ... too late: the slab is this coroutine's result all the same
+        return slab
+
+    monkeypatch.setattr(SlabPool, "acquire", lent_as_the_interrupt_lands)
+    with pytest.raises(BaseException) as caught:  # KeyboardInterrupt, maybe in DCP's wrap
+        dcp.save(_state(1.0), storage_writer=StorageWriter(tmp_path / "ck", SMALL), no_dist=True)
+    assert "KeyboardInterrupt" in repr(caught.value) + repr(getattr(caught.value, "failures", "")), caught.value
+    deadline = time.monotonic() + 10
+    while len(pool._free) < pool.count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(pool._free) == pool.count, f"{pool.count - len(pool._free)} slab(s) lost"
+    monkeypatch.undo()
+    dcp.save(_state(2.0), storage_writer=StorageWriter(tmp_path / "ck", SMALL), no_dist=True)
+    _assert_holds(tmp_path / "ck", 2.0)
+
+
+def test_a_result_that_comes_after_its_caller_left_is_handed_back() -> None:
+    """LoopThread.run's ``abandoned``: a caller that gave up (here a timeout) cancels the
+    coroutine; what the coroutine returns anyway goes to ``abandoned``, once."""
+    loop = LoopThread(name="aiosnap-test")
+    back: list[str] = []
+
+    async def stubborn() -> str:
+        with contextlib.suppress(asyncio.CancelledError):  # cleans up, then returns what it holds
+            await asyncio.sleep(10)
+        return "slab"
+
+    try:
+        with pytest.raises(TimeoutError):
+            loop.run(stubborn(), timeout=0.05, abandoned=back.append)
+        deadline = time.monotonic() + 10
+        while not back and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert back == ["slab"]
+        assert loop.run(stubborn(), timeout=None, abandoned=back.append) == "slab" and back == ["slab"]
+    finally:
+        loop.stop()

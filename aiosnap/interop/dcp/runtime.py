@@ -17,7 +17,7 @@ import collections
 import contextlib
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ...config import Config
@@ -118,9 +118,10 @@ class Runtime:
         self._storages: collections.OrderedDict[tuple[str, str], Storage] = collections.OrderedDict()
         self._pools: dict[tuple[int, int], SlabPool] = {}
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop; block this thread for its result."""
-        return self.loop.run(coro)
+    def run(self, coro: Coroutine[Any, Any, T], *, abandoned: Callable[[T], None] | None = None) -> T:
+        """Run ``coro`` on the loop; block this thread for its result (a result that comes
+        when this thread has given up -- a KeyboardInterrupt -- goes to ``abandoned``)."""
+        return self.loop.run(coro, abandoned=abandoned)
 
     def storage(self, url: str, config: Config) -> Storage:
         """The backend of ``url`` under ``config`` (made once, kept for later saves)."""

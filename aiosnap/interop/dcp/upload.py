@@ -195,7 +195,7 @@ def write_items(
                 checksums = RangeChecksums(buffer, _fill(buffer, file, sources))
                 pending.append(runtime.loop.submit(storage.write_checksummed(file.name, buffer, checksums)))
             else:
-                slab = runtime.run(pool.acquire())
+                slab = runtime.run(pool.acquire(), abandoned=pool.release)  # interrupted: the slab goes back
                 try:
                     view = pool.view(slab, file.nbytes)
                     checksums = RangeChecksums(view, _fill(view, file, sources))
