@@ -3,13 +3,15 @@ checks every body's CRC32C), with the fault proxy resetting connections mid-body
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from aiosnap import SyncCheckpointer, export
+from aiosnap import Config, SyncCheckpointer, export
 from aiosnap.dcp import StorageReader, StorageWriter, checkpoint_storage, load
 from tests.conftest import assert_same, s3_config
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -93,3 +95,67 @@ def test_export_to_and_from_s3(s3_endpoint: str, s3_bucket: str, s3_client: Any,
     export(file_url, str(tmp_path / "root"), to="aiosnap", config=config)  # a torch.save object on S3, detected
     with SyncCheckpointer({"storage": {"url": str(tmp_path / "root")}, "events": {"log": False}}) as ckpt:
         assert_same(ckpt.load(), state)
+
+
+def test_export_to_s3_never_replaces_an_object_that_lands_after_the_check(
+    s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer's object appears at DEST between the export's look and its upload:
+    the conditional upload refuses to replace it (FileExistsError, the object untouched).
+    The file the export is assembled in lies in spool.dir, nameless while it is uploaded
+    (a killed export leaves nothing), and is gone after."""
+    from aiosnap.storage.s3 import S3Storage
+
+    source = tmp_path / "small.pt"
+    torch.save({"a": torch.arange(10.0)}, source)
+    spool = tmp_path / "spool"
+    config = Config(**{**s3_config(s3_endpoint, s3_bucket).model_dump(), "spool": {"dir": str(spool)}})
+    real = S3Storage.exists
+    assembled: list[str] = []
+
+    async def someone_writes_after_the_look(self: S3Storage, name: str) -> bool:
+        found = await real(self, name)
+        if name == "theirs.pt":
+            assert spool.is_dir() and not list(spool.iterdir())
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
+                    if (link := os.readlink(f"/proc/self/fd/{fd}")).startswith(str(spool)):
+                        assembled.append(link)
+            s3_client.put_object(Bucket=s3_bucket, Key="out/theirs.pt", Body=b"SOMEONE ELSE'S FILE")
+        return found
+
+    monkeypatch.setattr(S3Storage, "exists", someone_writes_after_the_look)
+    with pytest.raises(FileExistsError, match="theirs.pt"):
+        export(str(source), f"s3://{s3_bucket}/out/theirs.pt", to="torch", config=config)
+    assert s3_client.get_object(Bucket=s3_bucket, Key="out/theirs.pt")["Body"].read() == b"SOMEONE ELSE'S FILE"
+    assert len(assembled) == 1 and assembled[0].endswith(" (deleted)"), assembled
+    assert not list(spool.iterdir())
+
+
+def test_an_if_absent_file_upload_refuses_an_existing_object(s3_endpoint: str, s3_bucket: str, s3_client: Any,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    """write_file(if_absent=True) by one PUT and by a multipart upload (7 MiB, over the
+    6 MiB threshold): FileExistsError, the object there untouched; to a free name, it lands."""
+    import asyncio
+
+    from aiosnap.storage.registry import storage_from_url
+
+    config = s3_config(s3_endpoint, s3_bucket)
+    s3_client.put_object(Bucket=s3_bucket, Key="up/taken", Body=b"theirs")
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_bytes(b"x" * 100)
+    large.write_bytes(b"y" * 7 * 1024**2)
+
+    async def upload() -> None:
+        storage = storage_from_url(f"s3://{s3_bucket}/up", config)
+        try:
+            for path in (small, large):
+                with pytest.raises(FileExistsError):
+                    await storage.write_file("taken", str(path), if_absent=True)
+            await storage.write_file("free", str(large), if_absent=True)
+        finally:
+            await storage.close()
+
+    asyncio.run(upload())
+    assert s3_client.get_object(Bucket=s3_bucket, Key="up/taken")["Body"].read() == b"theirs"
+    assert _keys(s3_client, s3_bucket, "up/")["up/free"] == 7 * 1024**2

@@ -152,7 +152,8 @@ class ArchiveStorage(Storage):
             raise ValueError(f"{self.url}: object {name!r} is {len(data)} bytes, the plan says {nbytes}")
         await complete_before_cancel(asyncio.to_thread(self._pwrite, attempt, offset, data))
 
-    async def write_file(self, name: str, path: str) -> None:
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        # data objects only (a manifest comes through write): each has its own place in the file
         attempt = self._attempt_of(name)
         offset, nbytes = attempt.offsets.get(name, (0, -1))
         await complete_before_cancel(asyncio.to_thread(self._copy_in, attempt, offset, nbytes, path))

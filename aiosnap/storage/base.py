@@ -116,12 +116,13 @@ class Storage(abc.ABC):
 
         With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
 
-    async def write_file(self, name: str, path: str) -> None:
-        """Store the local file ``path`` under ``name`` (used for spooled chunks).
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        """Store the local file ``path`` under ``name`` (used for spooled chunks); with
+        ``if_absent``, as :meth:`write`.
 
         This default reads the whole file into memory; the built-in backends stream it."""
         data = await asyncio.to_thread(_read_file, path)
-        await self.write(name, data)
+        await self.write(name, data, if_absent=if_absent)
 
     async def write_checksummed(self, name: str, data: memoryview, checksums: RangeChecksums) -> None:
         """:meth:`write` of a staged buffer whose CRC32Cs are known (``checksums.of(start,

@@ -78,8 +78,8 @@ class LocalStorage(Storage):
             raise
         await asyncio.to_thread(fsync_dir, path.parent)
 
-    async def write_file(self, name: str, path: str) -> None:
-        await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name)))
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name), if_absent))
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:

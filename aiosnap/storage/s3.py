@@ -285,24 +285,30 @@ class S3Storage(Storage):
     # -- the protocol ---------------------------------------------------------------------
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
-        conditions = {"IfNoneMatch": "*"} if if_absent and self.config.conditional_commit else {}
-        await self._upload(name, _MemorySource(memoryview(data).cast("B"), None), conditions)
+        await self._upload(name, _MemorySource(memoryview(data).cast("B"), None), self._absent(if_absent))
+
+    def _absent(self, if_absent: bool) -> dict[str, str]:
+        """The request conditions of an ``if_absent`` write (none where the server is said
+        to lack conditional writes: ``s3.conditional_commit``)."""
+        return {"IfNoneMatch": "*"} if if_absent and self.config.conditional_commit else {}
 
     async def write_checksummed(self, name: str, data: memoryview, checksums: RangeChecksums) -> None:
         await self._upload(name, _MemorySource(data, checksums), {})
 
-    async def write_file(self, name: str, path: str) -> None:
-        await self._upload_file(name, path, None)
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        await self._upload_file(name, path, None, self._absent(if_absent))
 
     async def write_file_verified(self, name: str, path: str, crc: int) -> None:
         # the CRC32Cs of the PUT or parts are computed anyway: combined, they check the file
         # before the object can appear (before the PUT, or before completing the upload)
         await self._upload_file(name, path, (path, crc))
 
-    async def _upload_file(self, name: str, path: str, expected: tuple[str, int] | None) -> None:
+    async def _upload_file(
+        self, name: str, path: str, expected: tuple[str, int] | None, conditions: dict[str, str] | None = None
+    ) -> None:
         source = await asyncio.to_thread(_FileSource, path)
         try:
-            await self._upload(name, source, {}, expected=expected)
+            await self._upload(name, source, conditions or {}, expected=expected)
         finally:
             source.close()
 

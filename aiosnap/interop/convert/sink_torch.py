@@ -8,8 +8,12 @@ tree as plain Python values with every tensor rebuilt from its record by
 tensor twice is one storage) -- the small records and the zip directory. Pieces are written
 at their offsets into a partial file beside the destination, which is fsynced and put in
 place only if nothing is there (a crash leaves the partial file, never half a checkpoint at
-the name). An ``s3://`` destination is assembled in a local temporary file first, then
-uploaded (multipart, streamed from the file).
+the name). An ``s3://`` destination is assembled in a local file first -- in ``spool.dir``
+within ``spool.budget`` when there is one, else in the system's temporary directory, within
+its free space (a :class:`~aiosnap.errors.ConfigError` past either), unlinked as soon as it
+is open so that a killed export leaves nothing -- then uploaded (multipart, streamed from
+the file) only if nothing is at the destination (``If-None-Match: *``; a
+:class:`FileExistsError` otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import io
 import os
 import pickle
 import secrets
+import shutil
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -26,8 +31,11 @@ from typing import Any, cast
 
 import torch
 
+from ...config import Config
 from ...core.durable import fsync_dir, publish_if_absent
+from ...errors import ConfigError
 from ...format.archive import Record, local_header, zip_directory
+from ...handoff.spooldir import spool_budget_bytes
 from ...load.decode import torch_dtype
 from ...storage.base import Storage
 from ...storage.registry import storage_from_url
@@ -99,7 +107,7 @@ def _pickle(selection: Selection, allow_pickle: bool, where: str) -> bytes:
 class TorchSink:
     """One ``torch.save`` file at ``url`` (see the module)."""
 
-    def __init__(self, url: str, storage_config: Any, allow_pickle: bool) -> None:
+    def __init__(self, url: str, storage_config: Config, allow_pickle: bool) -> None:
         self.url = url
         self.config = storage_config
         self.allow_pickle = allow_pickle
@@ -135,18 +143,39 @@ class TorchSink:
             records.append(Record(name, position, len(data)))
             obj.segments += [header, data]
             position += len(header) + len(data)
-        obj.segments.append(zip_directory(records, position))
-        self._open()
+        directory = zip_directory(records, position)
+        obj.segments.append(directory)
+        self._open(position + len(directory))
         return [obj]
 
-    def _open(self) -> None:
+    def _open(self, size: int) -> None:
         if self.path is not None:
             self._partial = self.path.with_name(f".{self.path.name}.aiosnap-export-{secrets.token_hex(8)}.partial")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self._partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+            return
+        folder = self._staging_folder(size)
+        fd, name = tempfile.mkstemp(prefix="aiosnap-export-", suffix=".pt", dir=folder)
+        self._fd, self._partial = fd, Path(name)
+        if os.path.exists(f"/proc/self/fd/{fd}"):  # Linux: the open file needs no name
+            os.remove(name)
+            self._partial = Path(f"/proc/self/fd/{fd}")
+
+    def _staging_folder(self, size: int) -> Path:
+        """Where the ``size``-byte file of an ``s3://`` export is assembled (see the module)."""
+        if self.config.spool.dir is not None:
+            folder = Path(self.config.spool.dir).expanduser()
+            folder.mkdir(parents=True, exist_ok=True)
+            room, what = spool_budget_bytes(self.config.spool, folder), f"spool.budget in spool.dir {folder}"
         else:
-            fd, name = tempfile.mkstemp(prefix="aiosnap-export-", suffix=".pt")
-            self._fd, self._partial = fd, Path(name)
+            folder = Path(tempfile.gettempdir())
+            room, what = shutil.disk_usage(folder).free, f"the free space of {folder} (set spool.dir)"
+        if size > room:
+            raise ConfigError(
+                f"export to {self.url}: the file is assembled on local disk before its upload; "
+                f"its {size} bytes exceed {what} ({room} bytes)"
+            )
+        return folder
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
         assert self._fd is not None
@@ -160,26 +189,34 @@ class TorchSink:
     async def commit(self) -> None:
         assert self._fd is not None
         assert self._partial is not None
-        await asyncio.to_thread(os.fsync, self._fd)
-        os.close(self._fd)
-        self._fd = None
         if self.path is not None:
+            await asyncio.to_thread(os.fsync, self._fd)
+            self._close()
             await asyncio.to_thread(publish_if_absent, self._partial, self.path)
             await asyncio.to_thread(fsync_dir, self.path.parent)
             return
         parent, _, name = self.url.rstrip("/").rpartition("/")
         storage: Storage = storage_from_url(parent, self.config)
         try:
-            if await storage.exists(name):
+            if await storage.exists(name):  # the early answer; the upload's condition is the real one
                 raise FileExistsError(f"{self.url} exists; not replacing it (export elsewhere)")
-            await storage.write_file(name, str(self._partial))
+            try:
+                await storage.write_file(name, str(self._partial), if_absent=True)
+            except FileExistsError as exc:
+                raise FileExistsError(f"{self.url}: appeared during the export; not replacing it") from exc
         finally:
             await storage.close()
-            self._partial.unlink(missing_ok=True)
+            self._close()
 
-    async def abort(self) -> None:
+    def _close(self) -> None:
+        """Close the partial file; an unnamed one (``/proc/self/fd``) goes with it."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._partial is not None:
+        if self._partial is not None and self.path is None and not str(self._partial).startswith("/proc/"):
+            self._partial.unlink(missing_ok=True)
+
+    async def abort(self) -> None:
+        self._close()
+        if self.path is not None and self._partial is not None:
             self._partial.unlink(missing_ok=True)
