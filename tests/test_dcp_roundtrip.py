@@ -218,3 +218,32 @@ def test_saves_through_the_writer_emit_events(tmp_path: Path) -> None:
         dcp.save({"x": torch.ones(3)}, storage_writer=writer, no_dist=True)
     events = [json.loads(line) for line in failed.read_text().splitlines()]
     assert [e["kind"] for e in events] == ["start", "exception"] and events[1]["error_type"] == "OSError"
+
+
+@pytest.mark.parametrize("early_check", [True, False], ids=["plan", "finish"])
+def test_the_writer_refuses_what_its_reader_would_refuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early_check: bool
+) -> None:
+    """A key over 4096 characters, a tensor of 70 dimensions: torch's reader would take them,
+    aiosnap's refuses them as corrupt, so aiosnap's writer commits neither -- a ConfigError
+    naming the key, checked on the plan before a byte is written; and, should the plan's
+    check miss something, the reader's own parser runs on the .metadata before its commit.
+    The checkpoint that was there stays whole, and the refused save leaves no file."""
+    from aiosnap import ConfigError
+    from aiosnap.interop.dcp import writer as writer_module
+
+    if not early_check:
+        monkeypatch.setattr(writer_module, "check_plan", lambda plan, where: None)
+    folder = tmp_path / "ck"
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    before = sorted(os.listdir(folder))
+    for state, named in (({"k" * 5000: torch.ones(3)}, "k" * 40), ({"t": torch.ones([1] * 70)}, "'t'")):
+        with pytest.raises(BaseException) as caught:  # DCP wraps it in CheckpointException
+            dcp.save(state, storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+        errors = [error for error, _ in getattr(caught.value, "failures", {0: (caught.value, None)}).values()]
+        assert any(isinstance(e, ConfigError) and "aiosnap's reader would refuse" in str(e) for e in errors), errors
+        assert not early_check or named in str(errors), errors
+        assert sorted(os.listdir(folder)) == before
+        target = {"w": torch.zeros(3)}
+        dcp.load(target, storage_reader=StorageReader(folder), no_dist=True)
+        assert_same(target["w"], torch.ones(3))

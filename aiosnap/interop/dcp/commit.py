@@ -26,7 +26,7 @@ from ...storage.base import Storage
 from .checksums import checksums_name, is_aiosnap_save_id
 from .metadata import MAX_METADATA_BYTES, METADATA_FILE, parse_metadata
 
-__all__ = ["CommitPlan", "commit", "look"]
+__all__ = ["CommitPlan", "abandon", "commit", "look"]
 
 log = logging.getLogger("aiosnap")
 READ_BACK_TIMEOUT_S = 10.0
@@ -81,6 +81,12 @@ async def _remove(storage: Storage, names: list[str], why: str) -> None:
         except Exception as exc:  # the commit stands; these are only left behind
             log.warning("aiosnap: could not remove %s/%s (%s): %r", storage.url, name, why, exc)
             return
+
+
+async def abandon(storage: Storage, own: list[str]) -> None:
+    """Remove the data files ``own`` of an attempt that will not commit (every write of
+    them has returned: nothing of them can still land)."""
+    await _remove(storage, own, "data of a save refused before its commit")
 
 
 async def commit(

@@ -37,9 +37,10 @@ from ...config import Config
 from ...errors import ConfigError
 from ...storage.base import Storage
 from .checksums import SaveChecksums
-from .commit import CommitPlan, commit, look
+from .commit import CommitPlan, abandon, commit, look
 from .events import save_events
 from .location import CheckpointLocation
+from .readable import check_metadata, check_plan
 from .runtime import runtime
 from .tiles import Tile, tile_plan
 from .upload import WrittenItem, write_items
@@ -112,6 +113,7 @@ class StorageWriter(CheckpointLocation, _TorchStorageWriter):
         return StorageMeta(checkpoint_id=self.url, save_id=self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        check_plan(plan, self.url)
         pool = runtime().pool(self.config)
         plan, self._tiles = tile_plan(plan, max(1, pool.slab_bytes - TILE_MARGIN))
         return plan
@@ -161,6 +163,11 @@ class StorageWriter(CheckpointLocation, _TorchStorageWriter):
         )
         own = sorted({w.relative_path for w in written.values()})
         document = pickle.dumps(metadata)
+        try:
+            check_metadata(document, self.url)
+        except ConfigError:
+            runtime().run(abandon(self.storage, own))
+            raise
         with save_events(self.config, self.url, self._save_id, self.rank, "commit", whole=True) as figures:
             runtime().run(commit(self.storage, self._commit, document, checksums.to_json(), self._save_id, own))
             figures["nbytes"] = len(document)
