@@ -23,6 +23,7 @@ from aiosnap import Config
 from aiosnap.core.loop import LoopThread
 from aiosnap.dcp import StorageReader, StorageWriter, load
 from aiosnap.interop.dcp.runtime import SlabPool, runtime
+from aiosnap.storage.base import ObjectInfo
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 from torch.distributed.checkpoint import FileSystemReader
@@ -116,6 +117,7 @@ import sys, time, torch, warnings
 warnings.simplefilter("ignore")
 import torch.distributed.checkpoint as dcp
 from aiosnap.dcp import StorageWriter
+from aiosnap.storage.base import ObjectInfo
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage
 folder = sys.argv[1]
@@ -206,3 +208,37 @@ def test_a_result_that_comes_after_its_caller_left_is_handed_back() -> None:
         assert loop.run(stubborn(), timeout=None, abandoned=back.append) == "slab" and back == ["slab"]
     finally:
         loop.stop()
+
+
+def test_a_commit_removes_stray_attempt_files_past_their_grace(tmp_path: Path) -> None:
+    """Files of attempts no ``.metadata`` names (a rank or process killed mid-save, the
+    loser of an overwrite race) go at the next commit once older than the grace period
+    (an hour); younger ones (a save that may still be running) and files aiosnap does not
+    name stay. A save whose own files vanished before its commit does not commit."""
+    folder = tmp_path / "ck"
+    dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    data = next(n for n in _files(folder) if n.endswith(".distcp"))
+    old, young = "0123456789abcdef", "fedcba9876543210"
+    strays = [f"__1_0.{old}.distcp", f"__0_3.{old}.distcp", f".aiosnap-checksums.{old}.json"]
+    kept = [f"__1_0.{young}.distcp", "notes.txt", f"__1_0.{old}.distcp.bak"]
+    for name in strays + kept:
+        (folder / name).write_bytes((folder / data).read_bytes())
+    two_hours_ago = time.time() - 7200
+    for name in [*strays, kept[1], kept[2]]:
+        os.utime(folder / name, (two_hours_ago, two_hours_ago))
+    dcp.save(_state(2.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    _assert_holds(folder, 2.0)
+    assert not set(strays) & _files(folder)
+    assert set(kept) <= _files(folder)
+
+    class Vanishing(LocalStorage):  # one of this save's files goes (another writer's sweep) before the commit
+        async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+            os.remove(folder / next(n for n in os.listdir(folder) if n.startswith("__0_0.") and n not in before))
+            return await super().walk(prefix)
+
+    before = _files(folder)
+    with pytest.raises(BaseException, match="vanished") as caught:  # DCP wraps it
+        dcp.save(_state(3.0), storage_writer=StorageWriter(folder, SMALL, storage=Vanishing(folder)), no_dist=True)
+    assert "StorageError" in repr(caught.value.failures[0][0].__class__.__mro__)
+    assert _files(folder) == before  # the refused attempt's other files removed
+    _assert_holds(folder, 2.0)

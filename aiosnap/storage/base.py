@@ -190,7 +190,8 @@ class Storage(abc.ABC):
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), names relative to the root. Used by
-        maintenance (``aiosnap ls --all``, ``aiosnap gc``), not by saves or loads."""
+        maintenance (``aiosnap ls --all``, ``aiosnap gc``) and the DCP writer's commit (which
+        does without it), not by aiosnap's own saves or loads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
 
     async def stale_uploads(self, older_than: float) -> list[tuple[str, str]]:

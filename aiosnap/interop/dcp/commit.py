@@ -13,15 +13,24 @@
    files (only ``*.distcp`` files its metadata named, and its checksums file) are removed.
    If another writer's ``.metadata`` won, this attempt's own files are removed where no
    write of them can still be under way; else they are left (no ``.metadata`` names them).
+4. *Strays*: files of attempts that never committed (a rank or process killed mid-save, a
+   commit whose outcome could not be known) are named by no ``.metadata``. The folder is
+   listed just before the commit: a save whose own files are not all there does not commit
+   (:class:`~aiosnap.errors.StorageError`); after it, files of that listing in aiosnap's
+   attempt names (``__<rank>_<n>.<save id>.distcp``, ``.aiosnap-checksums.<save id>.json``)
+   of other attempts, and last modified more than :data:`STRAY_GRACE_S` ago (younger ones
+   may belong to a save still running), are removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from dataclasses import dataclass, field
 
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, StorageError
 from ...storage.base import Storage
 from .checksums import checksums_name, is_aiosnap_save_id
 from .metadata import MAX_METADATA_BYTES, METADATA_FILE, parse_metadata
@@ -30,6 +39,10 @@ __all__ = ["CommitPlan", "abandon", "commit", "look"]
 
 log = logging.getLogger("aiosnap")
 READ_BACK_TIMEOUT_S = 10.0
+STRAY_GRACE_S = 3600.0
+"""Age (by last modification) past which an attempt file no ``.metadata`` names is removed
+by the next commit in its folder (as ``aiosnap gc``'s default grace)."""
+_ATTEMPT_FILE = re.compile(r"__\d+_\d+\.([0-9a-f]{16})\.distcp|\.aiosnap-checksums\.([0-9a-f]{16})\.json")
 
 
 @dataclass(frozen=True)
@@ -89,12 +102,38 @@ async def abandon(storage: Storage, own: list[str]) -> None:
     await _remove(storage, own, "data of a save refused before its commit")
 
 
+async def _strays_and_check(storage: Storage, save_id: str, own: list[str]) -> list[str]:
+    """The folder's attempt files of other attempts older than the grace period; raise if
+    one of this attempt's ``own`` files is not there (its others removed). A backend that
+    cannot list (:meth:`~aiosnap.storage.base.Storage.walk`) is neither checked nor swept."""
+    try:
+        listing = await storage.walk()
+    except NotImplementedError:
+        return []
+    names = {info.name for info in listing}
+    missing = sorted(set(own) - names)
+    if missing:
+        await _remove(storage, [name for name in own if name in names], "data of a save that did not commit")
+        raise StorageError(
+            f"{storage.url}: {len(missing)} data file(s) of this save vanished before its commit "
+            f"({missing[:3]}); not committed"
+        )
+    old = time.time() - STRAY_GRACE_S
+    strays = []
+    for info in listing:
+        match = _ATTEMPT_FILE.fullmatch(info.name)
+        if match is not None and save_id not in match.groups() and info.mtime < old:
+            strays.append(info.name)
+    return strays
+
+
 async def commit(
     storage: Storage, plan: CommitPlan, metadata: bytes, checksums: bytes, save_id: str, own: list[str]
 ) -> None:
     """Write the checksums and then ``.metadata`` (see the module). ``own``: this
     attempt's data files (every rank's)."""
     mine = [*own, checksums_name(save_id)]
+    strays = await _strays_and_check(storage, save_id, own)
     await storage.write(checksums_name(save_id), checksums)
     try:
         await storage.write(METADATA_FILE, metadata, if_absent=plan.if_absent)
@@ -122,3 +161,4 @@ async def commit(
         await _remove(storage, mine, "data of a save another writer replaced")
         return
     await _remove(storage, [name for name in plan.replaced if name not in mine], "files of the replaced checkpoint")
+    await _remove(storage, [name for name in strays if name not in plan.replaced], "files of attempts never committed")
