@@ -258,3 +258,25 @@ def test_verify_lists_damage_in_a_dcp_folder(tmp_path: Path, capsys: pytest.Capt
     dcp.save({"w": torch.arange(20_000.0)}, storage_writer=FileSystemWriter(torch_written), no_dist=True)
     assert cli(["verify", str(torch_written)]) == 0
     assert "no recorded checksum" in capsys.readouterr().out
+
+
+def test_verify_finds_damage_outside_a_dcp_payload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A damaged byte of an item's archive around its tensor's bytes -- its first local
+    header, data.pkl and headers before the payload, the zip directory after it -- which
+    torch's reader trips on: verify checks the crc32c aiosnap's writer recorded for the
+    whole item, and says so (exit 1)."""
+    from aiosnap.interop.dcp.checksums import SaveChecksums
+
+    folder = tmp_path / "ck"
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+    sums = next(folder.glob(".aiosnap-checksums.*"))
+    ((file, offset, length, _, at, _, _),) = SaveChecksums.from_json(sums.read_bytes(), str(sums)).items
+    pristine = (folder / file).read_bytes()
+    for where in (offset + 1, at - 100, offset + length - 30):
+        raw = bytearray(pristine)
+        raw[where] ^= 0xFF
+        (folder / file).write_bytes(bytes(raw))
+        assert cli(["verify", str(folder)]) == 1, where
+        assert "checksum mismatch" in capsys.readouterr().err
+    (folder / file).write_bytes(pristine)
+    assert cli(["verify", str(folder)]) == 0

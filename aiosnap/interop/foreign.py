@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import errno
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..core.names import MANIFEST_FILE, manifest_name, step_dir
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, Span
 from ..storage.base import BytesLike, ObjectInfo, Storage
 
 __all__ = ["STEP", "ForeignStorage", "Translation", "Translator", "VirtualObject"]
@@ -51,6 +51,9 @@ class Translation:
     manifest: Manifest
     objects: dict[str, VirtualObject]
     version: bytes
+    integrity: list[tuple[str, Span]] = field(default_factory=list)
+    """Spans of the manifest's objects, with their crc32c, that loading does not read but
+    :meth:`ForeignStorage.integrity_spans` offers verify (each with what it covers)."""
 
 
 class Translator(Protocol):
@@ -93,6 +96,10 @@ class ForeignStorage(Storage):
         async with self._lock:
             self._translation = await self.translator.translate(self.inner, self._translation)
             return self._translation
+
+    async def integrity_spans(self, step: int) -> list[tuple[str, Span]]:
+        translation = await self.translation()
+        return translation.integrity if translation.manifest.step == step else []
 
     async def translated_manifest(self, step: int) -> Manifest:
         found = (await self.translation()).manifest

@@ -210,6 +210,13 @@ class Storage(abc.ABC):
         sits below the format.)"""
         return None
 
+    async def integrity_spans(self, step: int) -> list[Any]:
+        """Byte ranges of ``step`` that :func:`~aiosnap.catalog.maintenance.verify_step`
+        checks besides the manifest's, as ``(what, Span)`` pairs: of a DCP folder aiosnap's
+        writer made, every whole item (its archive headers and pickle around the payload).
+        None here. (Typed ``Any``: storage sits below the format.)"""
+        return []
+
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Get ready to serve requests (make clients, load service models), called in the
         background when a checkpointer opens this root so that its first save does not pay

@@ -30,7 +30,7 @@ from typing import Any
 from ...core.names import attempt_prefix
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
-from ...format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest
+from ...format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest, Span
 from ...format.tree import MAX_TREE_DEPTH
 from ...storage.base import Storage
 from ..foreign import STEP, Translation, VirtualObject
@@ -206,4 +206,9 @@ class DcpTranslator:
         }
         manifest = Manifest.translated(doc, "dcp", where)
         objects = {builder.name(f): VirtualObject(f, 0, sizes[f]) for f in meta.files}
-        return Translation(manifest, objects, version)
+        integrity = [
+            (f"{key[0][:200]!r} (the whole item)", Span(builder.name(loc.relative_path), loc.offset, loc.length, crc))
+            for key, loc in meta.locations.items()
+            if (crc := payloads[key].item_crc32c) is not None
+        ]
+        return Translation(manifest, objects, version, integrity)
