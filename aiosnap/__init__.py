@@ -11,6 +11,7 @@ from .errors import (
     AiosnapError,
     CheckpointerClosedError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
@@ -76,6 +77,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AiosnapError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "Checkpointer",
     "CheckpointerClosedError",
     "ChecksumMismatchError",

@@ -12,6 +12,7 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── UnsupportedCheckpointError   a foreign checkpoint uses what aiosnap does not read
     ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
+    │   └── CheckpointReplacedError  a checkpoint being loaded was overwritten meanwhile
     ├── StateMismatchError           load(state): the checkpoint does not fit the given state
     ├── UploadProcessError           the upload process (upload.executor: process) died
     ├── DistributedError             a multi-rank save or load could not be coordinated
@@ -36,6 +37,7 @@ from __future__ import annotations
 __all__ = [
     "AiosnapError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "ConfigError",
@@ -102,6 +104,11 @@ class StepOrderError(AiosnapError, ValueError):
 
 class CheckpointNotFoundError(AiosnapError, LookupError):
     """There is no committed checkpoint, or not the requested step."""
+
+
+class CheckpointReplacedError(CheckpointNotFoundError):
+    """The checkpoint being loaded was replaced meanwhile (an overwrite committed and removed
+    the files the version being read named): nothing is wrong with either; load again."""
 
 
 class StateMismatchError(AiosnapError, ValueError):

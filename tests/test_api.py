@@ -17,6 +17,7 @@ def test_public_names_are_locked() -> None:
     assert set(aiosnap.__all__) == {
         "AiosnapError",
         "CheckpointNotFoundError",
+        "CheckpointReplacedError",
         "Checkpointer",
         "CheckpointerClosedError",
         "ChecksumMismatchError",

@@ -242,3 +242,24 @@ def test_a_commit_removes_stray_attempt_files_past_their_grace(tmp_path: Path) -
     assert "StorageError" in repr(caught.value.failures[0][0].__class__.__mro__)
     assert _files(folder) == before  # the refused attempt's other files removed
     _assert_holds(folder, 2.0)
+
+
+def test_a_load_racing_an_overwrite_says_the_checkpoint_was_replaced(tmp_path: Path) -> None:
+    """A load read ``.metadata``, then an overwrite committed and removed the files that
+    ``.metadata`` named: the load fails with CheckpointReplacedError (load again), not as a
+    corrupt checkpoint; loading again gets the new one."""
+    from aiosnap import CheckpointReplacedError
+
+    folder = tmp_path / "ck"
+    dcp.save(_state(1.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+
+    class OverwrittenMidLoad(StorageReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            dcp.save(_state(2.0), storage_writer=StorageWriter(folder, SMALL), no_dist=True)
+            return super().read_data(plan, planner)
+
+    target = {"w": torch.zeros(60_000), "b": torch.zeros(7, dtype=torch.int64), "step": None}
+    with pytest.raises(BaseException, match="replaced") as caught:  # DCP wraps it
+        dcp.load(target, storage_reader=OverwrittenMidLoad(folder, SMALL), no_dist=True)
+    assert isinstance(caught.value.failures[0][0], CheckpointReplacedError)
+    _assert_holds(folder, 2.0)

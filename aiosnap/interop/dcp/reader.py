@@ -29,6 +29,7 @@ import io
 import os
 import uuid
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.futures import Future
 from ...config import Config
 from ...core.aio import run_all
 from ...core.tensorio import bytes_view
-from ...errors import ConfigError, PickleNotAllowedError
+from ...errors import CheckpointReplacedError, ConfigError, CorruptCheckpointError, PickleNotAllowedError
 from ...format.manifest import ByteRange
 from ...load.fetch_runs import Range, Run, plan_runs, read_run
 from ...storage.base import Storage
@@ -112,11 +113,12 @@ class StorageReader(CheckpointLocation, _TorchStorageReader):
         self.load_id = str(uuid.uuid4())
         self._meta: DcpMetadata | None = None
         self._payloads: dict[ItemKey, Payload] = {}
+        self._metadata_bytes: bytes | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._point_at(checkpoint_id)
         self.load_id = str(uuid.uuid4())
-        self._meta, self._payloads = None, {}
+        self._meta, self._payloads, self._metadata_bytes = None, {}, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -124,11 +126,12 @@ class StorageReader(CheckpointLocation, _TorchStorageReader):
         storage = self.storage
         where = f"{storage.url}/.metadata"
 
-        async def read() -> tuple[DcpMetadata, dict[ItemKey, Payload]]:
-            meta = parse_metadata(await read_metadata_bytes(storage, storage.url), where)
-            return meta, await item_payloads(storage, meta, where, concurrency=self.config.upload.concurrency)
+        async def read() -> tuple[bytes, DcpMetadata, dict[ItemKey, Payload]]:
+            data = await read_metadata_bytes(storage, storage.url)
+            meta = parse_metadata(data, where)
+            return data, meta, await item_payloads(storage, meta, where, concurrency=self.config.upload.concurrency)
 
-        self._meta, self._payloads = runtime().run(read())
+        self._metadata_bytes, self._meta, self._payloads = runtime().run(read())
         metadata = to_torch(self._meta)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -199,8 +202,26 @@ class StorageReader(CheckpointLocation, _TorchStorageReader):
         buffer = bytearray(nbytes)
         where = ByteRange.model_construct(object=file, offset=offset, nbytes=nbytes, crc32c=crc)
         run = plan_runs([Range(file, where, memoryview(buffer))])[0]
-        runtime().run(read_run(self.storage, self.url, run))
+        self._read(read_run(self.storage, self.url, run))
         return bytes(buffer)
+
+    def _read(self, reads: Coroutine[Any, Any, None]) -> None:
+        """Run ``reads`` of data files; a file missing, short or damaged while ``.metadata``
+        is no longer the one this load read is CheckpointReplacedError (an overwrite
+        committed and removed the files of the version being read)."""
+        try:
+            runtime().run(reads)
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
+            try:
+                now: bytes | None = runtime().run(read_metadata_bytes(self.storage, self.storage.url))
+            except Exception:
+                now = None
+            if now is not None and now != self._metadata_bytes:
+                raise CheckpointReplacedError(
+                    f"{self.url}: the checkpoint was replaced (a new save committed) while it was being loaded; "
+                    "load again"
+                ) from exc
+            raise
 
     # -- tensors --------------------------------------------------------------------
 
@@ -261,7 +282,7 @@ class StorageReader(CheckpointLocation, _TorchStorageReader):
 
             await run_all(one(run) for run in runs)
 
-        runtime().run(read_all())
+        self._read(read_all())
         for job in jobs:
             if job.view is not None:
                 shape, strides, offset = job.view
