@@ -120,7 +120,10 @@ def test_a_hostile_rank_part_is_refused_with_its_name() -> None:
     stolen = {**document, "objects": [{**document["objects"][0], "name": f"000000000001/{SAVE_ID}/rank-0/0.bin"}]}
     escaping = {**document, "objects": [{**document["objects"][0], "name": "../../etc/passwd"}]}
     wild = {**document, "written": [{**document["written"][0], "entry": 99}]}
-    for forged, problem in ((stolen, "not in rank 1's folder"), (escaping, "unsafe"), (wild, "out of range")):
+    unchecked = {**document, "written": [{**document["written"][0],
+                 "ranges": [{**document["written"][0]["ranges"][0], "crc32c": None}]}]}  # fmt: skip
+    for forged, problem in ((stolen, "not in rank 1's folder"), (escaping, "unsafe"), (wild, "out of range"),
+                            (unchecked, "without a crc32c")):  # fmt: skip
         body = json.dumps(forged).encode()
         data = body[:-1] + b',"crc32c":%d}' % crc32c.crc32c(body)
         with pytest.raises(ManifestError, match=f"part.json: invalid rank part: .*{problem}"):

@@ -105,6 +105,12 @@ class RankPart(_Frozen):
             for r in record.ranges:
                 if r.object not in names:
                     raise ValueError(f"entry {record.entry}: range names unknown object {r.object!r}")
+        for what, ranges in [
+            *((f"entry {w.entry}", w.ranges) for w in self.written),
+            *((f"rank-local {e.path!r}", e.ranges) for e in self.local.entries),
+        ]:
+            if any(r.crc32c is None for r in ranges):  # only translated manifests, never stored, have them
+                raise ValueError(f"{what}: a byte range without a crc32c")
         return self
 
     def to_json(self) -> bytes:
