@@ -205,7 +205,11 @@ def test_a_result_that_comes_after_its_caller_left_is_handed_back() -> None:
         while not back and time.monotonic() < deadline:
             time.sleep(0.01)
         assert back == ["slab"]
-        assert loop.run(stubborn(), timeout=None, abandoned=back.append) == "slab" and back == ["slab"]
+
+        async def prompt() -> str:
+            return "kept"
+
+        assert loop.run(prompt(), timeout=None, abandoned=back.append) == "kept" and back == ["slab"]
     finally:
         loop.stop()
 
