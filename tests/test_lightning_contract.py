@@ -192,13 +192,13 @@ def test_a_folder_reached_through_a_symlinked_parent_is_one_checkpoint(tmp_path:
 
 
 def test_the_registry_of_saves_in_flight_forgets_finished_saves(tmp_path: Path, config: Config) -> None:
-    from aiosnap.integrations import lightning
+    from aiosnap.integrations import inflight
 
     plugin = AiosnapCheckpointIO(config)
     for i in range(10):
         plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / f"{i}.ckpt")
     plugin.teardown()
-    assert not any(str(tmp_path) in key for key in lightning._in_flight)
+    assert not any(str(tmp_path) in key for key in inflight._in_flight)
 
 
 def test_a_first_save_that_failed_leaves_no_empty_file_behind(tmp_path: Path, config: Config) -> None:

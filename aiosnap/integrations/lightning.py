@@ -38,7 +38,6 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
 import threading
@@ -61,113 +60,31 @@ from ..errors import CheckpointNotFoundError
 from ..interop.singlefile import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
+from .fetch import fetched, through_fsspec
+from .inflight import (
+    is_local,
+    key_of,
+    location_of,
+    make_placeholder,
+    placeholder_at,
+    remove_if_empty,
+    save_not_started,
+    take_failed,
+    track,
+    wait_for_checkpoint,
+)
 
-__all__ = ["AiosnapCheckpointIO", "checkpoint_storage"]
+__all__ = ["AiosnapCheckpointIO", "checkpoint_storage", "wait_for_checkpoint"]
 
 log = logging.getLogger("aiosnap")
-
-_in_flight_lock = threading.Lock()
-_in_flight: dict[str, list[SyncSaveHandle]] = {}
-"""Saves in flight in this process, by path, whichever plugin made them: a reader of a path
-waits for them (another plugin instance, ``Trainer(ckpt_path=...)``)."""
-
-
-def _track(key: str, handle: SyncSaveHandle) -> None:
-    with _in_flight_lock:
-        handles = [h for h in _in_flight.get(key, []) if not h.done()]
-        _in_flight[key] = [*handles, handle]
-    handle.future.add_done_callback(lambda future: _settled(key, future))
-
-
-_failed_keys: set[str] = set()
-"""Local paths whose latest save failed: what was made for them goes at teardown if empty."""
-_placeholders: dict[str, tuple[int, int]] = {}
-"""Empty files this process put at paths so that they exist while their first save is in
-flight: path -> (st_dev, st_ino)."""
-
-
-def _settled(key: str, future: concurrent.futures.Future[Any]) -> None:
-    """A save to ``key`` ended (any thread): forget it; if it failed, what was made for it
-    at ``save_checkpoint`` goes again if it holds nothing (see :func:`_remove_if_empty`)."""
-    if _saves_in_flight(key) or future.exception() is None or not _is_local(key):
-        return
-    with _in_flight_lock:
-        _failed_keys.add(key)
-    _remove_if_empty(key)
-
-
-def _make_placeholder(key: str) -> None:
-    """Caller's thread: an empty file at ``key`` unless something is there already."""
-    os.makedirs(os.path.dirname(key), exist_ok=True)
-    try:
-        fd = os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return
-    try:
-        stat = os.fstat(fd)
-    finally:
-        os.close(fd)
-    with _in_flight_lock:
-        _placeholders[key] = (stat.st_dev, stat.st_ino)
-
-
-def _remove_if_empty(key: str) -> None:
-    """Remove what was made for ``key`` if it still holds nothing: the empty file made by
-    :func:`_make_placeholder` (the very same file), or a tree of empty folders (a failed
-    folder checkpoint's cleanup leaves those), so that ``ckpt_path="last"`` never picks an
-    empty one. Never while a save to ``key`` is in flight."""
-    if _saves_in_flight(key):
-        return
-    with _in_flight_lock:
-        made = _placeholders.pop(key, None)
-    if made is not None:
-        with contextlib.suppress(OSError):
-            stat = os.stat(key, follow_symlinks=False)
-            if (stat.st_dev, stat.st_ino) == made and stat.st_size == 0:
-                os.unlink(key)
-        return
-    for folder, _, _ in os.walk(key, topdown=False, followlinks=False):
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
-
-
-def _saves_in_flight(key: str) -> list[SyncSaveHandle]:
-    with _in_flight_lock:
-        handles = [h for h in _in_flight.get(key, []) if not h.done()]
-        if handles:
-            _in_flight[key] = handles
-        else:
-            _in_flight.pop(key, None)
-        return handles
-
-
-def _is_local(key: str) -> bool:
-    return "://" not in key
-
-
-def location_of(path: str | os.PathLike[str]) -> str:
-    """A Lightning checkpoint path as given: URLs as they are, local paths absolute (not
-    resolved: the path may be a symlink)."""
-    text = os.fspath(path)
-    if "://" in text:
-        return text.rstrip("/")
-    return str(Path(text).expanduser().absolute())
-
-
-def key_of(path: str | os.PathLike[str]) -> str:
-    """The storage root for a Lightning checkpoint path, one spelling per folder: URLs as
-    given, local paths with every symlink resolved (saves, loads and removals of one folder
-    reached through different links meet)."""
-    where = location_of(path)
-    return os.path.realpath(where) if _is_local(where) else where
 
 
 def checkpoint_storage(url: str, config: Config) -> Storage:
     """The plugin's default backend for one checkpoint path: a local path is one file
     (:class:`ArchiveStorage`), unless it is a folder an older aiosnap saved (then a folder
     root, as before); a URL is the root its scheme names (``s3://``)."""
-    if _is_local(url) and not os.path.isdir(url):
-        return ArchiveStorage(url)
+    if is_local(url) and not os.path.isdir(url):
+        return ArchiveStorage.for_config(url, config)
     return storage_from_url(url, config)
 
 
@@ -260,57 +177,93 @@ class AiosnapCheckpointIO(CheckpointIO):
     # -- CheckpointIO -----------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Capture ``checkpoint`` for ``path`` and return; it commits in the background."""
+        """Capture ``checkpoint`` for ``path`` and return; it commits in the background. A URL
+        aiosnap does not store (``memory://``, ``gs://``: see :mod:`.fetch`) is saved by
+        Lightning's own writer, through fsspec, before this returns."""
+        key = key_of(path)  # a save through a link goes to its target
+        if through_fsspec(key):
+            with self._key_lock(key), self._lock:
+                self._generation[key] = self._generation.get(key, 0) + 1
+            log.info("aiosnap: %s is saved by Lightning's own writer (fsspec), not by aiosnap", location_of(path))
+            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
         if storage_options is not None:
             raise TypeError(
                 "AiosnapCheckpointIO.save_checkpoint does not take storage_options; "
                 "configure storage through the aiosnap config instead"
             )
-        key = key_of(path)  # a save through a link goes to its target
         with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
-            if _is_local(key):  # the path exists when save_checkpoint returns
+            if is_local(key):  # the path exists when save_checkpoint returns
                 if self._single_file.get(key, False):
-                    _make_placeholder(key)
+                    make_placeholder(key)
                 else:
                     os.makedirs(key, exist_ok=True)
-            step = self._next_step.get(key)
-            if step is None:
-                committed = location.steps()
-                step = committed[-1] + 1 if committed else 1
-            metadata = {
-                "lightning": {
-                    "global_step": int(checkpoint.get("global_step", 0)),
-                    "epoch": int(checkpoint.get("epoch", 0)),
-                    "path": os.fspath(path),
+            try:
+                step = self._next_step.get(key)
+                if step is None:
+                    committed = location.steps()
+                    step = committed[-1] + 1 if committed else 1
+                metadata = {
+                    "lightning": {
+                        "global_step": int(checkpoint.get("global_step", 0)),
+                        "epoch": int(checkpoint.get("epoch", 0)),
+                        "path": os.fspath(path),
+                    }
                 }
-            }
-            handle = location.save(checkpoint, step=step, metadata=metadata)
+                handle = location.save(checkpoint, step=step, metadata=metadata)
+            except BaseException:
+                if is_local(key):
+                    save_not_started(key)  # refused on this thread: nothing of it stays at the path
+                raise
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
             self._last_save = handle
-            _track(key, handle)
+            track(key, handle)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load the checkpoint at ``path`` (waiting for saves to it in flight), checking every
         tensor's crc32c. A file ``torch.save`` wrote (not by aiosnap) is read with Lightning's
-        own loader, for migrating."""
+        own loader, for migrating; its pickled objects only with ``allow_pickle`` (or
+        ``weights_only=False``). A URL aiosnap does not store (``http(s)://``, ...) is copied
+        to a temporary file through fsspec first, then read the same way."""
         key = key_of(path)  # a symlinked ``last`` reads (and waits for) its target
+        if through_fsspec(key):
+            with fetched(key) as local:
+                return self._load_file(str(local), path, map_location, weights_only)
         with self._lock:
             handles = self._handles(key)
-        concurrent.futures.wait([h.future for h in [*handles, *_saves_in_flight(key)]])
-        if _is_local(key) and os.path.isfile(key) and not is_archive(key):
-            if os.path.getsize(key) == 0:  # the placeholder of a first save that never finished
-                raise FileNotFoundError(
-                    f"Checkpoint file not found: {path} is empty: a save to it never completed (the process "
-                    "that made it stopped before its first version was committed)"
-                )
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        concurrent.futures.wait([h.future for h in handles])
+        wait_for_checkpoint(key)  # every plugin's saves to it, and the clean-up after a failed one
+        if is_local(key) and os.path.isfile(key) and not is_archive(key):
+            return self._load_file(key, path, map_location, weights_only)
         with self._lock:
             location = self._location(key)
+        return self._loaded(location, path, map_location, weights_only)
+
+    def _load_file(self, file: str, path: Any, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """A local file that is no aiosnap root of this plugin: an aiosnap single file
+        (verified, through a view closed afterwards), a placeholder (FileNotFoundError:
+        nothing committed there yet), or a file for ``torch.load``."""
+        if is_archive(file):
+            view = self._root().at(file, keep_last=1, storage=ArchiveStorage(file))
+            try:
+                return self._loaded(view, path, map_location, weights_only)
+            finally:
+                view.close()
+        waiting = placeholder_at(file)
+        if waiting is not None:
+            raise FileNotFoundError(f"Checkpoint file not found: {path} holds no checkpoint. {waiting}")
+        if weights_only is None:
+            weights_only = not self.allow_pickle
+        return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+
+    def _loaded(
+        self, location: SyncCheckpointer, path: Any, map_location: Any, weights_only: bool | None
+    ) -> dict[str, Any]:
         try:
             state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
         except CheckpointNotFoundError as exc:
@@ -326,7 +279,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         """Schedule removal of ``path`` once every save now in flight, and the latest save,
         have committed."""
         where = location_of(path)
-        if _is_local(where) and os.path.islink(where):
+        if is_local(where) and os.path.islink(where):
             os.unlink(where)  # a link is not a checkpoint: never delete through it
             return
         key = key_of(where)
@@ -353,11 +306,14 @@ class AiosnapCheckpointIO(CheckpointIO):
             with self._lock:
                 if self._generation.get(key, 0) != generation:
                     return  # saved again since: the new version replaced the old one already
-                if _is_local(where) and os.path.islink(where):  # linked since: not ours to follow
+                if is_local(where) and os.path.islink(where):  # linked since: not ours to follow
                     log.warning("aiosnap: not removing %s: it is a symbolic link now", where)
                     return
-                if _is_local(key) and Path(key).is_file() and not is_archive(key):  # torch.save's, or empty
+                if is_local(key) and Path(key).is_file() and not is_archive(key):  # torch.save's, or a placeholder
                     Path(key).unlink()
+                    return
+                if through_fsspec(key):  # saved by Lightning's writer
+                    TorchCheckpointIO().remove_checkpoint(key)
                     return
                 location = self._location(key)
                 del self._locations[key]
@@ -390,8 +346,5 @@ class AiosnapCheckpointIO(CheckpointIO):
                 if checkpointer is not None:
                     checkpointer.close()  # raises a failure Lightning has not been told about, once
             finally:
-                with _in_flight_lock:
-                    failed = set(_failed_keys)
-                    _failed_keys.clear()
-                for key in failed:  # their failed attempts are cleaned up by now
-                    _remove_if_empty(key)
+                for key in take_failed():  # their failed attempts are cleaned up by now
+                    remove_if_empty(key)

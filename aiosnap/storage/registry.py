@@ -14,7 +14,7 @@ from ..config import Config
 from ..errors import ConfigError
 from .base import Storage
 
-__all__ = ["register_scheme", "roots_overlap", "storage_from_url"]
+__all__ = ["has_scheme", "register_scheme", "roots_overlap", "storage_from_url"]
 
 
 def roots_overlap(a: Storage, b: Storage) -> bool:
@@ -39,6 +39,11 @@ _SCHEMES: dict[str, Factory] = {}
 def register_scheme(scheme: str, factory: Factory) -> None:
     """Serve ``scheme://`` URLs with ``factory`` (a custom backend's entry point)."""
     _SCHEMES[scheme] = factory
+
+
+def has_scheme(scheme: str) -> bool:
+    """True when ``scheme://`` URLs have a backend (``file``, ``s3``, registered ones)."""
+    return scheme in _SCHEMES
 
 
 def _local(url: str, path: str, config: Config) -> Storage:

@@ -1,0 +1,188 @@
+"""Issue 26, item 10: checkpoints read without the plugin's waiting, and URLs aiosnap does
+not store. A plain ``torch.load`` of a path whose first save is in flight gets an error
+that names aiosnap, the save and how to wait (not a bare ``EOFError``); after
+``wait_for_checkpoint`` it gets the file. ``Trainer.fit(ckpt_path="http://...")`` with the
+plugin resumes from an aiosnap file served by a real HTTP server, verified; other fsspec
+URLs (``memory://``) are saved, loaded and removed by Lightning's own writer."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("lightning")
+
+from aiosnap import Config
+from aiosnap.errors import ChecksumMismatchError, PickleNotAllowedError
+from aiosnap.format.placeholder import placeholder_bytes, placeholder_message
+from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage, wait_for_checkpoint
+from lightning.fabric.utilities.cloud_io import _load as lightning_load
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tests.conftest import FaultyStorage
+from tests.test_lightning import QUIET_LIGHTNING, LossLog, Regressor, loader, trainer
+
+pytestmark = [QUIET_LIGHTNING]
+
+
+@pytest.fixture
+def config() -> Config:
+    return Config(ram_budget="16MiB", upload={"chunk_size": "64KiB"})
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A folder served over HTTP on loopback (Python's http.server, which answers every
+    request with the whole file: it has no Range support), and its URL."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _held_commits(config: Config) -> tuple[AiosnapCheckpointIO, list[FaultyStorage]]:
+    """A plugin whose commits wait until the test releases them."""
+    made: list[FaultyStorage] = []
+
+    def storage_for(url: str, cfg: Config) -> FaultyStorage:
+        storage = FaultyStorage(checkpoint_storage(url, cfg))
+        storage.hold_when = lambda name: name.endswith("manifest.json")
+        made.append(storage)
+        return storage
+
+    return AiosnapCheckpointIO(config, storage_for=storage_for), made
+
+
+def test_plain_torch_load_during_a_first_save_says_it_is_in_flight(tmp_path: Path, config: Config) -> None:
+    plugin, held = _held_commits(config)
+    path = tmp_path / "ckpt" / "epoch=0.ckpt"
+    state = {"state_dict": {"w": torch.arange(1000.0)}, "global_step": 4}
+    plugin.save_checkpoint(state, path)
+    assert path.is_file()  # something at the path at once, as Lightning's checks need
+    for reader in (
+        lambda: torch.load(path),
+        lambda: torch.load(path, weights_only=False),
+        lambda: torch.load(path, mmap=True),
+        lambda: lightning_load(str(path)),  # LightningModule.load_from_checkpoint's reader
+    ):
+        with pytest.raises(ValueError, match=r"aiosnap: .*placeholder.*still running.*wait_for_checkpoint\(path\)"):
+            reader()
+    with pytest.raises(TimeoutError, match="still in flight"):
+        wait_for_checkpoint(path, timeout=0.2)
+    held[0].release(plugin._root()._loop.loop)
+    wait_for_checkpoint(path, timeout=30)
+    loaded = torch.load(path)
+    assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["global_step"] == 4
+    plugin.teardown()
+
+
+def test_a_placeholder_left_by_a_stopped_process(tmp_path: Path, config: Config) -> None:
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(placeholder_bytes(pid=4242, started=0.0))  # that process was killed mid first save
+    with pytest.raises(ValueError, match=r"process 4242, started 1970-01-01 00:00:00 UTC"):
+        torch.load(path)
+    plugin = AiosnapCheckpointIO(config)
+    with pytest.raises(FileNotFoundError, match=r"holds no checkpoint.*process 4242"):
+        plugin.load_checkpoint(path)
+    plugin.save_checkpoint({"w": torch.ones(3)}, path)  # the path works on
+    assert torch.equal(plugin.load_checkpoint(path)["w"], torch.ones(3))
+    plugin.teardown()
+
+
+def test_a_failed_first_save_takes_its_placeholder_away(tmp_path: Path, config: Config) -> None:
+    def broken(url: str, cfg: Config) -> FaultyStorage:
+        failing = FaultyStorage(checkpoint_storage(url, cfg), fail_when=lambda n: n.endswith(".bin"))
+        failing.error = OSError(5, "EIO")
+        return failing
+
+    plugin = AiosnapCheckpointIO(config, storage_for=broken)
+    path = tmp_path / "x.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(3)}, path)
+    wait_for_checkpoint(path, timeout=30)  # does not raise the failure: Lightning hears of it
+    assert not path.exists()
+    with pytest.raises(OSError, match="EIO"):
+        plugin.teardown()
+
+
+@given(st.binary(max_size=600) | st.builds(lambda cut: placeholder_bytes(1)[:cut], st.integers(0, 700)))
+@settings(max_examples=200, deadline=None)
+def test_anything_but_a_whole_placeholder_is_no_placeholder(data: bytes) -> None:
+    whole = placeholder_bytes(1)
+    assert (placeholder_message(data) is not None) == (data == whole)
+
+
+def test_fit_resumes_from_a_checkpoint_served_over_http(
+    tmp_path: Path, config: Config, served: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, url = served
+    torch.manual_seed(0)
+    straight = LossLog()
+    trainer(4, None, [straight], tmp_path / "plain").fit(Regressor(), loader())
+    torch.manual_seed(0)
+    keep = ModelCheckpoint(dirpath=folder, filename="half", save_top_k=-1, every_n_epochs=2)
+    trainer(2, AiosnapCheckpointIO(config), [keep], tmp_path).fit(Regressor(), loader())
+    downloads = tmp_path / "tmp"
+    downloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(downloads))
+
+    resumed = LossLog()
+    trainer(4, AiosnapCheckpointIO(config, allow_pickle=True), [resumed], tmp_path).fit(
+        Regressor(), loader(), ckpt_path=f"{url}/half.ckpt"
+    )
+    assert sorted(resumed.losses) == [s for s in sorted(straight.losses) if s > 8]
+    assert all(resumed.losses[s] == straight.losses[s] for s in resumed.losses)
+    assert os.listdir(downloads) == []  # the copy it loaded from is gone
+
+    plugin = AiosnapCheckpointIO(config)
+    plugin.save_checkpoint({"w": torch.ones(2), "odd": {1, 2}}, folder / "pickled.ckpt")
+    wait_for_checkpoint(folder / "pickled.ckpt")  # the server reads the file: nothing of ours waits there
+    with pytest.raises(PickleNotAllowedError):  # a pickled object in it: only with the opt-in
+        plugin.load_checkpoint(f"{url}/pickled.ckpt")
+    assert AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(f"{url}/pickled.ckpt")["odd"] == {1, 2}
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        plugin.load_checkpoint(f"{url}/missing.ckpt")
+    plugin.save_checkpoint({"w": torch.arange(20_000.0)}, folder / "w.ckpt")
+    wait_for_checkpoint(folder / "w.ckpt")
+    assert torch.equal(plugin.load_checkpoint(f"{url}/w.ckpt")["w"], torch.arange(20_000.0))
+    data = bytearray((folder / "w.ckpt").read_bytes())
+    data[data.find(torch.tensor([123.0]).numpy().tobytes())] ^= 0x01  # one bit of one float
+    (folder / "w.ckpt").write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError):  # read verified, unlike torch.load
+        plugin.load_checkpoint(f"{url}/w.ckpt")
+    torch.save({"w": torch.ones(2)}, folder / "plain.pt")  # not aiosnap's: torch.load, weights only
+    assert torch.equal(plugin.load_checkpoint(f"{url}/plain.pt")["w"], torch.ones(2))
+    plugin.teardown()
+
+
+def test_urls_aiosnap_does_not_store_go_through_fsspec(config: Config) -> None:
+    plugin = AiosnapCheckpointIO(config)
+    url = "memory://aiosnap-test/run/epoch=0.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(4), "global_step": 2}, url, storage_options=None)
+    assert plugin.load_checkpoint(url)["global_step"] == 2
+    plugin.remove_checkpoint(url)
+    plugin.teardown()
+    with pytest.raises(FileNotFoundError, match="epoch=0.ckpt"):
+        plugin.load_checkpoint(url)
+    plugin.teardown()
