@@ -161,8 +161,9 @@ def test_fit_resumes_from_a_checkpoint_served_over_http(
     with pytest.raises(PickleNotAllowedError):  # a pickled object in it: only with the opt-in
         plugin.load_checkpoint(f"{url}/pickled.ckpt")
     assert AiosnapCheckpointIO(config, allow_pickle=True).load_checkpoint(f"{url}/pickled.ckpt")["odd"] == {1, 2}
-    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
-        plugin.load_checkpoint(f"{url}/missing.ckpt")
+    with pytest.raises(FileNotFoundError, match="missing.ckpt") as missing:
+        plugin.load_checkpoint(url.replace("http://", "http://user:s3cret@") + "/missing.ckpt")
+    assert "s3cret" not in str(missing.value) and "user:***@" in str(missing.value)  # no password in messages
     plugin.save_checkpoint({"w": torch.arange(20_000.0)}, folder / "w.ckpt")
     wait_for_checkpoint(folder / "w.ckpt")
     assert torch.equal(plugin.load_checkpoint(f"{url}/w.ckpt")["w"], torch.arange(20_000.0))

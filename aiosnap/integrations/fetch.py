@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from ..storage.registry import has_scheme
 
-__all__ = ["fetched", "through_fsspec"]
+__all__ = ["fetched", "shown", "through_fsspec"]
 
 
 def through_fsspec(url: str) -> bool:
@@ -29,6 +29,15 @@ def through_fsspec(url: str) -> bool:
     if "://" not in url:
         return False
     return not has_scheme(urlparse(url).scheme)
+
+
+def shown(url: str) -> str:
+    """``url`` fit for messages and logs: a password in it (``https://user:secret@host``)
+    replaced by ``***``."""
+    parsed = urlparse(url)
+    if parsed.password is None:
+        return url
+    return parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)).geturl()
 
 
 @contextlib.contextmanager
@@ -42,8 +51,8 @@ def fetched(url: str, storage_options: dict[str, Any] | None = None) -> Iterator
         local = Path(folder) / (Path(remote).name or "checkpoint")
         try:
             filesystem.get_file(remote, str(local))
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"Checkpoint file not found: {url}") from exc
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(url)}") from None
         if not local.is_file():  # a folder at the URL, or nothing copied
-            raise FileNotFoundError(f"Checkpoint file not found: {url} (not a file)")
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(url)} (not a file)")
         yield local

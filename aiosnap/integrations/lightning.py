@@ -60,7 +60,7 @@ from ..errors import CheckpointNotFoundError
 from ..interop.singlefile import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
-from .fetch import fetched, through_fsspec
+from .fetch import fetched, shown, through_fsspec
 from .inflight import (
     is_local,
     key_of,
@@ -184,7 +184,7 @@ class AiosnapCheckpointIO(CheckpointIO):
         if through_fsspec(key):
             with self._key_lock(key), self._lock:
                 self._generation[key] = self._generation.get(key, 0) + 1
-            log.info("aiosnap: %s is saved by Lightning's own writer (fsspec), not by aiosnap", location_of(path))
+            log.info("aiosnap: %s is saved by Lightning's own writer (fsspec), not by aiosnap", shown(key))
             TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         if storage_options is not None:
