@@ -35,7 +35,7 @@ def _config(executor: str = "thread", **extra: Any) -> Config:
     return Config(ram_budget="16MiB", upload={"chunk_size": "64KiB", "executor": executor}, **extra)
 
 
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -75,19 +75,19 @@ def test_listings_show_only_checkpoints_while_saves_are_in_flight(tmp_path: Path
 
 
 def _save_and_hang(tmp_path: Path, gate: Path, path: Path, config: str) -> subprocess.Popen[str]:
-    """A process that saves ``STATE`` to ``path`` through a gated storage and waits."""
+    """A process that saves ``STATE`` to ``path`` (as step 2) through a gated storage and
+    waits (a plain checkpointer: no Lightning to import)."""
     script = textwrap.dedent(
         f"""
         import sys, time, torch
         sys.path.insert(0, {str(REPO)!r})
-        from aiosnap import Config
-        from aiosnap.integrations.lightning import AiosnapCheckpointIO
+        from aiosnap import Config, SyncCheckpointer
         from tests.process_faults import CommitWaitsForRelease
         config = Config.model_validate({config})
         named = {{"resumable_partials": True}} if config.spool.effective_mode != "off" else {{}}
-        storage_for = lambda url, cfg: CommitWaitsForRelease(url, {str(gate)!r}, **named)
-        plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
-        plugin.save_checkpoint({{"w": torch.arange(100_000, dtype=torch.float32), "global_step": 3}}, {str(path)!r})
+        storage = CommitWaitsForRelease({str(path)!r}, {str(gate)!r}, **named)
+        view = SyncCheckpointer(config).at({str(path)!r}, keep_last=1, storage=storage)
+        view.save({{"w": torch.arange(100_000, dtype=torch.float32), "global_step": 3}}, step=2)
         time.sleep(120)
         """
     )

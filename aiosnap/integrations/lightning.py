@@ -5,21 +5,25 @@ one file in the zip format of ``torch.save`` (:class:`~aiosnap.interop.singlefil
 ``torch.load``, ``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)`` without
 the plugin, the loggers' ``log_model`` and ``os.path.isfile`` checks all work on it, and it
 carries aiosnap's manifest (a crc32c per tensor) for the plugin's verified loads. Writing a
-path again replaces the file atomically once the new version is complete. An
-``s3://bucket/...`` URL is an aiosnap checkpoint root (a prefix of data objects and a
-manifest). A folder saved by an older aiosnap at a local path is still read, and written, as
-a folder. All paths share one background thread, one RAM budget and one set of staging
-slabs (from ``config``).
+path again replaces the file atomically once the new version is complete; while a save runs,
+its bytes are in a partial file that listings of the folder do not show
+(:mod:`aiosnap.interop.partialfile`). An ``s3://bucket/...`` URL is an aiosnap checkpoint
+root (a prefix of data objects and a manifest); any other URL (``http(s)://``, ``memory://``,
+...) is fsspec's, as with Lightning's own CheckpointIO (:mod:`.fetch`). A folder saved by an
+older aiosnap at a local path is still read, and written, as a folder. All paths share one
+background thread, one RAM budget and one set of staging slabs (from ``config``).
 
 Threads: every method runs on the caller's (the trainer's) thread; saves continue on
 aiosnap's loop thread, removals on a small helper thread of this plugin.
 
 - ``save_checkpoint`` returns once the state is captured into host RAM (no clone of the
   model on the GPU); durability follows in the background. A local path exists when it
-  returns (an empty file until the first version is committed; an older version until the
-  new one is), so Lightning's version counter and ``save_last="link"`` see it.
+  returns (a placeholder until the first version is committed, which ``torch.load`` refuses
+  with a message saying so: :mod:`.inflight`; an older version until the new one is), so
+  Lightning's version counter and ``save_last="link"`` see it.
 - ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
-  this process; a symlink is followed to its target).
+  this process; a symlink is followed to its target), as :func:`wait_for_checkpoint` does
+  for any other reader.
 - ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
   never touches its target. Of a checkpoint, it never blocks training and never races a
   save: it waits (on the

@@ -58,14 +58,9 @@ class PartialFile:
         self.name = name  # the named file's path (used by a named partial file only)
         self._want_unnamed = not resumable
         self._fd: int | None = None
-        self._unnamed = False
+        self._unnamed = False  # opened without a name (it then has none until its commit)
         self._over = False
         self.lock = threading.Lock()
-
-    @property
-    def unnamed(self) -> bool:
-        """True once opened without a name (it then has none until its commit)."""
-        return self._unnamed
 
     def fd(self) -> int:
         """The descriptor to write through (worker thread; opens the file the first time).
