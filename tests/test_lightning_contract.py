@@ -151,7 +151,7 @@ def test_another_plugin_instance_waits_for_a_save_in_flight(tmp_path: Path, conf
     def slow(url: str, cfg: Config) -> FaultyStorage:
         return FaultyStorage(checkpoint_storage(url, cfg), delay=0.5)
 
-    writer = AiosnapCheckpointIO(config, storage_for=slow)
+    writer = AiosnapCheckpointIO(config, storage_for=slow, plain_reads_wait=False)  # to look before it lands
     reader = AiosnapCheckpointIO(config)
     path = tmp_path / "inflight.ckpt"
     writer.save_checkpoint({"w": torch.full((3,), 7.0), "global_step": 3}, path)

@@ -7,11 +7,14 @@ URLs (``memory://``) are saved, loaded and removed by Lightning's own writer."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
+import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -75,27 +78,79 @@ def _held_commits(config: Config) -> tuple[AiosnapCheckpointIO, list[FaultyStora
     return AiosnapCheckpointIO(config, storage_for=storage_for), made
 
 
+def _in_another_thread(read: Callable[[], Any]) -> Any:
+    with concurrent.futures.ThreadPoolExecutor(1) as other:
+        return other.submit(read).result(timeout=60)
+
+
 def test_plain_torch_load_during_a_first_save_says_it_is_in_flight(tmp_path: Path, config: Config) -> None:
     plugin, held = _held_commits(config)
     path = tmp_path / "ckpt" / "epoch=0.ckpt"
     state = {"state_dict": {"w": torch.arange(1000.0)}, "global_step": 4}
     plugin.save_checkpoint(state, path)
     assert path.is_file()  # something at the path at once, as Lightning's checks need
-    for reader in (
+    for read in (
         lambda: torch.load(path),
         lambda: torch.load(path, weights_only=False),
         lambda: torch.load(path, mmap=True),
         lambda: lightning_load(str(path)),  # LightningModule.load_from_checkpoint's reader
     ):
         with pytest.raises(ValueError, match=r"aiosnap: .*placeholder.*still running.*wait_for_checkpoint\(path\)"):
-            reader()
+            _in_another_thread(read)  # not the thread that saved: it does not wait
     with pytest.raises(TimeoutError, match="still in flight"):
         wait_for_checkpoint(path, timeout=0.2)
     held[0].release(plugin._root()._loop.loop)
     wait_for_checkpoint(path, timeout=30)
-    loaded = torch.load(path)
+    loaded = _in_another_thread(lambda: torch.load(path))
     assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["global_step"] == 4
     plugin.teardown()
+
+
+def _release_once_waiting(thread: int, plugin: AiosnapCheckpointIO, held: FaultyStorage) -> threading.Thread:
+    """Release the held commit once ``thread`` is inside a plain read that waits for it."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(thread)
+            while frame is not None and frame.f_code.co_name != "wait_for_own_save":
+                frame = frame.f_back
+            if frame is not None:
+                break
+            time.sleep(0.01)
+        held.release(plugin._root()._loop.loop)
+
+    releaser = threading.Thread(target=run, daemon=True)
+    releaser.start()
+    return releaser
+
+
+def test_a_plain_read_by_the_thread_that_saved_waits_for_the_save(tmp_path: Path, config: Config) -> None:
+    plugin, held = _held_commits(config)
+    path = tmp_path / "final.ckpt"
+    plugin.save_checkpoint({"w": torch.arange(1000.0), "epoch": 2}, path)
+    releaser = _release_once_waiting(threading.get_ident(), plugin, held[0])
+    loaded = torch.load(path)  # waits (the commit is held until it does), then reads the checkpoint
+    releaser.join(timeout=60)
+    assert loaded["epoch"] == 2 and torch.equal(loaded["w"], torch.arange(1000.0))
+    plugin.save_checkpoint({"w": torch.zeros(3), "epoch": 3}, path)  # a second save: the old file until then
+    assert torch.load(path)["epoch"] == 3  # waited again: the new version
+    plugin.teardown()
+    with open(tmp_path / "other.txt", "w") as f:  # writes never wait; nor do reads of other paths
+        f.write("x")
+    assert (tmp_path / "other.txt").read_text() == "x"
+
+
+def test_trainer_save_checkpoint_then_torch_load(tmp_path: Path, config: Config) -> None:
+    def slow(url: str, cfg: Config) -> FaultyStorage:
+        return FaultyStorage(checkpoint_storage(url, cfg), delay=0.3)  # in flight for a while
+
+    fit = trainer(1, AiosnapCheckpointIO(config, storage_for=slow), [], tmp_path)
+    fit.fit(Regressor(), loader())
+    fit.save_checkpoint(tmp_path / "model.ckpt")  # what Lightning's own test_correct_step_and_epoch does
+    assert torch.load(tmp_path / "model.ckpt", weights_only=True)["global_step"] == 4
+    assert Regressor.load_from_checkpoint(tmp_path / "model.ckpt").hparams.width == 32
+    fit.strategy.checkpoint_io.teardown()
 
 
 def test_a_placeholder_left_by_a_stopped_process(tmp_path: Path, config: Config) -> None:

@@ -35,22 +35,29 @@ __all__ = [
     "take_failed",
     "track",
     "wait_for_checkpoint",
+    "wait_for_own_save",
 ]
 
 
 @dataclass(eq=False)
 class _Save:
     handle: SyncSaveHandle
+    reads_wait: bool  # plain reads by the thread that saved wait for it (:mod:`.plainreads`)
     settled: threading.Event = field(default_factory=threading.Event)  # ended, and cleaned up after
+    thread: int = field(default_factory=threading.get_ident)
+    pid: int = field(default_factory=os.getpid)  # a forked child's copy never settles: never waited for
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _in_flight: dict[str, list[_Save]] = {}
 """Saves in flight, by key (:func:`key_of`), whichever plugin made them."""
 _placeholders: dict[str, tuple[int, int, int]] = {}
 """Placeholders this process put at paths: key -> (st_dev, st_ino, size)."""
 _failed: set[str] = set()
 """Local paths whose latest save failed: what was made for them goes at teardown if empty."""
+_watched: frozenset[str] = frozenset()
+"""File names (the last part) of the keys that have saves whose plain reads wait: a cheap
+first filter for :func:`wait_for_own_save`, read without the lock."""
 _claimed: set[str] = set()
 """Paths whose placeholder a save about to start relies on (from :func:`make_placeholder`
 to :func:`track`): a failed earlier save does not take it away meanwhile."""
@@ -77,13 +84,34 @@ def key_of(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(where) if is_local(where) else where
 
 
-def track(key: str, handle: SyncSaveHandle) -> None:
-    """Remember a save to ``key`` until it ends."""
-    save = _Save(handle)
+def track(key: str, handle: SyncSaveHandle, *, reads_wait: bool = False) -> None:
+    """Remember a save to ``key`` until it ends (the caller's thread, which made it: with
+    ``reads_wait``, its plain reads of ``key`` wait for it, see :mod:`.plainreads`)."""
+    save = _Save(handle, reads_wait)
     with _lock:
         _in_flight[key] = [*_unsettled(key), save]
         _claimed.discard(key)
+        _rewatch()
     handle.future.add_done_callback(lambda _: _settled(key, save))
+
+
+def _rewatch() -> None:
+    """With the lock held: recompute :data:`_watched`."""
+    global _watched
+    _watched = frozenset(os.path.basename(key) for key, saves in _in_flight.items() if any(s.reads_wait for s in saves))
+
+
+def wait_for_own_save(path: str) -> None:
+    """Any thread, from inside an ``open`` of ``path`` for reading: if this thread made saves
+    to ``path`` that are in flight (and asked for it), wait until they settle."""
+    if os.path.basename(path) not in _watched:
+        return
+    key = os.path.realpath(path)
+    me, pid = threading.get_ident(), os.getpid()
+    with _lock:
+        mine = [s for s in _unsettled(key) if s.reads_wait and s.thread == me and s.pid == pid]
+    for save in mine:
+        save.settled.wait()
 
 
 def save_not_started(key: str) -> None:
@@ -115,6 +143,7 @@ def _settled(key: str, save: _Save) -> None:
         with _lock:
             if not _unsettled(key):
                 _in_flight.pop(key, None)
+                _rewatch()
 
 
 def take_failed() -> set[str]:

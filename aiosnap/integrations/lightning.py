@@ -64,6 +64,7 @@ from ..errors import CheckpointNotFoundError
 from ..interop.singlefile import ArchiveStorage, is_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
+from . import plainreads
 from .fetch import fetched, shown, through_fsspec
 from .inflight import (
     is_local,
@@ -101,7 +102,10 @@ class AiosnapCheckpointIO(CheckpointIO):
     as non-JSON hyper-parameters); off by default because unpickling runs code.
     ``event_handlers``: callables receiving every event. ``storage_for(url, config)``: the
     backend for one checkpoint path (custom or wrapped backends; default
-    :func:`checkpoint_storage`).
+    :func:`checkpoint_storage`). ``plain_reads_wait``: a plain read of a local checkpoint path
+    (``torch.load``, ``open``) by the thread that saved it waits for the save in flight
+    (:mod:`.plainreads`); off, it gets the previous version, or during a first save an error
+    saying that the save is still running.
     """
 
     def __init__(
@@ -111,9 +115,11 @@ class AiosnapCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         event_handlers: Sequence[EventHandler] = (),
         storage_for: Callable[[str, Config], Storage] = checkpoint_storage,
+        plain_reads_wait: bool = True,
     ) -> None:
         super().__init__()
         self.storage_for = storage_for
+        self.plain_reads_wait = plain_reads_wait
         self.config = Config.coerce(config)
         self.allow_pickle = allow_pickle
         self.event_handlers = list(event_handlers)
@@ -140,6 +146,7 @@ class AiosnapCheckpointIO(CheckpointIO):
             "allow_pickle": self.allow_pickle,
             "event_handlers": self.event_handlers,
             "storage_for": self.storage_for,
+            "plain_reads_wait": self.plain_reads_wait,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -224,7 +231,9 @@ class AiosnapCheckpointIO(CheckpointIO):
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
             self._last_save = handle
-            track(key, handle)
+            if self.plain_reads_wait and is_local(key):
+                plainreads.install()
+            track(key, handle, reads_wait=self.plain_reads_wait and is_local(key))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
