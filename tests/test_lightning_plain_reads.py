@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -139,6 +140,25 @@ def test_a_plain_read_by_the_thread_that_saved_waits_for_the_save(tmp_path: Path
     with open(tmp_path / "other.txt", "w") as f:  # writes never wait; nor do reads of other paths
         f.write("x")
     assert (tmp_path / "other.txt").read_text() == "x"
+
+
+def _plain_load_error(path: str) -> str:
+    try:
+        torch.load(path)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_forked_child_of_the_thread_that_saved_does_not_wait(tmp_path: Path, config: Config) -> None:
+    plugin, held = _held_commits(config)
+    path = tmp_path / "x.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(3)}, path)
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # what a DataLoader worker is
+        answer = pool.apply_async(_plain_load_error, (str(path),)).get(timeout=60)
+    assert "placeholder" in answer  # its copy of the save never ends: it must not wait for it
+    held[0].release(plugin._root()._loop.loop)
+    plugin.teardown()
 
 
 def test_trainer_save_checkpoint_then_torch_load(tmp_path: Path, config: Config) -> None:

@@ -2,7 +2,8 @@
 
 Whichever :class:`~aiosnap.integrations.lightning.AiosnapCheckpointIO` made a save, every
 reader of its path in this process can wait for it (:func:`wait_for_checkpoint`, another
-plugin instance, ``Trainer(ckpt_path=...)``). A local path whose first save is in flight
+plugin instance, ``Trainer(ckpt_path=...)``, and plain reads by the thread that saved it:
+:mod:`.plainreads`). A local path whose first save is in flight
 holds a *placeholder* (:mod:`aiosnap.format.placeholder`): ``os.path.exists`` and Lightning's
 checks see a file, and a plain ``torch.load`` of it raises an error saying that the save is
 still running and how to wait for it. If that save fails, the placeholder goes again.
@@ -31,7 +32,6 @@ __all__ = [
     "placeholder_at",
     "remove_if_empty",
     "save_not_started",
-    "saves_in_flight",
     "take_failed",
     "track",
     "wait_for_checkpoint",
@@ -152,12 +152,6 @@ def take_failed() -> set[str]:
         failed = set(_failed)
         _failed.clear()
     return failed
-
-
-def saves_in_flight(key: str) -> list[SyncSaveHandle]:
-    """The saves to ``key`` not finished (or not cleaned up after) yet."""
-    with _lock:
-        return [s.handle for s in _unsettled(key)]
 
 
 def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = None) -> None:

@@ -23,7 +23,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
   Lightning's version counter and ``save_last="link"`` see it.
 - ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
   this process; a symlink is followed to its target), as :func:`wait_for_checkpoint` does
-  for any other reader.
+  for any other reader. A plain read of the path (``torch.load``) by the thread that saved
+  it waits too (:mod:`.plainreads`), unless ``plain_reads_wait=False``.
 - ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
   never touches its target. Of a checkpoint, it never blocks training and never races a
   save: it waits (on the
