@@ -19,7 +19,6 @@ checkpoints with plain ``torch.load`` meets.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +36,7 @@ class _PlainReader(AiosnapCheckpointIO):
         return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
-_made: weakref.WeakSet[AiosnapCheckpointIO] = weakref.WeakSet()
+_made: list[AiosnapCheckpointIO] = []
 """The plugins made for the running test: torn down when its body ends, as at the end of
 a user's script (before Lightning's fixtures look for threads left running)."""
 
@@ -64,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
         strategy = self.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = plugin = plugin_class(Config(ram_budget="64MiB"), allow_pickle=True)
-            _made.add(plugin)
+            _made.append(plugin)
 
     pl.Trainer.__init__ = init  # type: ignore[method-assign]
 
