@@ -7,6 +7,7 @@ partial files, and a save killed at its commit is finished by the next process."
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -19,11 +20,14 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 pytest.importorskip("lightning")
 
 from aiosnap import Config
+from aiosnap.cli import app
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage
+from aiosnap.interop.partialfile import PartialFile, partial_name
 from aiosnap.interop.singlefile import ArchiveStorage, is_archive
 from tests.process_faults import CommitWaitsForRelease
 
@@ -84,8 +88,7 @@ def _save_and_hang(tmp_path: Path, gate: Path, path: Path, config: str) -> subpr
         from aiosnap import Config, SyncCheckpointer
         from tests.process_faults import CommitWaitsForRelease
         config = Config.model_validate({config})
-        named = {{"resumable_partials": True}} if config.spool.effective_mode != "off" else {{}}
-        storage = CommitWaitsForRelease({str(path)!r}, {str(gate)!r}, **named)
+        storage = CommitWaitsForRelease.for_config({str(path)!r}, config, gate={str(gate)!r})
         view = SyncCheckpointer(config).at({str(path)!r}, keep_last=1, storage=storage)
         view.save({{"w": torch.arange(100_000, dtype=torch.float32), "global_step": 3}}, step=2)
         time.sleep(120)
@@ -174,20 +177,67 @@ def test_without_o_tmpfile_or_links_a_save_still_commits_whole(
     assert sorted(os.listdir(folder)) == ["new.ckpt", "old.ckpt"]
 
 
-def test_a_spool_that_resumes_keeps_partial_files_and_finishes_a_killed_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumer", ["plugin", "cli"])
+def test_a_spool_keeps_partial_files_and_a_killed_save_is_finished(tmp_path: Path, resumer: str) -> None:
     folder, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
-    # the same storage.url in both processes: a spool resumes the saves of its own checkpointer
-    spooled = _config(spool={"dir": str(tmp_path / "spool"), "mode": "always"}, storage={"url": str(tmp_path / "r")})
-    assert ArchiveStorage.for_config(folder / "x.ckpt", spooled).resumable_partials
-    assert isinstance(storage := checkpoint_storage(str(folder / "x.ckpt"), spooled), ArchiveStorage)
-    assert storage.resumable_partials and not checkpoint_storage(str(folder / "x.ckpt"), _config()).resumable_partials
+    # the same storage.url in both processes: a spool resumes the saves of its own checkpointer;
+    # a trainer that does not resume at start (spool.resume false) leaves its saves to `aiosnap resume`
+    spool = {"dir": str(tmp_path / "spool"), "mode": "always", "resume": resumer == "plugin"}
+    spooled = _config(spool=spool, storage={"url": str(tmp_path / "r")})
     old = _committed_before(folder)
     writer = _save_and_hang(tmp_path, gate, old, repr(spooled.model_dump(mode="json")))
     _kill_the_writer(gate, writer)
     left = sorted(os.listdir(folder))
     assert len(left) == 2 and left[0].endswith(".aiosnap-partial"), left  # what landed, for the resume
-    resumed = AiosnapCheckpointIO(spooled)
-    assert torch.equal(resumed.load_checkpoint(old)["w"], STATE["w"])  # finished from the spool, then loaded
-    resumed.teardown()
+    if resumer == "plugin":
+        resumed = AiosnapCheckpointIO(spooled)
+        assert torch.equal(resumed.load_checkpoint(old)["w"], STATE["w"])  # finished from the spool, then loaded
+        resumed.teardown()
+    else:
+        (tmp_path / "job.yaml").write_text(json.dumps(spooled.model_dump(mode="json")))  # JSON is YAML
+        ran = CliRunner().invoke(app, ["resume", "-c", str(tmp_path / "job.yaml"), "--root", str(old), "--json"])
+        assert ran.exit_code == 0 and json.loads(ran.stdout)["resumed"] == [2], ran.output
+        assert torch.equal(torch.load(old)["w"], STATE["w"]) and torch.load(old)["global_step"] == 3
     assert os.listdir(folder) == ["old.ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="Linux O_TMPFILE")
+def test_a_named_partial_on_disk_is_the_one_written_whatever_the_kind_asked(tmp_path: Path) -> None:
+    # what a crash left: the chunks of a save in its named partial file (a trainer whose spool
+    # resumes, or an unnamed file linked to its hidden name just before the rename over ``P``)
+    target = tmp_path / "old.ckpt"
+    target.write_bytes(b"the previous checkpoint")
+    name = partial_name(target, "000000000002", "0123456789abcdef")
+    name.write_bytes(b"chunks that landed|")
+    resumed = PartialFile(target, name, resumable=False)  # a resumer that would write unnamed files
+    assert resumed.landed_size() == len(b"chunks that landed|")  # what it will write into, no other file
+    os.pwrite(resumed.fd(), b"tail", len(b"chunks that landed|"))
+    resumed.publish()
+    assert target.read_bytes() == b"chunks that landed|tail" and os.listdir(tmp_path) == ["old.ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="Linux O_TMPFILE")
+def test_an_unnamed_partial_never_takes_a_name_it_did_not_make(tmp_path: Path) -> None:
+    target = tmp_path / "old.ckpt"
+    target.write_bytes(b"the previous checkpoint")
+    name = partial_name(target, "000000000002", "0123456789abcdef")
+    mine = PartialFile(target, name, resumable=False)
+    os.pwrite(mine.fd(), b"new bytes", 0)  # unnamed: listings do not see it
+    assert os.listdir(tmp_path) == ["old.ckpt"] and mine.landed_size() == len(b"new bytes")
+    name.write_bytes(b"another process's partial file of this save")
+    with pytest.raises(FileExistsError):
+        mine.publish()
+    assert name.read_bytes() == b"another process's partial file of this save"  # not unlinked
+    assert target.read_bytes() == b"the previous checkpoint"
+
+
+def test_whenever_a_spool_is_on_partial_files_are_named(tmp_path: Path) -> None:
+    # the trainer and `aiosnap resume` (which turns spool.resume off in its copy) must agree
+    spool = {"dir": str(tmp_path / "spool"), "mode": "always"}
+    for resume in (True, False):
+        config = _config(spool={**spool, "resume": resume})
+        assert ArchiveStorage.for_config(tmp_path / "x.ckpt", config).resumable_partials
+        assert isinstance(storage := checkpoint_storage(str(tmp_path / "x.ckpt"), config), ArchiveStorage)
+        assert storage.resumable_partials
+    assert not ArchiveStorage.for_config(tmp_path / "x.ckpt", _config()).resumable_partials

@@ -19,6 +19,12 @@ copied). Two kinds:
   landed must outlive the process). A crash leaves it behind; ``aiosnap gc`` removes it
   after the grace period, a resume finishes it.
 
+Which kind a :class:`PartialFile` writes is settled when it is first opened, by what is on
+disk: a named partial file of the same save already there (left by a crash, or by an unnamed
+file linked to its hidden name just before the rename) is reopened and written, whatever kind
+was asked for, so that what :meth:`PartialFile.landed_size` counts is what the commit
+publishes. A name this object did not open is never removed or replaced by it.
+
 Only the process that opened an unnamed file can write or publish it: the upload process
 (``upload.executor: process``) makes its own attempts, so the whole save -- writes and
 commit -- happens in that one process.
@@ -67,14 +73,30 @@ class PartialFile:
         A file whose save is over is never opened again (an unnamed one would come back
         empty)."""
         with self.lock:
-            if self._over:
-                raise FileNotFoundError(f"{self.target}: the save that wrote {self.name.name} is over")
-            if self._fd is None:
-                self._fd = self._open_unnamed() if self._want_unnamed else None
-                self._unnamed = self._fd is not None
-                if self._fd is None:
-                    self._fd = os.open(self.name, os.O_CREAT | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = self._open(create=True)
+            assert fd is not None
+            return fd
+
+    def _open(self, *, create: bool) -> int | None:
+        """With the lock held: the file's descriptor, opening it if it is not open yet: the
+        named file when it exists already (this save's, left by a crash), else (``create``)
+        an unnamed one where wanted and possible, else the named one. None: not open, and
+        nothing to open without ``create``."""
+        if self._over:
+            raise FileNotFoundError(f"{self.target}: the save that wrote {self.name.name} is over")
+        if self._fd is not None:
             return self._fd
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._fd = os.open(self.name, flags)  # what landed before a crash: write on into it
+        except FileNotFoundError:
+            if not create:
+                return None
+            self._fd = self._open_unnamed() if self._want_unnamed else None
+            self._unnamed = self._fd is not None
+            if self._fd is None:
+                self._fd = os.open(self.name, flags | os.O_CREAT, 0o644)
+        return self._fd
 
     def _open_unnamed(self) -> int | None:
         """An ``O_TMPFILE`` in the target's folder, or None where there is none to be had."""
@@ -89,15 +111,12 @@ class PartialFile:
             raise
 
     def landed_size(self) -> int | None:
-        """Bytes the file holds so far (None: none yet), for a resumed save's check of what
-        landed before a crash."""
+        """Bytes the file this object writes holds so far (None: none yet), for a resumed
+        save's check of what landed before a crash: a named file found on disk is opened
+        here, so that the writes and the commit that follow go into that very file."""
         with self.lock:
-            if self._fd is not None:
-                return os.fstat(self._fd).st_size
-        try:
-            return self.name.stat().st_size
-        except FileNotFoundError:
-            return None
+            fd = self._open(create=False)
+            return None if fd is None else os.fstat(fd).st_size
 
     def publish(self) -> None:
         """Worker thread, under the commit's folder lock, the file written and fsynced: put
@@ -134,29 +153,30 @@ class PartialFile:
 
     def _name_it(self, fd: int) -> None:
         """Give the unnamed file its hidden name: a link, or where there can be none, a copy
-        (an unnamed file has no other way out)."""
-        with suppress(FileNotFoundError):
-            self.name.unlink()  # left by an earlier commit of this very save that crashed
+        (an unnamed file has no other way out). FileExistsError when something has that
+        name: not this object's (one left by a crash would have been opened instead)."""
         if self._link(fd, self.name):
             return
         source = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             out = os.open(self.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
-            try:
-                offset, size = 0, os.fstat(source).st_size
-                while offset < size:
-                    block = os.pread(source, min(_COPY_BLOCK, size - offset), offset)
-                    if not block:
-                        raise OSError(errno.EIO, f"{self.target}: the partial file ended early")
-                    offset += os.pwrite(out, block, offset)
-                os.fsync(out)
-            finally:
-                os.close(out)
+        except BaseException:
+            os.close(source)
+            raise
+        try:
+            offset, size = 0, os.fstat(source).st_size
+            while offset < size:
+                block = os.pread(source, min(_COPY_BLOCK, size - offset), offset)
+                if not block:
+                    raise OSError(errno.EIO, f"{self.target}: the partial file ended early")
+                offset += os.pwrite(out, block, offset)
+            os.fsync(out)
         except BaseException:
             with suppress(FileNotFoundError):
-                self.name.unlink()
+                self.name.unlink()  # the copy this call made, and only that
             raise
         finally:
+            os.close(out)
             os.close(source)
 
     def close(self) -> None:

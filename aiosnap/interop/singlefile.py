@@ -7,8 +7,8 @@ every backend, so the commit protocol, loads and retention run unchanged:
 - A save's data objects (its chunks) are byte ranges of the file. Each attempt writes them
   with ``pwrite`` at their offsets into its own *partial* file in ``P``'s folder, in any
   order, from several threads: an unnamed ``O_TMPFILE`` that listings of the folder never
-  show and a crash never leaves behind, or where there is none (or a spool may resume the
-  save) the hidden ``.<name>.<step>.<save id>.aiosnap-partial`` (:mod:`.partialfile`).
+  show and a crash never leaves behind, or where there is none (or the config has a spool,
+  which may resume the save) the hidden ``.<name>.<step>.<save id>.aiosnap-partial`` (:mod:`.partialfile`).
 - Writing the step's manifest is the commit: the tail (the pickle, the manifest, the zip
   central directory) is written, the partial file fsynced and linked or renamed to ``P``,
   the folder fsynced, under an ``flock`` of the folder: a reader sees the old file or the
@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..config import Config
 from ..core.aio import complete_before_cancel
@@ -95,8 +95,10 @@ class ArchiveStorage(Storage):
     """A checkpoint root that is one file (see the module docstring).
 
     ``resumable_partials``: partial files have names, so that what a save wrote outlives a
-    crash and a spool resume can finish it (:meth:`for_config` sets it when the config's
-    spool resumes saves); otherwise they are unnamed where the platform allows."""
+    crash and a spool resume can finish it (:meth:`for_config` sets it whenever the config
+    has a spool: the trainer's saves and ``aiosnap resume``, which does not resume at start,
+    must agree); otherwise they are unnamed where the platform allows. Either way, a named
+    partial file of the same save already on disk (left by a crash) is the one written."""
 
     settled_writes = True
     single_file = True
@@ -109,10 +111,12 @@ class ArchiveStorage(Storage):
         self._fresh()
 
     @classmethod
-    def for_config(cls, path: str | os.PathLike[str], config: Config | None) -> ArchiveStorage:
-        """The file ``path``, its partial files named when ``config``'s spool resumes saves."""
-        spool = None if config is None else config.spool
-        return cls(path, resumable_partials=spool is not None and spool.effective_mode != "off" and spool.resume)
+    def for_config(cls, path: str | os.PathLike[str], config: Config | None, **kwargs: Any) -> Self:
+        """The file ``path``, its partial files named whenever ``config`` has a spool (a save
+        it journals may be finished by another process: the next trainer, ``aiosnap resume``),
+        whether or not ``spool.resume`` finishes them at start. ``kwargs``: a subclass's own."""
+        named = config is not None and config.spool.effective_mode != "off"
+        return cls(path, resumable_partials=named, **kwargs)
 
     def _fresh(self) -> None:
         self._attempts: dict[str, _Attempt] = {}
