@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import io
 import multiprocessing
 import os
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
+import zipfile
 from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,7 +32,7 @@ pytest.importorskip("lightning")
 
 from aiosnap import Config
 from aiosnap.errors import ChecksumMismatchError, PickleNotAllowedError
-from aiosnap.format.placeholder import placeholder_bytes, placeholder_message
+from aiosnap.format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage, wait_for_checkpoint
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -206,6 +209,23 @@ def test_a_failed_first_save_takes_its_placeholder_away(tmp_path: Path, config: 
 def test_anything_but_a_whole_placeholder_is_no_placeholder(data: bytes) -> None:
     whole = placeholder_bytes(1)
     assert (placeholder_message(data) is not None) == (data == whole)
+
+
+def test_a_compressed_entry_is_never_expanded_to_tell_a_placeholder(tmp_path: Path) -> None:
+    # a small file shaped like a placeholder whose message entry is LZMA: 8 MiB once expanded
+    whole = zipfile.ZipFile(io.BytesIO(placeholder_bytes(1)))
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w") as archive:
+        for info in whole.infolist():
+            data = whole.read(info) + (b" " * 8 * 1024**2 if info.filename.endswith("byteorder") else b"")
+            archive.writestr(info.filename, data, compress_type=zipfile.ZIP_LZMA)
+    assert len(bomb.getvalue()) < MAX_PLACEHOLDER_BYTES
+    tracemalloc.start()
+    try:
+        assert placeholder_message(bomb.getvalue()) is None  # only stored entries are read
+        assert tracemalloc.get_traced_memory()[1] < 1024**2
+    finally:
+        tracemalloc.stop()
 
 
 def test_fit_resumes_from_a_checkpoint_served_over_http(

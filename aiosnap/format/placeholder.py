@@ -53,14 +53,21 @@ def placeholder_bytes(pid: int, started: float | None = None) -> bytes:
 
 def placeholder_message(data: bytes) -> str | None:
     """The message of a placeholder (untrusted bytes read from a file), or None when
-    ``data`` is not exactly one."""
+    ``data`` is not exactly one. Only *stored* entries, each no larger than ``data``, are
+    read: a compressed entry (which could expand without bound) makes it no placeholder."""
     if len(data) > MAX_PLACEHOLDER_BYTES:
         return None
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            if sorted(archive.namelist()) != _NAMES:
+            entries = archive.infolist()
+            if sorted(e.filename for e in entries) != _NAMES or not all(_stored_within(e, len(data)) for e in entries):
                 return None
             message = archive.read(_NAMES[0]).decode("utf-8")
     except Exception:  # any malformed zip (untrusted bytes) is simply not a placeholder
         return None
     return message.strip() if message.startswith(f"\n{_HEAD}") else None
+
+
+def _stored_within(entry: zipfile.ZipInfo, limit: int) -> bool:
+    """True when ``entry`` is stored as is (not compressed), in at most ``limit`` bytes."""
+    return entry.compress_type == zipfile.ZIP_STORED and entry.file_size == entry.compress_size <= limit
