@@ -12,6 +12,7 @@ import functools
 import io
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 pytest.importorskip("lightning")
 
 from aiosnap import Config
-from aiosnap.errors import ChecksumMismatchError, PickleNotAllowedError
+from aiosnap.errors import ChecksumMismatchError, CorruptCheckpointError, PickleNotAllowedError, StorageError
 from aiosnap.format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage, wait_for_checkpoint
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
@@ -50,13 +51,30 @@ def config() -> Config:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A folder served over HTTP on loopback (Python's http.server, which answers every
-    request with the whole file: it has no Range support), and its URL."""
+    request with the whole file: it has no Range support), and its URL; a few names
+    misbehave (see ``do_GET``)."""
     folder = tmp_path / "served"
     folder.mkdir()
 
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             pass
+
+        def do_GET(self) -> None:
+            """``/status-<code>...``: that error; ``/short...``: a body shorter than its
+            Content-Length; ``/unended...``: no Content-Length, the connection closed early."""
+            name = self.path.split("?")[0].strip("/")
+            if name.startswith("status-"):
+                self.send_error(int(name[7:10]))
+            elif name.startswith(("short", "unended")):
+                body = b"PK\x03\x04" + bytes(4000)  # the start of a zip, cut short
+                self.send_response(200)
+                if name.startswith("short"):
+                    self.send_header("Content-Length", str(2 * len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                super().do_GET()
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -211,6 +229,30 @@ def test_anything_but_a_whole_placeholder_is_no_placeholder(data: bytes) -> None
     assert (placeholder_message(data) is not None) == (data == whole)
 
 
+def test_an_aiosnap_file_whose_end_is_damaged_is_refused_not_read_unverified(tmp_path: Path, config: Config) -> None:
+    plugin = AiosnapCheckpointIO(config)
+    path = tmp_path / "w.ckpt"
+    plugin.save_checkpoint({"w": torch.arange(1000.0)}, path)
+    wait_for_checkpoint(path)
+    whole = path.read_bytes()
+    comment = len(whole) - whole.rindex(b"aiosnap-archive ")
+    # a byte of the trailer's comment, of its length field, of the end record's signature, of the
+    # manifest record's name in the central directory: torch.load reads on without it, unchecked
+    for at in (-1, -comment + 3, -comment - 2, -comment - 22, whole.rindex(b"manifest.json") - len(whole)):
+        damaged = bytearray(whole)
+        damaged[at] ^= 0xFF
+        damaged[damaged.find(torch.tensor([123.0]).numpy().tobytes())] ^= 0x01  # and one bit of one float
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptCheckpointError, match=re.escape(str(path))):  # damaged, or a checksum
+            plugin.load_checkpoint(path)
+    torch.save({"w": torch.ones(2)}, path)  # a torch.save file still loads
+    assert torch.equal(plugin.load_checkpoint(path)["w"], torch.ones(2))
+    torch.save([torch.ones(2)], path)  # but no more than an aiosnap file when it is no checkpoint dict
+    with pytest.raises(TypeError, match=f"{re.escape(str(path))}: holds a list, not a Lightning checkpoint dict"):
+        plugin.load_checkpoint(path)
+    plugin.teardown()
+
+
 def test_a_compressed_entry_is_never_expanded_to_tell_a_placeholder(tmp_path: Path) -> None:
     # a small file shaped like a placeholder whose message entry is LZMA: 8 MiB once expanded
     whole = zipfile.ZipFile(io.BytesIO(placeholder_bytes(1)))
@@ -267,8 +309,50 @@ def test_fit_resumes_from_a_checkpoint_served_over_http(
     (folder / "w.ckpt").write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatchError):  # read verified, unlike torch.load
         plugin.load_checkpoint(f"{url}/w.ckpt")
+    data[-30] ^= 0xFF  # and its trailer damaged too: never read unverified instead
+    (folder / "w.ckpt").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="w.ckpt.*damaged"):
+        plugin.load_checkpoint(f"{url}/w.ckpt")
     torch.save({"w": torch.ones(2)}, folder / "plain.pt")  # not aiosnap's: torch.load, weights only
     assert torch.equal(plugin.load_checkpoint(f"{url}/plain.pt")["w"], torch.ones(2))
+    plugin.teardown()
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def test_failed_downloads_say_so_and_no_message_shows_a_secret(
+    served: tuple[Path, str], config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder, url = served
+    host = url.removeprefix("http://")
+    (folder / "pending.ckpt").write_bytes(placeholder_bytes(4242))  # a first save in flight there
+    cases: list[tuple[str, type[BaseException], str]] = [
+        (f"http://alice:S3CRET@{host}/pending.ckpt", FileNotFoundError, re.escape("alice:***@")),
+        (f"http://ghp_S3CRET@{host}/missing.ckpt", FileNotFoundError, re.escape("http://***@")),  # a token
+        (
+            f"http://{host}/missing.ckpt?X-Amz-Signature=S3CRET&X-Amz-Date=1",
+            FileNotFoundError,
+            re.escape("missing.ckpt?***"),
+        ),
+        (f"http://alice:S3CRET@{host}/status-500.ckpt", StorageError, "downloading .*status-500.ckpt.*500"),
+        (f"http://{host}/status-403.ckpt?token=S3CRET", StorageError, "downloading .*status-403.ckpt.*403"),
+        (f"http://alice:S3CRET@{host}/short.ckpt", StorageError, "downloading .*short.ckpt"),
+        (
+            f"http://{host}/unended.ckpt#S3CRET",
+            CorruptCheckpointError,
+            "downloaded from .*" + re.escape("unended.ckpt#***"),
+        ),
+    ]
+    plugin = AiosnapCheckpointIO(config)
+    for where, error, says in cases:
+        with pytest.raises(error, match=says) as raised:
+            plugin.load_checkpoint(where)
+        assert not any("S3CRET" in str(e) for e in _chain(raised.value)), where
+    assert not any("S3CRET" in r.getMessage() for r in caplog.records)
     plugin.teardown()
 
 

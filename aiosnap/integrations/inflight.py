@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpointer import SyncSaveHandle
+from ..core.redact import shown_url
 from ..format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
 
 __all__ = [
@@ -171,7 +172,7 @@ def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = No
             return
         left = None if deadline is None else deadline - time.monotonic()
         if not saves[0].settled.wait(None if left is None else max(0.0, left)):
-            raise TimeoutError(f"{path}: {len(saves)} save(s) to it still in flight after {timeout} s")
+            raise TimeoutError(f"{shown_url(path)}: {len(saves)} save(s) to it still in flight after {timeout} s")
 
 
 def make_placeholder(key: str) -> None:

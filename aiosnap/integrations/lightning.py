@@ -61,12 +61,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..core.events import EventHandler
-from ..errors import CheckpointNotFoundError
-from ..interop.singlefile import ArchiveStorage, is_archive
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..interop.singlefile import ArchiveStorage, is_archive, is_damaged_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from . import plainreads
-from .fetch import fetched, shown, through_fsspec
+from .fetch import fetched, scrubbed, shown, through_fsspec, unreadable_download_named
 from .inflight import (
     is_local,
     key_of,
@@ -83,6 +83,14 @@ from .inflight import (
 __all__ = ["AiosnapCheckpointIO", "checkpoint_storage", "wait_for_checkpoint"]
 
 log = logging.getLogger("aiosnap")
+
+
+def _checkpoint_dict(state: Any, path: Any) -> dict[str, Any]:
+    """``state`` if it is a Lightning checkpoint (a dict); TypeError naming ``path`` else,
+    whichever format held it (``torch.save`` of a list, an aiosnap save of a tensor)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{shown(path)}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
+    return state
 
 
 def checkpoint_storage(url: str, config: Config) -> Storage:
@@ -247,7 +255,9 @@ class AiosnapCheckpointIO(CheckpointIO):
         key = key_of(path)  # a symlinked ``last`` reads (and waits for) its target
         if through_fsspec(key):
             with fetched(key) as local:
-                return self._load_file(str(local), path, map_location, weights_only)
+                return unreadable_download_named(
+                    key, lambda: self._load_file(str(local), path, map_location, weights_only)
+                )
         with self._lock:
             handles = self._handles(key)
         concurrent.futures.wait([h.future for h in handles])
@@ -261,7 +271,8 @@ class AiosnapCheckpointIO(CheckpointIO):
     def _load_file(self, file: str, path: Any, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """A local file that is no aiosnap root of this plugin: an aiosnap single file
         (verified, through a view closed afterwards), a placeholder (FileNotFoundError:
-        nothing committed there yet), or a file for ``torch.load``."""
+        nothing committed there yet), an aiosnap file whose end is damaged
+        (CorruptCheckpointError), or a file for ``torch.load``."""
         if is_archive(file):
             view = self._root().at(file, keep_last=1, storage=ArchiveStorage(file))
             try:
@@ -270,10 +281,16 @@ class AiosnapCheckpointIO(CheckpointIO):
                 view.close()
         waiting = placeholder_at(file)
         if waiting is not None:
-            raise FileNotFoundError(f"Checkpoint file not found: {path} holds no checkpoint. {waiting}")
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(path)} holds no checkpoint. {waiting}")
+        if is_damaged_archive(file):
+            raise CorruptCheckpointError(
+                f"{shown(path)}: an aiosnap checkpoint whose end (the zip end record and aiosnap's trailer) is "
+                "damaged: not loaded, as torch.load would read it without checking a byte"
+            )
         if weights_only is None:
             weights_only = not self.allow_pickle
-        return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+        state = TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+        return _checkpoint_dict(state, path)
 
     def _loaded(
         self, location: SyncCheckpointer, path: Any, map_location: Any, weights_only: bool | None
@@ -281,13 +298,11 @@ class AiosnapCheckpointIO(CheckpointIO):
         try:
             state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
         except CheckpointNotFoundError as exc:
-            raise FileNotFoundError(f"Checkpoint file not found: {path} ({exc})") from exc
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(path)} ({scrubbed(str(exc), path)})") from exc
         if isinstance(map_location, (str, torch.device)):
             device = torch.device(map_location)
             state = apply_to_collection(state, torch.Tensor, lambda tensor: tensor.to(device))
-        if not isinstance(state, dict):
-            raise TypeError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
-        return state
+        return _checkpoint_dict(state, path)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Schedule removal of ``path`` once every save now in flight, and the latest save,
@@ -313,7 +328,9 @@ class AiosnapCheckpointIO(CheckpointIO):
         failed = [f.exception() for f in waiting_for if f.exception() is not None]
         if failed:
             log.warning(
-                "aiosnap: keeping %s: a newer save failed (%r), so it may be the last good checkpoint", key, failed[0]
+                "aiosnap: keeping %s: a newer save failed (%s), so it may be the last good checkpoint",
+                shown(key),
+                scrubbed(repr(failed[0]), key),
             )
             return
         with self._key_lock(key):

@@ -53,14 +53,23 @@ from ..core.aio import complete_before_cancel
 from ..core.durable import fsync_dir
 from ..core.names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
 from ..errors import CorruptCheckpointError, ManifestError, StepOrderError
-from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
+from ..format.archive import (
+    MARKS_BYTES,
+    MAX_TRAILER_BYTES,
+    Record,
+    Trailer,
+    build_tail,
+    data_record_name,
+    has_aiosnap_marks,
+    parse_trailer,
+)
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
 from ..storage.base import BytesLike, ObjectInfo, Storage, preadv_all
 from ..storage.registry import storage_from_url
 from .partialfile import PartialFile, partial_name
 
-__all__ = ["ArchiveStorage", "is_archive", "storage_for"]
+__all__ = ["ArchiveStorage", "is_archive", "is_damaged_archive", "storage_for"]
 
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<step>[0-9]{12,20})\.(?P<save>[0-9a-f]{16})\.aiosnap-partial")
 _COPY_BLOCK = 8 * 1024**2
@@ -571,6 +580,19 @@ def is_archive(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return parse_trailer(tail, size) is not None
+
+
+def is_damaged_archive(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a file aiosnap wrote as a single-file checkpoint whose end is
+    damaged: no :func:`is_archive`, yet aiosnap's marks (blocks: one small read of its end).
+    Such a file is never to be read unverified with ``torch.load``."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            tail = os.pread(f.fileno(), min(size, MARKS_BYTES), max(0, size - MARKS_BYTES))
+    except OSError:
+        return False
+    return parse_trailer(tail[-MAX_TRAILER_BYTES:], size) is None and has_aiosnap_marks(tail)
 
 
 _MANIFEST_HEAD = re.compile(rb'\{"format":"aiosnap","format_version":\d+,"step":(\d+),"save_id":"([0-9a-f]{16})"')
