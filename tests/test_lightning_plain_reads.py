@@ -34,6 +34,7 @@ pytest.importorskip("lightning")
 from aiosnap import Config
 from aiosnap.errors import ChecksumMismatchError, CorruptCheckpointError, PickleNotAllowedError, StorageError
 from aiosnap.format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
+from aiosnap.integrations import inflight
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage, wait_for_checkpoint
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -87,8 +88,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         thread.join(timeout=10)
 
 
-def _held_commits(config: Config) -> tuple[AiosnapCheckpointIO, list[FaultyStorage]]:
-    """A plugin whose commits wait until the test releases them."""
+def _held_commits(config: Config, **options: Any) -> tuple[AiosnapCheckpointIO, list[FaultyStorage]]:
+    """A plugin (made with ``options``) whose commits wait until the test releases them."""
     made: list[FaultyStorage] = []
 
     def storage_for(url: str, cfg: Config) -> FaultyStorage:
@@ -97,7 +98,7 @@ def _held_commits(config: Config) -> tuple[AiosnapCheckpointIO, list[FaultyStora
         made.append(storage)
         return storage
 
-    return AiosnapCheckpointIO(config, storage_for=storage_for), made
+    return AiosnapCheckpointIO(config, storage_for=storage_for, **options), made
 
 
 def _in_another_thread(read: Callable[[], Any]) -> Any:
@@ -172,12 +173,31 @@ def _plain_load_error(path: str) -> str:
 
 
 def test_a_forked_child_of_the_thread_that_saved_does_not_wait(tmp_path: Path, config: Config) -> None:
-    plugin, held = _held_commits(config)
+    plugin, held = _held_commits(config, plain_reads_wait=True)
     path = tmp_path / "x.ckpt"
     plugin.save_checkpoint({"w": torch.ones(3)}, path)
-    with multiprocessing.get_context("fork").Pool(1) as pool:  # what a DataLoader worker is
+    forked = multiprocessing.get_context("fork")
+    with forked.Pool(1) as pool:  # what a DataLoader worker is
         answer = pool.apply_async(_plain_load_error, (str(path),)).get(timeout=60)
     assert "placeholder" in answer  # its copy of the save never ends: it must not wait for it
+    taken, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:  # as the loop thread does when a save settles while the trainer forks
+        with inflight._lock:
+            taken.set()
+            done.wait(timeout=60)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    taken.wait(timeout=60)
+    try:
+        pool = forked.Pool(1)  # forked while another thread holds the lock
+    finally:
+        done.set()
+        holder.join(timeout=60)
+    with pool:
+        assert "placeholder" in pool.apply_async(_plain_load_error, (str(path),)).get(timeout=30)
+        assert pool.apply_async(wait_for_checkpoint, (str(path), 30)).get(timeout=30) is None  # not its saves
     held[0].release(plugin._root()._loop.loop)
     plugin.teardown()
 

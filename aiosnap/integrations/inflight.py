@@ -62,6 +62,25 @@ first filter for :func:`wait_for_own_save`, read without the lock."""
 _claimed: set[str] = set()
 """Paths whose placeholder a save about to start relies on (from :func:`make_placeholder`
 to :func:`track`): a failed earlier save does not take it away meanwhile."""
+_owner = os.getpid()
+"""The process whose saves the tables hold."""
+
+
+def _forget_the_parent() -> None:
+    """In a child just forked (before anything else runs there): empty tables and a new
+    lock. The parent's saves never settle in the child, and the lock may have been taken by
+    one of the parent's threads, which the child does not have: it would never be released."""
+    global _lock, _watched, _owner
+    _lock = threading.RLock()
+    _in_flight.clear()
+    _placeholders.clear()
+    _failed.clear()
+    _claimed.clear()
+    _watched = frozenset()
+    _owner = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forget_the_parent)
 
 
 def is_local(key: str) -> bool:
@@ -105,12 +124,12 @@ def _rewatch() -> None:
 def wait_for_own_save(path: str) -> None:
     """Any thread, from inside an ``open`` of ``path`` for reading: if this thread made saves
     to ``path`` that are in flight (and asked for it), wait until they settle."""
-    if os.path.basename(path) not in _watched:
+    if os.path.basename(path) not in _watched or os.getpid() != _owner:  # no lock taken: a forked child
         return
     key = os.path.realpath(path)
-    me, pid = threading.get_ident(), os.getpid()
+    me = threading.get_ident()
     with _lock:
-        mine = [s for s in _unsettled(key) if s.reads_wait and s.thread == me and s.pid == pid]
+        mine = [s for s in _unsettled(key) if s.reads_wait and s.thread == me and s.pid == _owner]
     for save in mine:
         save.settled.wait()
 
