@@ -13,7 +13,9 @@ Every ``Trainer`` whose strategy would use Lightning's ``TorchCheckpointIO`` get
 user adds it with ``plugins=[...]``); a trainer given its own CheckpointIO keeps it.
 ``--aiosnap-reader=torch`` makes that plugin read with Lightning's own ``torch.load``
 reader (no waiting for saves in flight, no verification): what a user's script that reads
-checkpoints with plain ``torch.load`` meets.
+checkpoints with plain ``torch.load`` meets. ``--aiosnap-plain-reads-wait`` makes the plugin
+``AiosnapCheckpointIO(plain_reads_wait=True)``: plain reads by the thread that saved wait for
+the save (Lightning's tests that ``torch.load`` a file right after saving it need that).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="plugin",
         help="read checkpoints through the aiosnap plugin (default) or Lightning's torch.load reader",
     )
+    parser.addoption(
+        "--aiosnap-plain-reads-wait",
+        action="store_true",
+        help="AiosnapCheckpointIO(plain_reads_wait=True): plain reads by the saving thread wait",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,6 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from lightning.fabric.plugins import TorchCheckpointIO
 
     plugin_class = _PlainReader if config.getoption("--aiosnap-reader") == "torch" else AiosnapCheckpointIO
+    reads_wait = bool(config.getoption("--aiosnap-plain-reads-wait"))
     original = pl.Trainer.__init__
 
     @functools.wraps(original)
@@ -62,7 +70,9 @@ def pytest_configure(config: pytest.Config) -> None:
         original(self, *args, **kwargs)
         strategy = self.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            strategy.checkpoint_io = plugin = plugin_class(Config(ram_budget="64MiB"), allow_pickle=True)
+            strategy.checkpoint_io = plugin = plugin_class(
+                Config(ram_budget="64MiB"), allow_pickle=True, plain_reads_wait=reads_wait
+            )
             _made.append(plugin)
 
     pl.Trainer.__init__ = init  # type: ignore[method-assign]

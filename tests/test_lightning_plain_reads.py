@@ -32,7 +32,14 @@ from hypothesis import strategies as st
 pytest.importorskip("lightning")
 
 from aiosnap import Config
-from aiosnap.errors import ChecksumMismatchError, CorruptCheckpointError, PickleNotAllowedError, StorageError
+from aiosnap.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptCheckpointError,
+    PickleNotAllowedError,
+    PlainReadTimeoutError,
+    StorageError,
+)
 from aiosnap.format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
 from aiosnap.integrations import inflight
 from aiosnap.integrations.lightning import AiosnapCheckpointIO, checkpoint_storage, wait_for_checkpoint
@@ -148,8 +155,45 @@ def _release_once_waiting(thread: int, plugin: AiosnapCheckpointIO, held: Faulty
     return releaser
 
 
+def _released_later(plugin: AiosnapCheckpointIO, held: FaultyStorage) -> threading.Timer:
+    """Release the held commit in 20 s if the test has not: a read that waits without bound
+    (as before the waiting was opt-in and bounded) ends, and the test fails instead of hanging."""
+    timer = threading.Timer(20, lambda: held.release(plugin._root()._loop.loop))
+    timer.start()
+    return timer
+
+
+def test_plain_reads_by_the_saving_thread_wait_only_with_the_opt_in_and_not_forever(
+    tmp_path: Path, config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugin, held = _held_commits(config)  # the default: plain reads never wait
+    path = tmp_path / "final.ckpt"
+    plugin.save_checkpoint({"w": torch.arange(1000.0), "epoch": 2}, path)
+    timer = _released_later(plugin, held[0])
+    with pytest.raises(ValueError, match="placeholder.*still running"):
+        torch.load(path)  # at once, in the thread that saved: the placeholder's message
+    timer.cancel()
+    held[0].release(plugin._root()._loop.loop)
+    plugin.teardown()
+
+    with pytest.raises(ConfigError, match="plain_reads_timeout"):
+        AiosnapCheckpointIO(config, plain_reads_wait=True, plain_reads_timeout=0)
+    plugin, held = _held_commits(config, plain_reads_wait=True, plain_reads_timeout=0.3)
+    plugin.save_checkpoint({"w": torch.zeros(3)}, path)  # a stuck commit
+    timer = _released_later(plugin, held[0])
+    with pytest.raises(PlainReadTimeoutError, match=f"{re.escape(str(path))}: .* not committed after 0.3 s"):
+        torch.load(path)
+    timer.cancel()
+    assert [r.getMessage() for r in caplog.records if "waits" in r.getMessage()] == [
+        f"aiosnap: a read of {path} by the thread that saved it waits (up to 0.3 s) for that save to commit "
+        "(AiosnapCheckpointIO(plain_reads_wait=True))"
+    ]
+    held[0].release(plugin._root()._loop.loop)
+    plugin.teardown()
+
+
 def test_a_plain_read_by_the_thread_that_saved_waits_for_the_save(tmp_path: Path, config: Config) -> None:
-    plugin, held = _held_commits(config)
+    plugin, held = _held_commits(config, plain_reads_wait=True)
     path = tmp_path / "final.ckpt"
     plugin.save_checkpoint({"w": torch.arange(1000.0), "epoch": 2}, path)
     releaser = _release_once_waiting(threading.get_ident(), plugin, held[0])
@@ -158,6 +202,12 @@ def test_a_plain_read_by_the_thread_that_saved_waits_for_the_save(tmp_path: Path
     assert loaded["epoch"] == 2 and torch.equal(loaded["w"], torch.arange(1000.0))
     plugin.save_checkpoint({"w": torch.zeros(3), "epoch": 3}, path)  # a second save: the old file until then
     assert torch.load(path)["epoch"] == 3  # waited again: the new version
+    named_in_bytes = tmp_path / "bytes.ckpt"
+    plugin.save_checkpoint({"epoch": 4}, named_in_bytes)
+    releaser = _release_once_waiting(threading.get_ident(), plugin, held[1])
+    with open(os.fsencode(named_in_bytes), "rb") as f:  # a path given as bytes waits too
+        assert torch.load(f)["epoch"] == 4
+    releaser.join(timeout=60)
     plugin.teardown()
     with open(tmp_path / "other.txt", "w") as f:  # writes never wait; nor do reads of other paths
         f.write("x")
@@ -206,7 +256,7 @@ def test_trainer_save_checkpoint_then_torch_load(tmp_path: Path, config: Config)
     def slow(url: str, cfg: Config) -> FaultyStorage:
         return FaultyStorage(checkpoint_storage(url, cfg), delay=0.3)  # in flight for a while
 
-    fit = trainer(1, AiosnapCheckpointIO(config, storage_for=slow), [], tmp_path)
+    fit = trainer(1, AiosnapCheckpointIO(config, storage_for=slow, plain_reads_wait=True), [], tmp_path)
     fit.fit(Regressor(), loader())
     fit.save_checkpoint(tmp_path / "model.ckpt")  # what Lightning's own test_correct_step_and_epoch does
     assert torch.load(tmp_path / "model.ckpt", weights_only=True)["global_step"] == 4

@@ -15,6 +15,7 @@ remover); one lock guards the tables.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ..checkpointer import SyncSaveHandle
 from ..core.redact import shown_url
+from ..errors import PlainReadTimeoutError
 from ..format.placeholder import MAX_PLACEHOLDER_BYTES, placeholder_bytes, placeholder_message
 
 __all__ = [
@@ -39,14 +41,17 @@ __all__ = [
     "wait_for_own_save",
 ]
 
+log = logging.getLogger("aiosnap")
+
 
 @dataclass(eq=False)
 class _Save:
     handle: SyncSaveHandle
-    reads_wait: bool  # plain reads by the thread that saved wait for it (:mod:`.plainreads`)
+    read_timeout: float | None  # plain reads by the thread that saved wait this long for it, None: not at all
     settled: threading.Event = field(default_factory=threading.Event)  # ended, and cleaned up after
     thread: int = field(default_factory=threading.get_ident)
     pid: int = field(default_factory=os.getpid)  # a forked child's copy never settles: never waited for
+    read_waited: bool = False  # a plain read has waited for it (and said so, once)
 
 
 _lock = threading.RLock()
@@ -104,10 +109,11 @@ def key_of(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(where) if is_local(where) else where
 
 
-def track(key: str, handle: SyncSaveHandle, *, reads_wait: bool = False) -> None:
-    """Remember a save to ``key`` until it ends (the caller's thread, which made it: with
-    ``reads_wait``, its plain reads of ``key`` wait for it, see :mod:`.plainreads`)."""
-    save = _Save(handle, reads_wait)
+def track(key: str, handle: SyncSaveHandle, *, read_timeout: float | None = None) -> None:
+    """Remember a save to ``key`` until it ends (the caller's thread, which made it: with a
+    ``read_timeout``, its plain reads of ``key`` wait for it up to that many seconds, see
+    :mod:`.plainreads`)."""
+    save = _Save(handle, read_timeout)
     with _lock:
         _in_flight[key] = [*_unsettled(key), save]
         _claimed.discard(key)
@@ -118,20 +124,39 @@ def track(key: str, handle: SyncSaveHandle, *, reads_wait: bool = False) -> None
 def _rewatch() -> None:
     """With the lock held: recompute :data:`_watched`."""
     global _watched
-    _watched = frozenset(os.path.basename(key) for key, saves in _in_flight.items() if any(s.reads_wait for s in saves))
+    waited_for = (key for key, saves in _in_flight.items() if any(s.read_timeout is not None for s in saves))
+    _watched = frozenset(os.path.basename(key) for key in waited_for)
 
 
 def wait_for_own_save(path: str) -> None:
     """Any thread, from inside an ``open`` of ``path`` for reading: if this thread made saves
-    to ``path`` that are in flight (and asked for it), wait until they settle."""
+    to ``path`` that are in flight (and asked for it), wait until they settle, saying so once
+    per save; :class:`~aiosnap.errors.PlainReadTimeoutError` naming ``path`` when one has not
+    after its ``read_timeout``."""
     if os.path.basename(path) not in _watched or os.getpid() != _owner:  # no lock taken: a forked child
         return
     key = os.path.realpath(path)
     me = threading.get_ident()
     with _lock:
-        mine = [s for s in _unsettled(key) if s.reads_wait and s.thread == me and s.pid == _owner]
+        mine = [s for s in _unsettled(key) if s.read_timeout is not None and s.thread == me and s.pid == _owner]
     for save in mine:
-        save.settled.wait()
+        assert save.read_timeout is not None
+        if save.settled.is_set():
+            continue
+        if not save.read_waited:
+            save.read_waited = True
+            log.warning(
+                "aiosnap: a read of %s by the thread that saved it waits (up to %g s) for that save to commit "
+                "(AiosnapCheckpointIO(plain_reads_wait=True))",
+                path,
+                save.read_timeout,
+            )
+        if not save.settled.wait(save.read_timeout):
+            raise PlainReadTimeoutError(
+                f"{path}: the save to it made by this thread has not committed after {save.read_timeout:g} s, "
+                "so this read (plain_reads_wait=True) gives up; raise plain_reads_timeout, or call "
+                "wait_for_checkpoint(path) before reading"
+            )
 
 
 def save_not_started(key: str) -> None:

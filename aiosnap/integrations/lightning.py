@@ -24,7 +24,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
 - ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
   this process; a symlink is followed to its target), as :func:`wait_for_checkpoint` does
   for any other reader. A plain read of the path (``torch.load``) by the thread that saved
-  it waits too (:mod:`.plainreads`), unless ``plain_reads_wait=False``.
+  it waits too with ``plain_reads_wait=True`` (:mod:`.plainreads`; up to
+  ``plain_reads_timeout`` seconds); by default it does not wait.
 - ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
   never touches its target. Of a checkpoint, it never blocks training and never races a
   save: it waits (on the
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -61,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..core.events import EventHandler
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..interop.singlefile import ArchiveStorage, is_archive, is_damaged_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
@@ -111,10 +113,12 @@ class AiosnapCheckpointIO(CheckpointIO):
     as non-JSON hyper-parameters); off by default because unpickling runs code.
     ``event_handlers``: callables receiving every event. ``storage_for(url, config)``: the
     backend for one checkpoint path (custom or wrapped backends; default
-    :func:`checkpoint_storage`). ``plain_reads_wait``: a plain read of a local checkpoint path
-    (``torch.load``, ``open``) by the thread that saved it waits for the save in flight
-    (:mod:`.plainreads`); off, it gets the previous version, or during a first save an error
-    saying that the save is still running.
+    :func:`checkpoint_storage`). ``plain_reads_wait`` (off by default): a plain read of a
+    local checkpoint path (``torch.load``, ``open``) by the thread that saved it waits for the
+    save in flight (:mod:`.plainreads`), logging a warning once per save it waits for, and
+    raises :class:`~aiosnap.errors.PlainReadTimeoutError` naming the path after
+    ``plain_reads_timeout`` seconds; off, such a read gets the previous version, or during a
+    first save an error saying that the save is still running.
     """
 
     def __init__(
@@ -124,11 +128,15 @@ class AiosnapCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         event_handlers: Sequence[EventHandler] = (),
         storage_for: Callable[[str, Config], Storage] = checkpoint_storage,
-        plain_reads_wait: bool = True,
+        plain_reads_wait: bool = False,
+        plain_reads_timeout: float = 300.0,
     ) -> None:
         super().__init__()
+        if not (isinstance(plain_reads_timeout, int | float) and 0 < plain_reads_timeout < math.inf):
+            raise ConfigError(f"plain_reads_timeout: {plain_reads_timeout!r} is not a positive number of seconds")
         self.storage_for = storage_for
         self.plain_reads_wait = plain_reads_wait
+        self.plain_reads_timeout = float(plain_reads_timeout)
         self.config = Config.coerce(config)
         self.allow_pickle = allow_pickle
         self.event_handlers = list(event_handlers)
@@ -156,6 +164,7 @@ class AiosnapCheckpointIO(CheckpointIO):
             "event_handlers": self.event_handlers,
             "storage_for": self.storage_for,
             "plain_reads_wait": self.plain_reads_wait,
+            "plain_reads_timeout": self.plain_reads_timeout,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -240,9 +249,10 @@ class AiosnapCheckpointIO(CheckpointIO):
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
             self._last_save = handle
-            if self.plain_reads_wait and is_local(key):
+            reads_wait = self.plain_reads_wait and is_local(key)
+            if reads_wait:
                 plainreads.install()
-            track(key, handle, reads_wait=self.plain_reads_wait and is_local(key))
+            track(key, handle, read_timeout=self.plain_reads_timeout if reads_wait else None)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
