@@ -31,6 +31,7 @@ def test_public_names_are_locked() -> None:
         "Manifest",
         "ManifestError",
         "PickleNotAllowedError",
+        "PlainReadTimeoutError",
         "RNGState",
         "RankFailedError",
         "RankTimeoutError",
