@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import os
 import time
@@ -31,7 +30,7 @@ from .format.manifest import Manifest
 from .handoff.spooldir import Spool
 from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
-from .load.apply import apply_state, decode_tree, plan_read
+from .load.apply import apply_state, check_meta_targets, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
@@ -308,13 +307,6 @@ class _Core:
         agree = self._job.agreement(step)
         try:
             self._check_open()
-            if metadata is not None:
-                if not isinstance(metadata, dict):
-                    raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-                try:
-                    json.dumps(metadata, allow_nan=False)
-                except (TypeError, ValueError) as exc:
-                    raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
             if agree is not None:  # an earlier save's failure, raised here rather than after agreeing
                 failure = self._engine.failures.take()
                 if failure is not None:
@@ -330,6 +322,7 @@ class _Core:
                 rank_local=self._job.rank_local(rank_local),
                 agree=agree,
                 memo=self._layouts,
+                pickle_values=self.config.pickle_values,
             )
         except BaseException:
             if agree is not None:
@@ -349,7 +342,10 @@ class _Core:
             if isinstance(paths, str):
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
-        targets = None if state is None or atomic else target_tree(state)
+        found = None if state is None else target_tree(state)
+        if found is not None:
+            check_meta_targets(found)
+        targets = None if atomic else found
         caller = None if targets is None else CudaOrder.record(written_tensors(targets))
         slab_bytes = self._engine.slab_bytes
         return _ReadChoice(

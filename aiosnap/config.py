@@ -242,6 +242,9 @@ class Config(BaseSettings):
     max_pending_saves: int = Field(1, ge=1, le=64)
     """Saves captured but not yet committed; a further save() waits for the oldest."""
     retention: RetentionConfig = RetentionConfig()
+    pickle_values: bool = False
+    """Pickle the values save() cannot store as data (a set, a numpy scalar, your own class)
+    instead of refusing them; loading them then needs ``load(..., allow_pickle=True)``."""
     upload: UploadConfig = UploadConfig()
     loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """Event loop of the background thread: uvloop when installed (auto), or forced."""

@@ -31,7 +31,7 @@ from aiosnap.load.fetch import fetch_entries
 from aiosnap.trainer.plan import make_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage
+from tests.conftest import FaultyStorage, assert_same
 
 
 def _state() -> dict[str, Any]:
@@ -352,3 +352,31 @@ def test_a_link_at_the_path_keeps_pointing_at_the_checkpoint(tmp_path: Path, che
     for step in (1, 2):
         single.save({"w": torch.full((4,), float(step))}, step=step).wait()
     assert link.is_symlink() and torch.equal(torch.load(link)["w"], torch.full((4,), 2.0))
+
+
+def test_a_single_file_keeps_what_torch_save_keeps(tmp_path: Path) -> None:
+    """It dropped a module's ``_metadata`` (its state dict's version numbers) and the Python
+    attributes of tensors and Parameters, and pickled a user object's uint16 / float8 /
+    complex32 tensors in a form nobody could load; ``torch.save`` of the same state loads."""
+    from tests.test_symmetry import Holder
+
+    module = torch.nn.Linear(3, 2)
+    tagged = torch.arange(4.0)
+    tagged.note = "kept"  # type: ignore[attr-defined]
+    parameter = torch.nn.Parameter(torch.ones(2))
+    parameter.tied_to = "encoder"  # type: ignore[attr-defined]
+    state = {"model": module, "tagged": tagged, "param": parameter, "held": Holder()}
+    reference = tmp_path / "reference.pt"
+    torch.save({**state, "model": module.state_dict()}, reference)
+    config = Config(storage={"url": str(tmp_path / "root")}, upload={"chunk_size": "64KiB"}, pickle_values=True)
+    with SyncCheckpointer(config) as root:
+        single = _file(root, tmp_path / "m.ckpt")
+        single.save(state, step=1).wait()
+        ours = single.load(allow_pickle=True)
+    assert_same(ours["held"].tensors, state["held"].tensors)
+    for path in (reference, tmp_path / "m.ckpt"):
+        loaded = torch.load(path, weights_only=False)
+        assert loaded["model"]._metadata == module.state_dict()._metadata, path
+        assert loaded["tagged"].note == "kept" and torch.equal(loaded["tagged"], tagged), path
+        assert type(loaded["param"]) is torch.nn.Parameter and loaded["param"].tied_to == "encoder", path
+        assert_same(loaded["held"].tensors, state["held"].tensors)

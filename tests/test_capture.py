@@ -7,6 +7,7 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.core import arena as arena_module
 from aiosnap.core.arena import Arena
+from aiosnap.errors import UnsupportedStateError
 from tests.conftest import FaultyStorage
 
 
@@ -65,3 +66,38 @@ def test_the_prewarm_never_changes_what_a_slab_holds(
         assert torch.equal(torch.frombuffer(arena.buffer, dtype=torch.uint8), pattern)
     finally:
         arena.close()
+
+
+def test_a_tensor_whose_storage_was_shrunk_is_refused_not_read_past_its_end(small_config: Config) -> None:
+    """``untyped_storage().resize_(16)`` leaves the view as it was: capture memmoved its
+    nbytes from a 16-byte allocation (heap bytes saved, or a crash)."""
+    shrunk = torch.randn(1000)
+    shrunk.untyped_storage().resize_(16)
+    strided = torch.randn(100, 8)[:, ::2]  # a strided view: its extent is past numel
+    strided.untyped_storage().resize_(100 * 8 * 4 - 8)
+    with SyncCheckpointer(small_config) as ckpt:
+        for name, tensor in (("shrunk", shrunk), ("view", strided)):
+            with pytest.raises(UnsupportedStateError, match=f"{name}: its storage holds"):
+                ckpt.save({"ok": torch.ones(2), name: tensor}, step=1)
+        assert ckpt.steps() == []
+
+
+def test_capture_checks_the_storage_again_when_it_copies() -> None:
+    """Shrunk between the plan and the copy (another thread, while save() runs): refused by
+    the copier, on both of its paths (one memmove per small piece, torch for the rest)."""
+    from aiosnap.core.tensorio import host_address
+    from aiosnap.trainer.capture import Copier
+    from aiosnap.trainer.plan import make_plan
+
+    small, large = torch.randn(64), torch.randn(300_000)
+    plan = make_plan({"small": small, "large": large}, step=1, chunk_bytes=4 * 1024**2)
+    assert host_address(small, small.nbytes) != 0
+    small.untyped_storage().resize_(16)
+    large.untyped_storage().resize_(16)
+    assert host_address(small, small.nbytes) == 0 and host_address(small, 16) != 0
+    slab = torch.empty(plan.chunks[0].nbytes, dtype=torch.uint8)
+    with pytest.raises(UnsupportedStateError, match="small: its storage was resized smaller"):
+        Copier().copy(plan, plan.chunks[0], slab, None)
+    small.untyped_storage().resize_(64 * 4)
+    with pytest.raises(UnsupportedStateError, match="large: its storage was resized smaller"):
+        Copier().copy(plan, plan.chunks[0], slab, None)

@@ -117,8 +117,9 @@ _TRUSTED = _TrustedManifests()
 
 
 def trust_committed(step: int, document: bytes, save_id: str) -> None:
-    """This process just committed ``document`` (a manifest it built, which was validated
-    as it was built): the same bytes read back need no second validation."""
+    """This process just committed ``document``, which it read back with the readers' own
+    parser and validator before writing it (:func:`~aiosnap.format.manifest.checked_json`):
+    the same bytes read back need no second validation."""
     _TRUSTED.learn(step, document, save_id)
 
 

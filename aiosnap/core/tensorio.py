@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "write_constants"]
+__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "storage_holds", "write_constants"]
 
 
 def bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -35,7 +35,8 @@ def host_address(tensor: torch.Tensor, nbytes: int) -> int:
     """Where the first ``nbytes`` of ``tensor``'s row-major bytes lie in host memory, as
     they are; 0 when they do not lie there plainly (a device tensor, a strided view, a lazy
     conjugate or negative view, a subclass other than Parameter, a tensor that no longer
-    holds ``nbytes``). Copying from this address is the same as copying its values."""
+    holds ``nbytes``, or whose storage no longer does: ``untyped_storage().resize_()``
+    leaves the view as it was). Copying from this address is the same as copying its values."""
     if (
         type(tensor) not in _PLAIN_TYPES
         or not tensor.is_cpu
@@ -44,9 +45,25 @@ def host_address(tensor: torch.Tensor, nbytes: int) -> int:
         or tensor.is_conj()
         or tensor.is_neg()
         or tensor._is_zerotensor()
+        or tensor.untyped_storage().nbytes() < tensor.storage_offset() * tensor.element_size() + nbytes
     ):
         return 0
     return int(tensor.data_ptr())
+
+
+def storage_holds(tensor: torch.Tensor, storage_nbytes: int | None = None) -> bool:
+    """Whether ``tensor``'s storage (of ``storage_nbytes``, when known) holds every byte of
+    its view: a storage resized smaller (``untyped_storage().resize_()``) does not, and
+    reading the view would read memory that is not the tensor's."""
+    if tensor.numel() == 0:
+        return True
+    if storage_nbytes is None:
+        storage_nbytes = tensor.untyped_storage().nbytes()
+    itemsize = tensor.element_size()
+    if tensor.is_contiguous():
+        return (tensor.storage_offset() + tensor.numel()) * itemsize <= storage_nbytes
+    last = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return (tensor.storage_offset() + last + 1) * itemsize <= storage_nbytes
 
 
 def iter_row_major_views(tensor: torch.Tensor, start: int, stop: int) -> Iterator[torch.Tensor]:

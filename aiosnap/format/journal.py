@@ -34,10 +34,11 @@ from ..core.aio import complete_before_cancel
 from ..core.checksums import crc32c_of
 from ..core.names import check_save_id
 from ..errors import AiosnapError
-from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest
+from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest, checked_json
+from .parts import build_part, merge_parts
 from .spec import SaveSpec
 
-__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_journal"]
+__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "manifest_of_spec", "read_journal"]
 
 JOURNAL = "journal.jsonl"
 FORMAT = 3
@@ -103,8 +104,14 @@ class JournalWriter:
     async def append(self, *records: dict[str, Any]) -> None:
         data = b"".join(_line(r) for r in records)
         create = not self._created
-        await complete_before_cancel(asyncio.to_thread(durable.append, self.path, data, new_name=create))
+        await complete_before_cancel(asyncio.to_thread(_append, self.path, data, create))
         self._created = True
+
+
+def _append(path: Path, data: bytes, create: bool) -> None:
+    if create:  # a save with nothing spooled has no folder yet
+        path.parent.mkdir(exist_ok=True)
+    durable.append(path, data, new_name=create)
 
 
 @dataclass
@@ -128,6 +135,10 @@ class JournalState:
         """(offset, nbytes) of the byte ranges in ``chunk``'s object, by offset."""
         return _piece_ranges(self.manifest)[chunk]
 
+    def final_manifest(self) -> Manifest:
+        """The manifest to commit: the spec's, with every piece's crc32c."""
+        return manifest_of_spec(self.spec, self.checksums())
+
     def checksums(self) -> Checksums:
         """Every piece's crc32c, keyed like the manifest's ranges."""
         crcs: Checksums = {}
@@ -138,13 +149,27 @@ class JournalState:
         return crcs
 
 
+def manifest_of_spec(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
+    """The manifest a save made by one process commits (see
+    :func:`~aiosnap.format.manifest.build_manifest`): of a one-rank job saved in the
+    multi-rank format too (rank-local values, or DTensors on a mesh of one device), its only
+    part merged as its coordinator merges it. ValueError for a part of a larger job (its
+    coordinator commits it) or a spec that is not consistent. Not validated: see
+    :func:`~aiosnap.format.manifest.checked_json`."""
+    if spec.distributed is None or spec.world_size != 1:
+        return build_manifest(spec, crcs)
+    if crcs is None:
+        crcs = {(c.object_name, p.dst_offset): 0 for c in spec.chunks for p in c.pieces}
+    return merge_parts(spec, {spec.rank: build_part(spec, crcs)})
+
+
 def _piece_ranges(manifest: Manifest) -> list[list[tuple[int, int]]]:
-    """For each object, in order, its byte ranges (offset, nbytes), ascending."""
+    """For each object, in order, its byte ranges (offset, nbytes), ascending (of whole
+    entries, shards and rank-local values alike)."""
     index = {o.name: i for i, o in enumerate(manifest.objects)}
     ranges: list[list[tuple[int, int]]] = [[] for _ in manifest.objects]
-    for entry in manifest.entries:
-        for r in entry.ranges:
-            ranges[index[r.object]].append((r.offset, r.nbytes))
+    for _, r in manifest.all_ranges():
+        ranges[index[r.object]].append((r.offset, r.nbytes))
     return [sorted(found) for found in ranges]
 
 
@@ -190,8 +215,8 @@ def read_journal(path: Path, save_id: str) -> JournalState:
         raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
     try:
         spec = SaveSpec.from_document(begin.spec)
-        manifest = build_manifest(spec)  # validated like any manifest read back
-    except (ValueError, TypeError, RecursionError, AiosnapError) as exc:
+        _, manifest = checked_json(manifest_of_spec(spec), "the journal's save")  # as any reader would
+    except (ValueError, TypeError, KeyError, RecursionError, AiosnapError) as exc:
         raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:
         raise JournalError("its manifest belongs to another save")

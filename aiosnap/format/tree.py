@@ -18,30 +18,20 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from .dtypes import dtype_itemsize
+from .values import DEVICE_TYPES, MAX_INT_DIGITS, MAX_TREE_DEPTH, inline_int, inline_str, plain_device, plain_size
 
-__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
-
-MAX_TREE_DEPTH = 100
-"""Deepest nesting of containers a tree may have (saving a deeper state is refused)."""
+__all__ = ["DEVICE_TYPES", "HASHABLE_TAGS", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
 
 _CONTAINERS = {"dict", "odict", "list", "tuple", "stateful"}
-_HASHABLE_TAGS = {"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"}
-_MAX_DIM = 2**62
+HASHABLE_TAGS = frozenset({"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"})
+"""Leaf tags whose values can be dict keys (as can plain leaves, and tuples of keys)."""
 _MAX_SLOTS = 2**20
 _ENTRY_KINDS = {"tensor": "tensor", "pickle": "pickle", "dtensor": "sharded"}
 """Tree tags that name an entry, and the kind of entry each must name."""
-
-
-DEVICE_TYPES = (
-    "cpu", "cuda", "mps", "xpu", "xla", "meta", "hpu", "mtia", "hip", "ipu", "maia", "privateuseone", "lazy", "ve",
-    "vulkan", "fpga", "opengl", "opencl", "ideep",
-)  # fmt: skip
-_DEVICE = re.compile(rf"({'|'.join(DEVICE_TYPES)})(:[0-9]{{1,4}})?")
 
 
 def _fields(node: dict[str, Any], *names: str) -> None:
@@ -92,11 +82,11 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
         dtype_itemsize(node["v"])
     elif tag == "device":
         _fields(node, "v")
-        if not isinstance(node["v"], str) or not _DEVICE.fullmatch(node["v"]):
+        if not isinstance(node["v"], str) or not plain_device(node["v"]):
             raise ValueError(f"device node: {node['v']!r:.40} is not a device name")
     elif tag == "size":
         _fields(node, "items")
-        if not all(type(d) is int and 0 <= d < _MAX_DIM for d in _items(node)):
+        if not plain_size(_items(node)):
             raise ValueError("size node: items must be non-negative ints")
     else:
         raise ValueError(f"unknown tree node type {tag!r:.40}")
@@ -122,7 +112,15 @@ class _Checker:
             raise _TreeError(f"tree at {path or '/'!r}: {exc}") from None
 
     def _check(self, node: Any, path: str, depth: int) -> bool:
-        if node is None or type(node) in (bool, int, str):
+        if node is None or type(node) is bool:
+            return True
+        if type(node) is int:
+            if not inline_int(node):
+                raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
+            return True
+        if type(node) is str:
+            if not inline_str(node):
+                raise ValueError("a str that is not valid UTF-8")
             return True
         if type(node) is float:
             if not math.isfinite(node):
@@ -148,7 +146,7 @@ class _Checker:
             return False
         if tag not in _CONTAINERS:
             _check_leaf_node(node)
-            return tag in _HASHABLE_TAGS
+            return tag in HASHABLE_TAGS
         if depth >= MAX_TREE_DEPTH:
             raise ValueError(f"nested deeper than {MAX_TREE_DEPTH} levels")
         if tag == "stateful":

@@ -16,12 +16,28 @@ from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
-from .inplace import destinations, staged_destinations
+from .inplace import destinations, staged_destinations, tensor_paths
 from .reshard import shard_targets
-from .select import check_keys_present, entries_under, needed_for_state, select_paths
+from .select import check_keys_present, dict_node, entries_under, needed_for_state, select_paths
 from .staged import stageable
 
-__all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
+__all__ = ["apply_state", "check_meta_targets", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
+
+_META = (
+    "a tensor on the meta device has no memory to load into: materialise it first "
+    "(module.to_empty(device=...)), or load() without a state and restore with load_state_dict(..., assign=True)"
+)
+
+
+def check_meta_targets(targets: Any) -> None:
+    """Caller's thread, before anything is read: :class:`StateMismatchError` naming the
+    tensors of ``targets`` (:func:`~aiosnap.load.inplace.target_tree`) on the meta device,
+    which a load would otherwise leave unloaded without a word (``copy_`` into a meta
+    tensor, and a module's ``load_state_dict`` into meta parameters, do nothing)."""
+    found = [path for path, tensor in tensor_paths(targets) if tensor.is_meta]
+    if found:
+        shown = ", ".join(repr(p) for p in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise StateMismatchError(f"{shown}: {_META}")
 
 
 def check_pickles(manifest: Manifest, allow_pickle: bool, only: set[int] | None = None) -> None:
@@ -96,12 +112,6 @@ def plan_read(
     return ReadPlan(only=only, into=into, shards=shards, staged=staged, caller=caller)
 
 
-def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
-    if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
-        return list(node["items"])
-    return None
-
-
 def apply_state(
     manifest: Manifest, tensors: dict[int, torch.Tensor], state: dict[str, Any], *, allow_pickle: bool = False
 ) -> None:
@@ -112,10 +122,10 @@ def apply_state(
 
 
 def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], path: str) -> None:
-    items = _dict_node_items(node)
-    if items is None:
+    inner = dict_node(node)
+    if inner is None:
         raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
-    saved = {decode(k): v for k, v in items}
+    saved = {decode(k): v for k, v in inner["items"]}
     check_keys_present(target, saved, step, path)
     for key, current in target.items():
         child = saved[key]
@@ -125,6 +135,8 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
         if is_stateful(current) and not isinstance(current, dict):
             current.load_state_dict(decode(child))
         elif isinstance(current, torch.Tensor):
+            if current.is_meta:
+                raise StateMismatchError(f"{where}: {_META}")
             value = decode(child)
             if not isinstance(value, torch.Tensor):
                 raise StateMismatchError(f"{where}: checkpoint holds {type(value).__name__}, state has a tensor")
@@ -134,7 +146,7 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
                 )
             with torch.no_grad():  # read in place: the same memory, torch returns at once (and
                 current.copy_(value)  # bumps the version counter, so autograd knows it changed)
-        elif isinstance(current, dict) and _dict_node_items(child) is not None:
+        elif isinstance(current, dict) and dict_node(child) is not None:  # a Stateful's state dict too
             _apply(decode, step, child, current, where)
         else:
             target[key] = decode(child)

@@ -22,7 +22,7 @@ from typing import Any
 from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
 
-__all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
+__all__ = ["check_keys_present", "check_patterns", "dict_node", "entries_under", "needed_for_state", "select_paths"]
 
 
 def entries_under(node: Any) -> set[int]:
@@ -45,6 +45,15 @@ def _dict_items(node: Any) -> list[Any] | None:
     if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
         return list(node["items"])
     return None
+
+
+def dict_node(node: Any) -> Any | None:
+    """The dict node a load into a dict walks: a dict's, or the state dict a Stateful object
+    saved (a step saved from a module restores into a plain dict of its tensors); None for
+    anything else."""
+    if isinstance(node, dict) and node.get("t") == "stateful":
+        node = node["v"]
+    return node if _dict_items(node) is not None else None
 
 
 def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
@@ -75,8 +84,9 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
         check_keys_present(target, saved, step, path)
         for key, current in target.items():
             child = saved[key]
-            if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
-                pending.append((child, current, f"{path}/{key}" if path else str(key)))
+            inner = dict_node(child) if isinstance(current, dict) and not is_stateful(current) else None
+            if inner is not None:
+                pending.append((inner, current, f"{path}/{key}" if path else str(key)))
             else:
                 needed |= entries_under(child)
     return needed

@@ -27,6 +27,7 @@ from torch.serialization import location_tag
 from ..core.stateful import is_stateful
 from ..format.archive import ALIGN, data_record_name, local_header
 from .chunks import Chunk, Entry, Piece
+from .pickling import LEGACY_STORAGES, reduce_without_legacy_storage
 
 __all__ = ["MIN_ARCHIVE_CHUNK_BYTES", "layout_archive", "torch_pickle"]
 
@@ -90,12 +91,6 @@ def layout_archive(entries: list[Entry], chunk_bytes: int, prefix: str) -> tuple
     return chunks, header_offsets, position
 
 
-_LEGACY_STORAGES = torch.storage._dtype_to_storage_type_map()
-"""dtype -> the legacy storage class name ``torch.save`` pickles (``FloatStorage``); dtypes
-not in it (``uint16``, float8, ...) are pickled as ``torch.save`` does them: an untyped
-storage and ``_rebuild_tensor_v3``."""
-
-
 class _EntryTensor:
     """A parameter's data, to be pickled as entry ``index`` (inside ``_rebuild_parameter``)."""
 
@@ -114,8 +109,8 @@ class _StorageRef:
     def __init__(self, key: int, tensor: torch.Tensor) -> None:
         self.key = key
         self.location = location_tag(tensor.untyped_storage())
-        legacy = _LEGACY_STORAGES.get(tensor.dtype)
-        if legacy is None:
+        legacy = LEGACY_STORAGES.get(tensor.dtype)
+        if legacy is None:  # uint16, float8, ...: as torch.save, an untyped storage and _rebuild_tensor_v3
             self.storage_type: Any = torch.UntypedStorage
             self.numel = tensor.numel() * tensor.element_size()
         else:
@@ -148,17 +143,26 @@ class _Pickler(pickle.Pickler):
             index = self._entry_of(obj)
             if index is None:
                 return NotImplemented
-            return torch._utils._rebuild_parameter, (_EntryTensor(obj, index), obj.requires_grad, OrderedDict())
+            data, hooks = _EntryTensor(obj, index), OrderedDict()  # type: ignore[var-annotated]
+            state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]  # Python attributes, kept as torch.save keeps them
+            if state:
+                return torch._utils._rebuild_parameter_with_state, (data, obj.requires_grad, hooks, state)
+            return torch._utils._rebuild_parameter, (data, obj.requires_grad, hooks)
         if type(obj) is torch.Tensor:
             index = self._entry_of(obj)
             if index is None:  # not one of the save's entries (inside a pickled object)
-                return NotImplemented
-            return self._rebuild(obj, index, obj.requires_grad)
+                return reduce_without_legacy_storage(obj) or NotImplemented
+            function, args = self._rebuild(obj, index, obj.requires_grad)
+            state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]
+            if state:  # Python attributes: rebuilt, then set on the result, as torch.save does
+                return torch._tensor._rebuild_from_type_v2, (function, torch.Tensor, args, state)
+            return function, args
         if is_stateful(obj) and not isinstance(obj, (dict, list, tuple)):
             state = self._stateful_dicts.get(id(obj))
             if state is None:
                 state = obj.state_dict()
-            return OrderedDict, (), None, None, iter(state.items())
+            attributes = getattr(state, "__dict__", None) or None  # a module's _metadata
+            return OrderedDict, (), attributes, None, iter(state.items())
         return NotImplemented
 
     def _rebuild(self, obj: torch.Tensor, index: int, requires_grad: bool) -> Any:

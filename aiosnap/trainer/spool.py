@@ -176,9 +176,10 @@ class SpoolSession:
         }
 
     async def captured(self) -> None:
-        """Capture is complete: if anything went to the spool, journal it (before save()
-        returns, so that a crash from here on loses nothing that is on disk)."""
-        if self._journal is None:
+        """Capture is complete: journal it, before save() returns, so that a crash from here on
+        loses nothing that is on disk: when anything went to the spool, and in ``always``
+        mode whatever the save holds (a state without tensor bytes is all in its journal)."""
+        if self._journal is None and (self.spool.mode != "always" or self.fallback is not None):
             return
         try:
             await self._record({"kind": "captured"})

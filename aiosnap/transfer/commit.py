@@ -25,11 +25,17 @@ from typing import Literal
 
 from ..catalog.steps import committed_save_id, latest_committed, read_manifest, trust_committed
 from ..core.names import attempt_prefix, manifest_name, step_dir
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
-from ..format.manifest import Manifest
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    StepOrderError,
+    UnsupportedStateError,
+)
+from ..format.manifest import Manifest, checked_json
 from ..storage.base import Storage
 
-__all__ = ["Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
+__all__ = ["Preflight", "checked_document", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
 
 log = logging.getLogger("aiosnap")
 
@@ -65,15 +71,29 @@ async def preflight(storage: Storage, step: int) -> Preflight:
     return Preflight(step, await latest_committed(storage))
 
 
-async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool) -> int:
-    """Write the manifest: the commit point. Returns its size in bytes.
+def checked_document(storage: Storage, manifest: Manifest) -> bytes:
+    """The bytes that commit ``manifest``, read back first as a reader would read them: one
+    it would refuse is never committed (:class:`UnsupportedStateError`: the state made a
+    manifest no reader takes; nothing is written, the latest step stays as it was)."""
+    try:
+        return checked_json(manifest, f"{storage.url}/{manifest_name(manifest.step)}")[0]
+    except ManifestError as exc:
+        raise UnsupportedStateError(
+            f"step {manifest.step}: this save's manifest would not be read back, so it is not committed ({exc})"
+        ) from None
+
+
+async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool, document: bytes | None = None) -> int:
+    """Write the manifest: the commit point. Returns its size in bytes. ``document``: its
+    bytes as :func:`checked_document` gave them (made here when None).
 
     A new step's manifest is written only if still absent; :class:`FileExistsError` if
     another writer committed the step first. A re-save (``replace``) replaces the step's
     manifest, then removes the attempt folder the old one named (a failure there is only
     logged: the save has committed)."""
     name = manifest_name(manifest.step)
-    document = manifest.to_json()
+    if document is None:
+        document = checked_document(storage, manifest)
     if not replace:
         try:
             await storage.write(name, document, if_absent=True)

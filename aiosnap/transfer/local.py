@@ -26,7 +26,7 @@ from ..format.spec import SaveSpec
 from ..handoff.contract import Staged, TransferListener, TransferOutcome
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
-from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
+from .commit import Preflight, checked_document, commit_manifest, preflight, remove_attempt, whose_commit
 from .rank_commit import (
     deliver_part,
     gather_manifest,
@@ -297,8 +297,9 @@ class _Upload:
             manifest = await gather_manifest(self.storage, self.spec, crcs)
         else:
             manifest = build_manifest(self.spec, crcs)
+        document = checked_document(self.storage, manifest)  # refused before the commit starts
         self.commit_started = True
-        manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
+        manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention()

@@ -27,7 +27,6 @@ from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
 from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
-from ..format.manifest import build_manifest
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
@@ -123,7 +122,7 @@ async def _finish(
         progress(obj.nbytes)
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
-    await commit_manifest(storage, build_manifest(state.spec, state.checksums()), replace=False)
+    await commit_manifest(storage, state.final_manifest(), replace=False)
     return True
 
 

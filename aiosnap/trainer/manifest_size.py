@@ -1,0 +1,116 @@
+"""Whether the manifest of a save would be small enough to be read back (caller's thread).
+
+A reader refuses a manifest over :data:`~aiosnap.format.manifest.MAX_MANIFEST_BYTES` unread,
+so ``save()`` refuses a state whose manifest would be larger, naming its size and the paths
+that make it large (a long string, a long list, a table of very many tensors). First a
+cheap bound from what the flattener counted; only a state that passes it is weighed as
+JSON. The commit checks the exact bytes again before it writes them (see
+:func:`aiosnap.transfer.commit.commit_manifest`). Pure code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import UnsupportedStateError
+from ..format.manifest import MAX_MANIFEST_BYTES
+from .flatten import Flattener
+
+__all__ = ["check_manifest_size"]
+
+_NODE_BYTES = 64
+"""Most bytes of one encoded value in the tree, text aside (a float, a tag, brackets)."""
+_ENTRY_BYTES = 160
+"""One entry's record in the table and its node in the tree, path, dims and ranges aside."""
+_RANGE_BYTES = 128
+"""One byte range of an entry (its object's name included)."""
+_MIB = 1024**2
+_MOST_CHILDREN = 1000
+"""Containers with more items are reported as a whole, not item by item."""
+
+
+def _weigh(value: Any) -> int:
+    """Bytes of ``value`` as manifest JSON (compact, UTF-8); 0 for what JSON cannot write
+    here (the commit's own check decides about that)."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8"))
+    except (ValueError, TypeError, RecursionError):
+        return 0
+
+
+def _entries_weight(flat: Flattener, chunk_bytes: int) -> int:
+    """A bound of the bytes of the entry tables (the shared one, and this rank's own)."""
+    weight = 0
+    for table in (flat, flat.local):
+        if table is not None:
+            count = len(table.entries)
+            weight += (
+                count * (_ENTRY_BYTES + 2 * _RANGE_BYTES) + table.table + table.nbytes // chunk_bytes * _RANGE_BYTES
+            )
+    return weight
+
+
+def check_manifest_size(flat: Flattener, tree: Any, metadata: dict[str, Any], chunk_bytes: int) -> None:
+    """Raise :class:`UnsupportedStateError` when the manifest of the state ``flat`` flattened
+    into ``tree`` (with ``metadata``) would exceed what a reader accepts."""
+    entries = _entries_weight(flat, chunk_bytes)
+    meta = _weigh(metadata) if metadata else 2
+    counted = [f for f in (flat, flat.local) if f is not None]
+    bound = sum(f.nodes * _NODE_BYTES + f.text * 6 for f in counted) + entries + meta
+    if bound <= MAX_MANIFEST_BYTES:
+        return  # the common case: far below, decided without looking at the tree again
+    parts = [("", tree), *zip(flat.local_paths, flat.local_values, strict=True)]
+    weights = [_weigh(node) for _, node in parts]
+    total = sum(weights) + entries + meta
+    if total <= MAX_MANIFEST_BYTES:
+        return
+    heavy: list[tuple[int, str]] = []
+    for (path, node), weight in zip(parts, weights, strict=True):
+        heavy += _heavy_paths(node, path, weight, total)
+    if entries * 16 >= total:
+        heavy.append((entries, f"the table of its {len(flat.entries)} tensors"))
+    if meta * 16 >= total:
+        heavy.append((meta, "metadata"))
+    shown = ", ".join(f"{where!r} ({weight / _MIB:.1f} MiB)" for weight, where in sorted(heavy, reverse=True)[:3])
+    raise UnsupportedStateError(
+        f"the manifest of this save would be about {total / _MIB:.0f} MiB, more than the "
+        f"{MAX_MANIFEST_BYTES // _MIB} MiB a reader accepts; most of it is in {shown}. Plain values "
+        "(str, bytes, lists, dicts) are stored in the manifest: keep large data in tensors "
+        "(bytes as torch.frombuffer(bytearray(data), dtype=torch.uint8)), or out of the state"
+    )
+
+
+def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
+    """The children of a container node of the tree, with their paths; None for a leaf."""
+    if not isinstance(node, dict):
+        return None
+    tag = node.get("t")
+    prefix = f"{path}/" if path else ""
+    if tag in ("dict", "odict"):
+        return [(value, f"{prefix}{key if isinstance(key, str) else repr(key)}") for key, value in node["items"]]
+    if tag in ("list", "tuple"):
+        return [(value, f"{prefix}{index}") for index, value in enumerate(node["items"])]
+    if tag == "stateful":
+        return [(node["v"], path)]
+    return None
+
+
+def _heavy_paths(node: Any, path: str, weight: int, total: int) -> list[tuple[int, str]]:
+    """(bytes, path) of the nodes under ``node`` where at least a sixteenth of ``total``
+    sits: the heavy children of a container are looked into; what its light ones weigh
+    together is the container's own."""
+    found: list[tuple[int, str]] = []
+    pending = [(node, path, weight)]
+    while pending:
+        current, where, size = pending.pop()
+        children = _children(current, where)
+        heavy: list[tuple[Any, str, int]] = []
+        if children is not None and len(children) <= _MOST_CHILDREN:
+            weighed = ((child, at, _weigh(child)) for child, at in children)
+            heavy = [item for item in weighed if item[2] * 16 >= total]
+        pending += heavy
+        rest = size - sum(item[2] for item in heavy)
+        if rest * 16 >= total:
+            found.append((rest, where or "state"))
+    return found
