@@ -73,7 +73,7 @@ def test_a_tensor_whose_storage_was_shrunk_is_refused_not_read_past_its_end(smal
     nbytes from a 16-byte allocation (heap bytes saved, or a crash)."""
     shrunk = torch.randn(1000)
     shrunk.untyped_storage().resize_(16)
-    strided = torch.randn(100, 8)[:, ::2]  # a strided view: its extent is past numel
+    strided = torch.randn(100, 8)[:, ::2]  # a strided view: its extent is past numel (refused by the copier)
     strided.untyped_storage().resize_(100 * 8 * 4 - 8)
     with SyncCheckpointer(small_config) as ckpt:
         for name, tensor in (("shrunk", shrunk), ("view", strided)):
@@ -96,8 +96,8 @@ def test_capture_checks_the_storage_again_when_it_copies() -> None:
     large.untyped_storage().resize_(16)
     assert host_address(small, small.nbytes) == 0 and host_address(small, 16) != 0
     slab = torch.empty(plan.chunks[0].nbytes, dtype=torch.uint8)
-    with pytest.raises(UnsupportedStateError, match="small: its storage was resized smaller"):
+    with pytest.raises(UnsupportedStateError, match="small: its storage holds fewer bytes than its view"):
         Copier().copy(plan, plan.chunks[0], slab, None)
     small.untyped_storage().resize_(64 * 4)
-    with pytest.raises(UnsupportedStateError, match="large: its storage was resized smaller"):
+    with pytest.raises(UnsupportedStateError, match="large: its storage holds fewer bytes than its view"):
         Copier().copy(plan, plan.chunks[0], slab, None)

@@ -10,7 +10,15 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "storage_holds", "write_constants"]
+__all__ = [
+    "bytes_view",
+    "copy_range_into",
+    "copyable",
+    "host_address",
+    "iter_row_major_views",
+    "storage_holds",
+    "write_constants",
+]
 
 
 def bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -29,6 +37,14 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_BYTES_ONLY = frozenset(
+    dtype
+    for kind in ("int", "uint")
+    for bits in range(1, 8)
+    if isinstance(dtype := getattr(torch, f"{kind}{bits}", None), torch.dtype)
+)
+"""Bit-packed dtypes (``torch.int1`` ... ``torch.uint7``, one byte each) that torch views but does
+not copy ("copy_kernel not implemented"): copied as the bytes they are."""
 
 
 def host_address(tensor: torch.Tensor, nbytes: int) -> int:
@@ -45,10 +61,19 @@ def host_address(tensor: torch.Tensor, nbytes: int) -> int:
         or tensor.is_conj()
         or tensor.is_neg()
         or tensor._is_zerotensor()
-        or tensor.untyped_storage().nbytes() < tensor.storage_offset() * tensor.element_size() + nbytes
     ):
         return 0
-    return int(tensor.data_ptr())
+    address = int(tensor.data_ptr())
+    storage = tensor.untyped_storage()  # ~1 us: the one check a copy by address needs
+    if storage.data_ptr() + storage.nbytes() < address + nbytes:
+        return 0
+    return address
+
+
+def copyable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or of a bit-packed dtype (:data:`_BYTES_ONLY`, which torch views but does not
+    copy) its bytes as ``uint8``: what a copy between two tensors of one dtype copies."""
+    return tensor.view(torch.uint8) if tensor.dtype in _BYTES_ONLY else tensor
 
 
 def storage_holds(tensor: torch.Tensor, storage_nbytes: int | None = None) -> bool:
@@ -102,6 +127,7 @@ def copy_range_into(
 ) -> None:
     """Copy ``nbytes`` of ``src``'s row-major bytes from ``src_offset`` into the uint8 buffer
     ``dest`` at ``dest_offset``. Offsets and lengths are multiples of the element size."""
+    src = copyable(src)
     itemsize = src.element_size()
     typed = dest[dest_offset : dest_offset + nbytes].view(src.dtype)
     first = src_offset // itemsize

@@ -6,12 +6,14 @@ optimizers and user objects runs where the caller expects it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ..core.cudaorder import CudaOrder
 from ..core.stateful import is_stateful
+from ..core.tensorio import copyable
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from .decode import TreeDecoder, is_skipped
@@ -144,9 +146,17 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
                 raise StateMismatchError(
                     f"{where}: checkpoint shape {tuple(value.shape)} != state shape {tuple(current.shape)}"
                 )
+            same = value.dtype == current.dtype
             with torch.no_grad():  # read in place: the same memory, torch returns at once (and
-                current.copy_(value)  # bumps the version counter, so autograd knows it changed)
+                try:  # bumps the version counter, so autograd knows it changed)
+                    (copyable(current) if same else current).copy_(copyable(value) if same else value)
+                except NotImplementedError as exc:  # no conversion between these dtypes
+                    raise StateMismatchError(
+                        f"{where}: checkpoint {value.dtype} cannot be copied into the state's {current.dtype}"
+                    ) from exc
         elif isinstance(current, dict) and dict_node(child) is not None:  # a Stateful's state dict too
             _apply(decode, step, child, current, where)
         else:
             target[key] = decode(child)
+    if "meta" in inner and isinstance(target, OrderedDict):  # its version metadata, as saved
+        target._metadata = decode(inner["meta"])  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.aio import complete_before_cancel, run_all
-from ..core.tensorio import bytes_view
+from ..core.tensorio import bytes_view, copyable
 from ..format.manifest import EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
@@ -299,7 +299,7 @@ def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
     with torch.no_grad():
-        dest.copy_(view)
+        copyable(dest).copy_(copyable(view))
 
 
 async def read_into_targets(

@@ -9,8 +9,11 @@ Pure code on the caller's thread inside ``save()``. Two parts:
   rebuilt by ``torch._utils._rebuild_tensor_v2`` from storages named by persistent ids),
   except that each storage is the tensor's own bytes in row-major order -- what aiosnap
   stores -- so every tensor is rebuilt contiguous at offset 0. Tensors seen twice (tied
-  weights) share one storage, as with ``torch.save``. Stateful objects are pickled as
-  their state dict (an ``OrderedDict``); anything else pickles as usual.
+  weights) share one storage, as with ``torch.save``, and keep their Python attributes.
+  Stateful values of the state are pickled as their state dict (an ``OrderedDict``, with
+  its attributes: a module's ``_metadata``); anything else pickles as itself, as with
+  ``torch.save`` (tensors inside it of dtypes without a legacy storage as
+  :mod:`.pickling` reduces them).
 """
 
 from __future__ import annotations
@@ -157,13 +160,11 @@ class _Pickler(pickle.Pickler):
             if state:  # Python attributes: rebuilt, then set on the result, as torch.save does
                 return torch._tensor._rebuild_from_type_v2, (function, torch.Tensor, args, state)
             return function, args
-        if is_stateful(obj) and not isinstance(obj, (dict, list, tuple)):
-            state = self._stateful_dicts.get(id(obj))
-            if state is None:
-                state = obj.state_dict()
+        state = self._stateful_dicts.get(id(obj))
+        if state is not None and is_stateful(obj):  # a Stateful value of the state: its state dict
             attributes = getattr(state, "__dict__", None) or None  # a module's _metadata
             return OrderedDict, (), attributes, None, iter(state.items())
-        return NotImplemented
+        return NotImplemented  # anything else (a Stateful dict key, or inside a pickled object) as itself
 
     def _rebuild(self, obj: torch.Tensor, index: int, requires_grad: bool) -> Any:
         """The reduction of entry ``index`` (the tensor ``obj``): contiguous, at offset 0."""

@@ -69,8 +69,8 @@ class Copier:
                         continue
                 if not storage_holds(src):  # a copy would read memory that is not the tensor's
                     raise UnsupportedStateError(
-                        f"{entries[piece.entry].path}: its storage was resized smaller than its view while "
-                        "save() ran; nothing was saved"
+                        f"{entries[piece.entry].path}: its storage holds fewer bytes than its view reaches "
+                        "(resized smaller with untyped_storage().resize_()?); nothing was saved"
                     )
                 if src.device.type == "cuda" and order is not None:
                     stream = self._stream(src.device)

@@ -268,11 +268,10 @@ class Flattener:
             _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
             raise
         nbytes = tensor.nbytes
-        if len(key[2]) > MAX_NDIM or (
-            nbytes
-            and (key[1] * tensor.element_size() + nbytes > storage.nbytes() or not tensor.is_contiguous())
-            and not storage_holds(tensor, storage.nbytes())
-        ):  # too many dimensions, or a storage resized smaller than the view (its bytes are not all there)
+        if len(key[2]) > MAX_NDIM or key[1] * tensor.element_size() + nbytes > storage.nbytes():
+            # too many dimensions, or a storage resized smaller than the view (FSDP frees its
+            # parameters' storages so); a strided view reaching past a storage that still holds
+            # numel elements is caught when its bytes are copied (see trainer.capture)
             _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
         # The same view twice (tied weights) is stored once; not a lazy conjugate or negative
         # view, whose values differ from its memory's (and from the plain view's).
