@@ -118,7 +118,10 @@ class Flattener:
         self.refused: list[tuple[str, str]] = []
         """(path, what) of each value that would have been pickled, when pickles are not allowed."""
         self.text = 0
-        """Characters of the str and bytes leaves and keys met (for the manifest's size)."""
+        """Characters of the str leaves and keys met (for the manifest's size: JSON may take up
+        to six bytes for one, ``\u0001``)."""
+        self.exact = 0
+        """Bytes that ints and bytes (as base64) of the tree take in the manifest."""
         self.nodes = 0
         """Values encoded one by one (plain tensors in dicts are not counted here)."""
         self.table = 0
@@ -163,7 +166,7 @@ class Flattener:
         if kind is int:
             if inline_int(value):
                 if not -(2**64) < value < 2**64:
-                    self.text += value.bit_length() // 3
+                    self.exact += value.bit_length() // 3 + 1
                 return value
             return self._pickled(value, path, "an int of more than 4300 digits")
         if kind is float:
@@ -196,7 +199,7 @@ class Flattener:
                 plain = _DEVICES[value] = plain_device(str(value))
             return {"t": "device", "v": str(value)} if plain else self._pickled(value, path, f"device {value}")
         if kind is bytes:
-            self.text += len(value) * 2  # base64: 4 characters per 3 bytes
+            self.exact += -(-len(value) // 3) * 4  # base64
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if kind is complex:
             return {"t": "complex", "v": [repr(value.real), repr(value.imag)]}
@@ -280,7 +283,7 @@ class Flattener:
         if index is None:
             index = len(self.entries)
             self.entries.append(Entry(index, path, "tensor", tensor, nbytes))
-            self.table += len(path) * 4 + len(key[2]) * 42
+            self.table += len(path) * 6 + len(key[2]) * 42
             self.nbytes += nbytes
             self.keys.append(key)
             if not lazy:
@@ -290,7 +293,7 @@ class Flattener:
 
     def _counted(self, path: str, dims: int, nbytes: int) -> None:
         """Count a new entry for the manifest's size (see :attr:`table`)."""
-        self.table += len(path) * 4 + dims * 42
+        self.table += len(path) * 6 + dims * 42
         self.nbytes += nbytes
 
     def entry_of(self, tensor: torch.Tensor) -> int | None:

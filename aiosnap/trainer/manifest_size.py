@@ -11,6 +11,7 @@ JSON. The commit checks the exact bytes again before it writes them (see
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedStateError
@@ -57,17 +58,16 @@ def check_manifest_size(flat: Flattener, tree: Any, metadata: dict[str, Any], ch
     entries = _entries_weight(flat, chunk_bytes)
     meta = _weigh(metadata) if metadata else 2
     counted = [f for f in (flat, flat.local) if f is not None]
-    bound = sum(f.nodes * _NODE_BYTES + f.text * 6 for f in counted) + entries + meta
+    bound = sum(f.nodes * _NODE_BYTES + f.text * 6 + f.exact for f in counted) + entries + meta
     if bound <= MAX_MANIFEST_BYTES:
         return  # the common case: far below, decided without looking at the tree again
-    parts = [("", tree), *zip(flat.local_paths, flat.local_values, strict=True)]
-    weights = [_weigh(node) for _, node in parts]
-    total = sum(weights) + entries + meta
+    parts = [
+        _weighed(node, path) for path, node in [("", tree), *zip(flat.local_paths, flat.local_values, strict=True)]
+    ]
+    total = sum(part.weight for part in parts) + entries + meta
     if total <= MAX_MANIFEST_BYTES:
         return
-    heavy: list[tuple[int, str]] = []
-    for (path, node), weight in zip(parts, weights, strict=True):
-        heavy += _heavy_paths(node, path, weight, total)
+    heavy = [found for part in parts for found in _heavy_paths(part, total)]
     if entries * 16 >= total:
         heavy.append((entries, f"the table of its {len(flat.entries)} tensors"))
     if meta * 16 >= total:
@@ -96,21 +96,37 @@ def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
     return None
 
 
-def _heavy_paths(node: Any, path: str, weight: int, total: int) -> list[tuple[int, str]]:
+@dataclass
+class _Weight:
+    """The bytes a node of the tree takes as JSON, and those of its children."""
+
+    path: str
+    weight: int
+    children: list[_Weight]
+
+
+def _weighed(node: Any, path: str) -> _Weight:
+    """Weigh ``node`` once, bottom up: each leaf (and each container of more than
+    :data:`_MOST_CHILDREN` items, as a whole) as JSON, containers as their children and
+    their own few bytes."""
+    children = _children(node, path)
+    if children is None or len(children) > _MOST_CHILDREN:
+        return _Weight(path, _weigh(node), [])
+    parts = [_weighed(child, at) for child, at in children]
+    return _Weight(path, sum(p.weight for p in parts) + 24 + 8 * len(parts), parts)
+
+
+def _heavy_paths(node: _Weight, total: int) -> list[tuple[int, str]]:
     """(bytes, path) of the nodes under ``node`` where at least a sixteenth of ``total``
     sits: the heavy children of a container are looked into; what its light ones weigh
     together is the container's own."""
     found: list[tuple[int, str]] = []
-    pending = [(node, path, weight)]
+    pending = [node]
     while pending:
-        current, where, size = pending.pop()
-        children = _children(current, where)
-        heavy: list[tuple[Any, str, int]] = []
-        if children is not None and len(children) <= _MOST_CHILDREN:
-            weighed = ((child, at, _weigh(child)) for child, at in children)
-            heavy = [item for item in weighed if item[2] * 16 >= total]
+        current = pending.pop()
+        heavy = [child for child in current.children if child.weight * 16 >= total]
         pending += heavy
-        rest = size - sum(item[2] for item in heavy)
+        rest = current.weight - sum(child.weight for child in heavy)
         if rest * 16 >= total:
-            found.append((rest, where or "state"))
+            found.append((rest, current.path or "state"))
     return found
