@@ -258,3 +258,13 @@ def test_bit_packed_dtypes_save_and_load_through_every_copy(tmp_path: Path) -> N
     for name, tensor in state.items():
         for got in (loaded[name], into[name]):
             assert got.dtype == tensor.dtype and got.view(torch.uint8).equal(tensor.view(torch.uint8)), name
+
+
+def test_rank_local_values_and_keys_follow_the_same_definition() -> None:
+    """The rank-local part of a state is flattened apart, by the same rules, and its
+    refusals are named with the rest's."""
+    state = {"rng": {"seen": {1}, "python": (3, (1, 2), None)}, "loader": {Mode.TRAIN: 0}, "w": torch.ones(2)}
+    with pytest.raises(UnsupportedStateError, match=r"2 value\(s\).*'rng/seen' \(a set\).*'loader/train'"):
+        plan.make_plan(state, step=1, chunk_bytes=1 << 20, rank_local=["rng"])
+    made = plan.make_plan(state, step=1, chunk_bytes=1 << 20, rank_local=["rng"], pickle_values=True)
+    assert made.spec.distributed is not None and [e.kind for e in made.entries] == ["pickle", "tensor", "pickle"]
