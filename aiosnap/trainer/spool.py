@@ -76,6 +76,7 @@ class SpoolSession:
         self._journal: JournalWriter | None = None
         self._journal_ok = True
         self._journal_lock = asyncio.Lock()
+        self._over = False  # finish() began: no record may start the journal's folder again
         self._held = 0  # disk budget of files kept until finish()
         spool.active.add(plan.save_id)
 
@@ -148,8 +149,11 @@ class SpoolSession:
 
     async def _record(self, record: dict[str, object]) -> None:
         """Append a record, starting the journal (with what has landed so far) if needed.
-        OSError when the journal cannot be written."""
+        OSError when the journal cannot be written. Nothing once the save is over: the
+        record would make a new folder after :meth:`finish` removed it."""
         async with self._journal_lock:
+            if self._over:
+                return
             if not self._journal_ok:
                 raise OSError("the spool journal of this save could not be written earlier")
             try:
@@ -218,8 +222,10 @@ class SpoolSession:
 
     async def finish(self) -> None:
         """The save is over: its spool folder goes (unless :attr:`keep`), its disk budget
-        comes back."""
+        comes back. A record being appended ends first (the lock); none starts after."""
         try:
+            async with self._journal_lock:
+                self._over = True
             if not self.keep:
                 await self.spool.discard(self.plan.save_id)  # also the folder of a save cancelled mid-spill
         finally:
