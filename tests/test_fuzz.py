@@ -289,3 +289,67 @@ def test_fuzzed_states_load_back_exactly_or_are_refused_by_save(tmp_path: Path, 
             ckpt.close()
     print(f"\nstate fuzz: {cases} cases in {time.perf_counter() - started:.1f} s: {dict(sorted(outcomes.items()))}")
     assert outcomes.get("loaded", 0) >= cases // 4, "too few states were saved to prove anything"
+
+
+def _spec_journal(path: Path, spec_doc: dict[str, Any], begin: dict[str, Any]) -> None:
+    from aiosnap.format.journal import _line
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(_line({**begin, "spec": spec_doc}) + _line({"kind": "captured"}))
+
+
+def test_forged_save_specs_are_refused_with_a_journal_error(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A journal's save spec, forged (the line's checksum recomputed): every index of it is
+    untrusted. A multi-rank-format spec (one process, ``rank_local=``) naming a written entry
+    past the table raised a raw IndexError out of read_journal, and the checkpointer could
+    not start; a shard box for an entry that does not exist, or an entry of 10^30 bytes, was
+    accepted. Every forged spec is refused with a JournalError or makes a manifest that says
+    what the spec says (the bytes it writes, the DTensor shards it names)."""
+    import copy
+
+    from aiosnap.format.journal import JournalError, begin_record, read_journal
+    from aiosnap.trainer.plan import make_plan
+
+    state = {"w": torch.randn(3000), "b": torch.arange(6), "rng": torch.get_rng_state(), "n": 7}
+    made = make_plan(state, step=2, chunk_bytes=8192, rank_local=["rng"])
+    begin = begin_record(made.spec, storage_url="/r", owner_url="/r", keep_last=None)
+    spec = begin["spec"]
+    path = tmp_path / made.spec.save_id / JOURNAL
+    forged: list[Any] = [
+        lambda s: s["distributed"].update(written=[0, 99]),
+        lambda s: s["distributed"].update(written=[1, 0]),
+        lambda s: s["distributed"].update(shards=[{"entry": 99, "offsets": [0], "global_shape": [4]}]),
+        lambda s: s["distributed"].update(main_entries=99),
+        lambda s: s["distributed"].update(local_values=[{"t": "tensor", "id": "x"}]),
+        lambda s: s["entries"][0].update(nbytes=10**30),
+        lambda s: s["entries"][1].update(nbytes=8),
+        lambda s: s["chunks"][0]["pieces"][0].update(dst_offset=10**6),
+        lambda s: s.update(rank=5),
+        lambda s: s.update(tree={"t": "list", "items": [[]] * 3}),
+    ]
+    for change in forged:
+        doc = copy.deepcopy(spec)
+        change(doc)
+        _spec_journal(path, doc, begin)
+        with pytest.raises(JournalError):
+            read_journal(path, made.spec.save_id)
+    rng = random.Random(11)
+    outcomes: dict[str, int] = {}
+    for _ in range(max(100, _cases(request) // 10)):
+        if rng.random() < 0.5:
+            doc = mutate_document(spec, rng)
+        else:  # the multi-rank part's indices, where the IndexError was
+            doc = {**spec, "distributed": mutate_document(spec["distributed"], rng)}
+        _spec_journal(path, doc, begin)
+        try:
+            journal = read_journal(path, made.spec.save_id)  # never another exception
+        except JournalError:
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+            continue
+        outcomes["read"] = outcomes.get("read", 0) + 1
+        manifest, read_spec = journal.manifest, journal.spec
+        assert read_spec.total_bytes == sum(span.nbytes for _, span in manifest.all_ranges())
+        assert read_spec.distributed is not None
+        sharded = {i for i, e in enumerate(manifest.entries) if e.kind == "sharded"}
+        assert {s.entry for s in read_spec.distributed.shards} == sharded
+    print(f"\nforged specs: {dict(sorted(outcomes.items()))}")

@@ -268,3 +268,193 @@ def test_rank_local_values_and_keys_follow_the_same_definition() -> None:
         plan.make_plan(state, step=1, chunk_bytes=1 << 20, rank_local=["rng"])
     made = plan.make_plan(state, step=1, chunk_bytes=1 << 20, rank_local=["rng"], pickle_values=True)
     assert made.spec.distributed is not None and [e.kind for e in made.entries] == ["pickle", "tensor", "pickle"]
+
+
+def _nested(kind: str, levels: int, leaf: Any) -> Any:
+    value = leaf
+    for _ in range(levels):
+        if kind == "dict":
+            value = {"k": value}
+        elif kind == "odict":
+            value = OrderedDict(k=value)
+        elif kind == "list":
+            value = [value]
+        else:
+            value = (value,)
+    return value
+
+
+def _json_depth(doc: Any) -> int:
+    """Nesting of JSON arrays and objects in ``doc``."""
+    depth, pending = 0, [(doc, 0)]
+    while pending:
+        value, level = pending.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            depth = max(depth, level + 1)
+            pending += [(v, level + 1) for v in value]
+    return depth
+
+
+def _journal_manifest(tmp_path: Path, made: Any) -> Manifest:
+    """The manifest a crash's resume would commit from the journal of ``made`` (a plan)."""
+    import asyncio
+
+    from aiosnap.format.journal import JournalWriter, begin_record, read_journal
+
+    path = tmp_path / made.spec.save_id / "journal.jsonl"
+    begin = begin_record(made.spec, storage_url="file:///r", owner_url="file:///r", keep_last=None)
+    asyncio.run(JournalWriter(path).append(begin, {"kind": "captured"}))
+    return read_journal(path, made.spec.save_id).manifest
+
+
+def test_one_depth_bound_for_the_planner_the_commit_and_the_journal(tmp_path: Path) -> None:
+    """save() counted containers (100) while each dict is three levels of JSON: dicts 84 to
+    98 deep were accepted and failed in the background (pydantic's serializer stops at 254
+    levels), and dicts 66 deep (lists 98) committed but their spool journal was refused on
+    resume (pydantic's JSON parser stops at 200): a crash after capture lost them."""
+    from aiosnap.format.values import MAX_TREE_DEPTH
+
+    levels = {"dict": 3, "odict": 3, "list": 2, "tuple": 2}
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:
+        for step, (kind, per) in enumerate(levels.items(), start=1):
+            leaf = torch.arange(3.0)  # a tensor's node: one level
+            deepest = (MAX_TREE_DEPTH - 3 - 1) // per  # below the state's own dict
+            state = {"x": _nested(kind, deepest, leaf), "w": torch.ones(2)}
+            with pytest.raises(UnsupportedStateError, match=f"nested deeper than {MAX_TREE_DEPTH} levels of JSON"):
+                ckpt.save({"x": _nested(kind, deepest + 1, leaf)}, step=step)
+            ckpt.save(state, step=step).wait()
+            assert_same(ckpt.load(), state)
+            manifest = ckpt.manifest()
+            assert MAX_TREE_DEPTH - per < _json_depth(manifest.tree) <= MAX_TREE_DEPTH, kind
+            for rank_local in ((), ["x"]):  # the tree, or a rank-local value (in its own record)
+                made = plan.make_plan(state, step=step, chunk_bytes=1 << 20, rank_local=rank_local)
+                assert _json_depth(_journal_manifest(tmp_path, made).model_dump()) > MAX_TREE_DEPTH - per
+    exact = {"x": _nested("list", (MAX_TREE_DEPTH - 4) // 2, torch.ones(1))}  # 3 + 2 * 98 + 1: the bound itself
+    assert _json_depth(plan.make_plan(exact, step=1, chunk_bytes=1 << 20).spec.tree) == MAX_TREE_DEPTH
+
+
+def test_ints_are_written_and_read_whatever_digits_the_process_allows(tmp_path: Path) -> None:
+    """``json_int`` called ``int(text)``, which applies ``sys.set_int_max_str_digits``: in a
+    process allowing 1,000 digits a reader refused a 2,000-digit int that every other reader
+    takes, a save of one failed in the background, and the spool journal's ``json.dumps``
+    raised a raw ValueError out of save()."""
+    import sys
+
+    big = 10**2000 + 7
+    state = {"n": big, "keys": {big: "int key"}, "w": torch.ones(2)}
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:  # written by a process of the default limit
+        ckpt.save(state, step=1, metadata={"m": -big}).wait()
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(1000)
+    try:
+        spool = {"dir": str(tmp_path / "spool"), "mode": "always"}
+        with SyncCheckpointer(_config(tmp_path, spool=spool)) as ckpt:
+            first, first_metadata = ckpt.load(), ckpt.manifest().metadata
+            ckpt.save(state, step=2, metadata={"m": big}).wait()  # journalled, committed, read back
+            second, second_metadata = ckpt.load(), ckpt.manifest().metadata
+        journalled = _journal_manifest(tmp_path, plan.make_plan(state, step=3, chunk_bytes=1 << 20))
+    finally:
+        sys.set_int_max_str_digits(old)
+    assert first_metadata == {"m": -big} and second_metadata == {"m": big}
+    assert_same(first, state)
+    assert_same(second, state)
+    assert journalled.tree["items"][0] == ["n", big]
+
+
+def test_a_key_of_any_int_is_named_or_stored(tmp_path: Path) -> None:
+    """A dict key int of more than 4,300 digits: the planner formatted its path before it
+    classified the key, and save() raised a raw ValueError (so did a load, naming paths)."""
+    huge = 10**4300
+    state = {"d": {huge: torch.ones(2), "k": 1}, huge + 1: 2}
+    with (
+        SyncCheckpointer(_config(tmp_path)) as ckpt,
+        pytest.raises(UnsupportedStateError, match=r"2 value.*'d/<an int of 14285 bits>' \(an int of more than 4300"),
+    ):
+        ckpt.save(state, step=1)
+    with SyncCheckpointer(_config(tmp_path, pickle_values=True)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        assert_same(ckpt.load(allow_pickle=True), state)
+        into = {"d": {huge: torch.zeros(2), "k": 0}, huge + 1: 0}
+        ckpt.load(into, allow_pickle=True)
+        assert_same(into, state)
+
+
+def test_dict_keys_and_metadata_weigh_in_the_manifests_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size check weighed a dict's values but not its keys, nor an OrderedDict's
+    ``_metadata``: 200 keys of 700 KB, or a 135 MiB string in a module's ``_metadata``, were
+    accepted and refused by the commit's read-back in the background."""
+    monkeypatch.setattr(manifest_size, "MAX_MANIFEST_BYTES", 1024**2)
+    long_keys = {f"{i:04d}" + "k" * 8000: i for i in range(200)}  # 1.6 MB of keys, 200 small values
+    odict: OrderedDict[str, Any] = OrderedDict(w=torch.ones(2))
+    odict._metadata = {"": {"note": "n" * 1_200_000}}  # type: ignore[attr-defined]
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"most of it is in 'vocab' \(1\.5 MiB\)"):
+            ckpt.save({"vocab": long_keys}, step=1)
+        with pytest.raises(UnsupportedStateError, match=r"'model#_metadata//note' \(1\.1 MiB\)"):
+            ckpt.save({"model": odict}, step=1)
+        assert ckpt.steps() == []
+
+
+def test_nan_keeps_its_sign_and_payload(tmp_path: Path) -> None:
+    """Non-finite floats were stored as ``repr``: every NaN came back as ``float("nan")``."""
+    import struct
+
+    def bits(value: float) -> bytes:
+        return struct.pack("<d", value)
+
+    nans = [
+        struct.unpack("<d", struct.pack("<Q", b))[0]
+        for b in (0xFFF8000000000000, 0x7FF8000000000001, 0x7FF0000000000001)
+    ]
+    state = {"nans": nans, "c": complex(nans[0], nans[1]), "keys": {nans[2]: 1}, "plain": float("nan")}
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        back = ckpt.load()
+    assert [bits(v) for v in back["nans"]] == [bits(v) for v in nans]
+    assert (bits(back["c"].real), bits(back["c"].imag)) == (bits(nans[0]), bits(nans[1]))
+    assert bits(next(iter(back["keys"]))) == bits(nans[2]) and bits(back["plain"]) == bits(float("nan"))
+
+
+class _Holds:
+    """A user object (pickled) holding one tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["folder", "single-file"])
+def test_a_pickled_value_holds_every_kind_of_view_and_no_heap_bytes(tmp_path: Path, single: bool) -> None:
+    """Inside a pickled value, a tensor whose storage was shrunk below its view was pickled
+    with the heap bytes past its end (the storage check ran on the state's own tensors
+    only); and a strided, expanded or conjugate view of a dtype without a legacy storage
+    (uint16, uint32, complex32) was refused, where ``torch.save`` keeps it."""
+    from aiosnap.interop.singlefile import ArchiveStorage
+
+    shrunk = torch.arange(2048.0)
+    shrunk.untyped_storage().resize_(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "ComplexHalf support is experimental"
+        views = {
+            "u16_strided": torch.arange(16).to(torch.uint16)[::2],
+            "u32_expanded": torch.tensor([7]).to(torch.uint32).expand(4),
+            "u64_transposed": torch.arange(6).to(torch.uint64).reshape(2, 3).t(),
+            "c32_conj": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).to(torch.complex32).conj(),
+            "f8_strided": torch.arange(9.0).to(torch.float8_e4m3fn)[::3],
+        }
+    with SyncCheckpointer(_config(tmp_path, pickle_values=True)) as owner:
+        path = tmp_path / "single.pt"
+        ckpt = owner.at(str(path), keep_last=1, storage=ArchiveStorage(path)) if single else owner
+        with pytest.raises(UnsupportedStateError, match="'?held'?: _Holds cannot be saved: .*storage of 64 bytes"):
+            ckpt.save({"w": torch.ones(2), "held": _Holds(shrunk)}, step=1)
+        assert ckpt.steps() == []
+        state = {name: _Holds(view) for name, view in views.items()}
+        ckpt.save(state, step=1).wait()
+        loaded = ckpt.load(allow_pickle=True)
+        file = torch.load(path, weights_only=False) if single else None
+    for name, view in views.items():
+        want = view.resolve_conj()
+        for got in (loaded[name].tensor, *((file[name].tensor,) if file else ())):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert got.view(torch.uint8).equal(want.contiguous().view(torch.uint8)), name

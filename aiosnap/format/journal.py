@@ -22,12 +22,14 @@ if cancelled (no record can land after the save's cleanup).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticSerializationError, to_json
 
 from ..core import durable
 from ..core.aio import complete_before_cancel
@@ -37,8 +39,17 @@ from ..errors import AiosnapError
 from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest, checked_json
 from .parts import build_part, merge_parts
 from .spec import SaveSpec
+from .values import json_int
 
-__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "manifest_of_spec", "read_journal"]
+__all__ = [
+    "JOURNAL",
+    "JournalError",
+    "JournalState",
+    "JournalWriter",
+    "begin_record",
+    "manifest_of_spec",
+    "read_journal",
+]
 
 JOURNAL = "journal.jsonl"
 FORMAT = 3
@@ -89,8 +100,32 @@ class Captured(_Record):
 _KINDS: dict[str, type[_Record]] = {"begin": Begin, "spooled": Spooled, "landed": Landed, "captured": Captured}
 
 
+def begin_record(spec: SaveSpec, *, storage_url: str, owner_url: str, keep_last: int | None) -> dict[str, Any]:
+    """The first record of a save's journal (see :class:`Begin`)."""
+    return {
+        "kind": "begin",
+        "format": FORMAT,
+        "save_id": spec.save_id,
+        "step": spec.step,
+        "storage_url": storage_url,
+        "owner_url": owner_url,
+        "keep_last": keep_last,
+        "spec": spec.to_document(),
+    }
+
+
 def _line(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode("utf-8")
+    """One journal line. Written by pydantic's serializer, as manifests are: the same
+    nesting bound, and ints written whatever the process's digit limit; by ``json`` when
+    that cannot (a lone surrogate in a root's path, which ``json`` escapes). OSError if
+    neither can: the save goes on without its journal (see the callers)."""
+    try:
+        body = to_json(record)
+    except PydanticSerializationError:
+        try:
+            body = json.dumps(record, separators=(",", ":")).encode("ascii")
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise OSError(errno.EINVAL, f"a journal record cannot be written as JSON: {str(exc)[:200]}") from None
     return f"{crc32c_of(body):08x} ".encode() + body + b"\n"
 
 
@@ -177,7 +212,7 @@ def _parse_line(line: bytes) -> dict[str, Any]:
     head, _, body = line.partition(b" ")
     if len(head) != 8 or f"{crc32c_of(body):08x}".encode() != head:
         raise ValueError("checksum mismatch")
-    doc = json.loads(body)
+    doc = json.loads(body, parse_int=json_int)  # the readers' digit bound, whatever the process's
     if not isinstance(doc, dict):
         raise ValueError("not a record")
     return doc
@@ -216,7 +251,7 @@ def read_journal(path: Path, save_id: str) -> JournalState:
     try:
         spec = SaveSpec.from_document(begin.spec)
         _, manifest = checked_json(manifest_of_spec(spec), "the journal's save")  # as any reader would
-    except (ValueError, TypeError, KeyError, RecursionError, AiosnapError) as exc:
+    except Exception as exc:  # whatever a forged spec makes fail: never a crash of the caller
         raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:
         raise JournalError("its manifest belongs to another save")

@@ -22,7 +22,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .dtypes import dtype_itemsize
-from .values import DEVICE_TYPES, MAX_INT_DIGITS, MAX_TREE_DEPTH, inline_int, inline_str, plain_device, plain_size
+from .values import (
+    DEVICE_TYPES,
+    MAX_INT_DIGITS,
+    MAX_TREE_DEPTH,
+    float_text,
+    inline_int,
+    inline_str,
+    key_text,
+    plain_device,
+    plain_size,
+)
 
 __all__ = ["DEVICE_TYPES", "HASHABLE_TAGS", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
 
@@ -48,12 +58,6 @@ def _items(node: dict[str, Any]) -> list[Any]:
     if not isinstance(items, list):
         raise ValueError(f"{node['t']!r} node: items must be a list")
     return items
-
-
-def float_text(value: Any) -> float:
-    if not isinstance(value, str) or len(value) > 64:
-        raise ValueError(f"expected a float as text, got {value!r:.40}")
-    return float(value)
 
 
 def _check_leaf_node(node: dict[str, Any]) -> None:
@@ -103,7 +107,8 @@ class _Checker:
         self.slots: set[int] = set()
 
     def check(self, node: Any, path: str, depth: int) -> bool:
-        """Validate ``node``; returns whether the value it decodes to is hashable."""
+        """Validate ``node``, inside ``depth`` JSON arrays and objects; returns whether the
+        value it decodes to is hashable."""
         try:
             return self._check(node, path, depth)
         except _TreeError:
@@ -127,8 +132,9 @@ class _Checker:
                 raise ValueError("non-finite float leaf")
             return True
         if not isinstance(node, dict) or type(node.get("t")) is not str:
-            raise ValueError(f"malformed tree node {node!r:.60}")
+            raise ValueError(f"malformed tree node {_shown(node)}")
         tag = node["t"]
+        _nest(depth + 1)  # the node itself
         if tag in _ENTRY_KINDS:
             _fields(node, "id")
             index = node["id"]
@@ -145,32 +151,51 @@ class _Checker:
             self.slots.add(slot)
             return False
         if tag not in _CONTAINERS:
+            if tag in ("complex", "size"):
+                _nest(depth + 2)  # [real, imag], the items
             _check_leaf_node(node)
             return tag in HASHABLE_TAGS
-        if depth >= MAX_TREE_DEPTH:
-            raise ValueError(f"nested deeper than {MAX_TREE_DEPTH} levels")
         if tag == "stateful":
             _fields(node, "v")
             self.check(node["v"], path, depth + 1)
             return False
+        _nest(depth + 2)  # the items
         if tag in ("list", "tuple"):
             _fields(node, "items")
-            hashable = [self.check(v, f"{path}/{i}", depth + 1) for i, v in enumerate(_items(node))]
+            hashable = [self.check(v, f"{path}/{i}", depth + 2) for i, v in enumerate(_items(node))]
             return tag == "tuple" and all(hashable)
         _fields(node, *(("items", "meta") if tag == "odict" else ("items",)))  # metadata: OrderedDicts only
         for pair in _items(node):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("dict node: each item must be [key, value]")
-            if not self.check(pair[0], path, depth + 1):
+            _nest(depth + 3)
+            if not self.check(pair[0], path, depth + 3):
                 raise ValueError("dict node: a key that cannot be a dict key")
-            self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 1)
+            self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 3)
         if "meta" in node:
             self.check(node["meta"], path + "#_metadata", depth + 1)
         return False
 
 
+def _nest(level: int) -> None:
+    """Refuse a JSON array or object at ``level`` (the tree's own node at 1) past the bound."""
+    if level > MAX_TREE_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_TREE_DEPTH} levels of JSON")
+
+
 def _key_text(node: Any) -> str:
-    return node if isinstance(node, str) else repr(node)[:40]
+    return key_text(node) if not isinstance(node, dict) else _shown(node)
+
+
+def _shown(node: Any) -> str:
+    """A bounded text of an untrusted node for messages (never fails: an int's text is
+    bounded by the process's digit limit)."""
+    if type(node) is int:
+        return key_text(node)[:40]
+    try:
+        return repr(node)[:60]
+    except ValueError:  # an int inside, longer than this process prints
+        return f"a {type(node).__name__}"
 
 
 def check_tree(tree: Any, entry_kinds: Sequence[str], *, local: bool = False) -> int:

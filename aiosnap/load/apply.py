@@ -16,6 +16,7 @@ from ..core.stateful import is_stateful
 from ..core.tensorio import copyable
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
+from ..format.values import key_path
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations, tensor_paths
@@ -133,7 +134,7 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
         child = saved[key]
         if is_skipped(child):  # a rank-local value this load leaves as it is
             continue
-        where = f"{path}/{key}" if path else str(key)
+        where = key_path(path, key)
         if is_stateful(current) and not isinstance(current, dict):
             current.load_state_dict(decode(child))
         elif isinstance(current, torch.Tensor):

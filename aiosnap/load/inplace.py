@@ -24,6 +24,7 @@ import torch
 
 from ..core.stateful import is_stateful
 from ..format.manifest import Manifest
+from ..format.values import key_path
 from .select import entries_under
 
 __all__ = ["destinations", "staged_destinations", "target_tree", "tensor_paths", "tensor_targets"]
@@ -154,7 +155,7 @@ def tensor_paths(targets: Any) -> Iterator[tuple[str, torch.Tensor]]:
             children = list(enumerate(current))
         else:
             continue
-        pending.extend(reversed([(value, f"{path}/{key}" if path else str(key)) for key, value in children]))
+        pending.extend(reversed([(value, key_path(path, key)) for key, value in children]))
 
 
 def _span(tensor: torch.Tensor) -> tuple[str, int, int]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
+from ..format.values import key_path
 
 __all__ = ["check_keys_present", "check_patterns", "dict_node", "entries_under", "needed_for_state", "select_paths"]
 
@@ -86,7 +87,7 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
             child = saved[key]
             inner = dict_node(child) if isinstance(current, dict) and not is_stateful(current) else None
             if inner is not None:
-                pending.append((inner, current, f"{path}/{key}" if path else str(key)))
+                pending.append((inner, current, key_path(path, key)))
             else:
                 needed |= entries_under(child)
     return needed
@@ -117,7 +118,7 @@ def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any],
             if entries_under(raw_key):  # a tensor or pickled key: needs data to be named
                 continue
             key = decode_key(raw_key)
-            path = f"{prefix}/{key}" if prefix else str(key)
+            path = key_path(prefix, key)
             if any(fnmatchcase(path, p) for p in wanted):
                 kept.append([raw_key, child])
                 continue

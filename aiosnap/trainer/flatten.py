@@ -27,7 +27,16 @@ from ..core.stateful import is_stateful
 from ..core.tensorio import storage_holds
 from ..errors import UnsupportedStateError
 from ..format.tree import HASHABLE_TAGS
-from ..format.values import MAX_NDIM, MAX_TREE_DEPTH, inline_int, inline_str, plain_device, plain_size
+from ..format.values import (
+    MAX_NDIM,
+    MAX_TREE_DEPTH,
+    float_as_text,
+    inline_int,
+    inline_str,
+    key_text,
+    plain_device,
+    plain_size,
+)
 from .chunks import Entry
 from .dtensor import DTensorShard, dtensor_shard, is_dtensor
 from .pickling import pickle_value
@@ -74,8 +83,8 @@ def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}/{key}" if path else str(key)
+def _join(path: str, index: int) -> str:
+    return f"{path}/{index}" if path else str(index)
 
 
 def _text(value: str) -> str:
@@ -134,23 +143,41 @@ class Flattener:
         self.local_paths: list[str] = []  # where each rank_local node is
 
     def encode(self, value: Any, path: str) -> Any:
+        """The node of ``value``, which sits inside ``self._depth`` JSON arrays and objects
+        of the tree: each container counts its own levels before it descends, a leaf's node
+        is checked at the bound (:data:`~aiosnap.format.values.MAX_TREE_DEPTH`, counted as
+        the readers' validator counts it)."""
         if self._patterns and path and any(fnmatchcase(path, p) for p in self._patterns):
+            self._fits(1, path)
             return self._rank_local(value, path)
-        if self._depth >= MAX_TREE_DEPTH:
-            raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
         if type(value) is torch.Tensor:  # the common leaf first: states hold many tensors
+            self._fits(1, path)
             return {"t": "tensor", "id": self._plain(value, path)}
-        self._depth += 1
         self.nodes += 1
+        node = self._encode(value, path)
+        if self._depth + 2 > MAX_TREE_DEPTH and type(node) is dict:  # a leaf's node at the bound
+            self._fits(2 if node["t"] in ("complex", "size") else 1, path)
+        return node
+
+    def _fits(self, levels: int, path: str) -> None:
+        """Refuse a node of ``levels`` JSON levels here, past the bound."""
+        if self._depth + levels > MAX_TREE_DEPTH:
+            raise UnsupportedStateError(
+                f"{path or 'the state'}: nested deeper than {MAX_TREE_DEPTH} levels of JSON, the most a "
+                "manifest holds (a dict takes three, a list or tuple two: dicts within dicts 66 deep, lists 100)"
+            )
+
+    def _inside(self, value: Any, path: str, levels: int) -> Any:
+        """``value``'s node, ``levels`` deeper than the current node (its items)."""
+        self._depth += levels
         try:
-            return self._encode(value, path)
+            return self.encode(value, path)
         finally:
-            self._depth -= 1
+            self._depth -= levels
 
     def _rank_local(self, value: Any, path: str) -> Any:
         if self.local is None:
-            self.local = Flattener(dtensors=False, pickles=self._pickles)
-            self.local._depth = self._depth
+            self.local = Flattener(dtensors=False, pickles=self._pickles)  # its values' trees start at 0
             self.local.refused = self.refused  # one list: save() names them all
         self.local_values.append(self.local.encode(value, path))
         self.local_paths.append(path)
@@ -170,27 +197,33 @@ class Flattener:
                 return value
             return self._pickled(value, path, "an int of more than 4300 digits")
         if kind is float:
-            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+            return value if math.isfinite(value) else {"t": "float", "v": float_as_text(value)}
         if isinstance(value, torch.Tensor):
             index = self._tensor(value, path)
             return {"t": "dtensor" if index in self.shards else "tensor", "id": index}
         if is_stateful(value) and not isinstance(value, (dict, list, tuple)):
+            self._fits(1, path)
             state = self.stateful_dicts[id(value)] = value.state_dict()
-            return {"t": "stateful", "v": self.encode(state, path)}
+            return {"t": "stateful", "v": self._inside(state, path, 1)}
         if kind is dict or kind is OrderedDict:
+            self._fits(3 if value else 2, path)  # its node, its items, each [key, value]
             node: dict[str, Any] = {"t": "dict" if kind is dict else "odict", "items": self._items(value, path)}
             meta = getattr(value, "_metadata", None)
             if meta is not None:
-                node["meta"] = self.encode(meta, path + "#_metadata")
+                node["meta"] = self._inside(meta, path + "#_metadata", 1)
             return node
-        if kind is list:
-            return {"t": "list", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
+        if kind is list or kind is tuple:
+            self._fits(2, path)  # its node, its items
+            self._depth += 2
+            try:
+                items = [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
+            finally:
+                self._depth -= 2
+            return {"t": "list" if kind is list else "tuple", "items": items}
         if kind is torch.Size:
             if plain_size(value):
                 return {"t": "size", "items": list(value)}
             return self._pickled(value, path, "a torch.Size with negative items")
-        if kind is tuple:
-            return {"t": "tuple", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
         if isinstance(value, torch.dtype):
             return {"t": "dtype", "v": str(value).removeprefix("torch.")}
         if isinstance(value, torch.device):
@@ -202,27 +235,31 @@ class Flattener:
             self.exact += -(-len(value) // 3) * 4  # base64
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if kind is complex:
-            return {"t": "complex", "v": [repr(value.real), repr(value.imag)]}
+            return {"t": "complex", "v": [float_as_text(value.real), float_as_text(value.imag)]}
         return self._pickled(value, path, None)
 
     def _items(self, mapping: dict[Any, Any], path: str) -> list[list[Any]]:
         """A dict's ``[key, value]`` pairs, encoded; plain tensors (most of a state's
         values) without a call to :meth:`encode` each."""
         prefix = f"{path}/" if path else ""
+        self._depth += 3  # keys and values sit in [key, value] pairs of the items
         inline = not self._patterns and self._depth < MAX_TREE_DEPTH
         items = []
-        for k, v in mapping.items():
-            if type(k) is str and k.isascii():  # the common key
-                key: Any = k
-                where = f"{prefix}{k}" if prefix else k
-                self.text += len(k)
-            else:
-                where = _text(f"{prefix}{k}" if prefix else str(k))
-                key = self._key(k, where)
-            if inline and type(v) is torch.Tensor:
-                items.append([key, {"t": "tensor", "id": self._plain(v, where)}])
-            else:
-                items.append([key, self.encode(v, where)])
+        try:
+            for k, v in mapping.items():
+                if type(k) is str and k.isascii():  # the common key
+                    key: Any = k
+                    where = f"{prefix}{k}" if prefix else k
+                    self.text += len(k)
+                else:
+                    where = _text(prefix + key_text(k))
+                    key = self._key(k, where)
+                if inline and type(v) is torch.Tensor:
+                    items.append([key, {"t": "tensor", "id": self._plain(v, where)}])
+                else:
+                    items.append([key, self.encode(v, where)])
+        finally:
+            self._depth -= 3
         return items
 
     def _key(self, key: Any, where: str) -> Any:
@@ -236,6 +273,12 @@ class Flattener:
         if not _hashable(node):
             return self._pickled(key, where, f"a key of type {_type_name(key)}")
         return node
+
+    def add_tensor(self, tensor: torch.Tensor, path: str) -> int:
+        """The entry of a tensor the state holds outside its tree (a single file stores
+        those in its tensors' attributes: see :func:`.archive_plan.attribute_tensors`);
+        refused, naming ``path``, as a tensor of the state would be."""
+        return self._tensor(tensor, path)
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         if self._dtensors and is_dtensor(tensor):

@@ -10,12 +10,14 @@ JSON. The commit checks the exact bytes again before it writes them (see
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic_core import PydanticSerializationError, to_json
+
 from ..errors import UnsupportedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES
+from ..format.values import key_path, key_text
 from .flatten import Flattener
 
 __all__ = ["check_manifest_size"]
@@ -32,11 +34,11 @@ _MOST_CHILDREN = 1000
 
 
 def _weigh(value: Any) -> int:
-    """Bytes of ``value`` as manifest JSON (compact, UTF-8); 0 for what JSON cannot write
-    here (the commit's own check decides about that)."""
+    """Bytes of ``value`` as manifest JSON, written by the manifest's own serializer; 0 for
+    what it cannot write (the commit's own check decides about that)."""
     try:
-        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8"))
-    except (ValueError, TypeError, RecursionError):
+        return len(to_json(value))
+    except (PydanticSerializationError, ValueError, TypeError, RecursionError):
         return 0
 
 
@@ -72,7 +74,9 @@ def check_manifest_size(flat: Flattener, tree: Any, metadata: dict[str, Any], ch
         heavy.append((entries, f"the table of its {len(flat.entries)} tensors"))
     if meta * 16 >= total:
         heavy.append((meta, "metadata"))
-    shown = ", ".join(f"{where!r} ({weight / _MIB:.1f} MiB)" for weight, where in sorted(heavy, reverse=True)[:3])
+    shown = ", ".join(
+        f"{_short(where)!r} ({weight / _MIB:.1f} MiB)" for weight, where in sorted(heavy, reverse=True)[:3]
+    )
     raise UnsupportedStateError(
         f"the manifest of this save would be about {total / _MIB:.0f} MiB, more than the "
         f"{MAX_MANIFEST_BYTES // _MIB} MiB a reader accepts; most of it is in {shown}. Plain values "
@@ -81,19 +85,33 @@ def check_manifest_size(flat: Flattener, tree: Any, metadata: dict[str, Any], ch
     )
 
 
-def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
-    """The children of a container node of the tree, with their paths; None for a leaf."""
+def _children(node: Any, path: str) -> list[tuple[Any, str, int]] | None:
+    """The children of a container node of the tree, with their paths and the bytes that
+    go with each besides its own node (a dict's key, brackets, separators); None for a leaf."""
     if not isinstance(node, dict):
         return None
     tag = node.get("t")
-    prefix = f"{path}/" if path else ""
     if tag in ("dict", "odict"):
-        return [(value, f"{prefix}{key if isinstance(key, str) else repr(key)}") for key, value in node["items"]]
+        found = [(value, key_path(path, key if isinstance(key, str) else _shown(key)), _weigh(key) + 4)
+                 for key, value in node["items"]]  # fmt: skip
+        if "meta" in node:
+            found.append((node["meta"], f"{path}#_metadata", 8))
+        return found
     if tag in ("list", "tuple"):
-        return [(value, f"{prefix}{index}") for index, value in enumerate(node["items"])]
+        return [(value, key_path(path, index), 1) for index, value in enumerate(node["items"])]
     if tag == "stateful":
-        return [(node["v"], path)]
+        return [(node["v"], path, 0)]
     return None
+
+
+def _short(path: str) -> str:
+    """A path as a message shows it (a key of a megabyte is a path of a megabyte)."""
+    return path if len(path) <= 120 else f"{path[:100]}... ({len(path)} characters)"
+
+
+def _shown(key: Any) -> str:
+    """A key node as a path names it (a tuple's node, an int's text: short)."""
+    return key_text(key) if not isinstance(key, dict) else f"<a {key.get('t')} key>"
 
 
 @dataclass
@@ -112,8 +130,12 @@ def _weighed(node: Any, path: str) -> _Weight:
     children = _children(node, path)
     if children is None or len(children) > _MOST_CHILDREN:
         return _Weight(path, _weigh(node), [])
-    parts = [_weighed(child, at) for child, at in children]
-    return _Weight(path, sum(p.weight for p in parts) + 24 + 8 * len(parts), parts)
+    parts = []
+    for child, at, beside in children:
+        part = _weighed(child, at)
+        part.weight += beside  # a heavy key is named by its path, as a heavy value is
+        parts.append(part)
+    return _Weight(path, sum(p.weight for p in parts) + 24, parts)
 
 
 def _heavy_paths(node: _Weight, total: int) -> list[tuple[int, str]]:

@@ -26,7 +26,7 @@ from ..errors import StepOrderError, UnsupportedStateError
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import shift_entry_ids
 from ..format.values import check_metadata
-from .archive_plan import layout_archive, torch_pickle
+from .archive_plan import attribute_tensors, layout_archive, torch_pickle
 from .chunks import ALIGN, Chunk, Entry, Piece, SavePlan
 from .dtensor import DTensorShard
 from .flatten import Flattener
@@ -200,6 +200,12 @@ def _local_plan(
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
     if single_file:
+        found = attribute_tensors(flattener.entries)
+        while found:  # tensors in the attributes of tensors (and in theirs): entries, as torch.save stores them
+            known = len(flattener.entries)
+            for path, tensor in found:
+                flattener.add_tensor(tensor, path)
+            found = attribute_tensors(flattener.entries[known:])
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
         archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))

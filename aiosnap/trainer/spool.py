@@ -20,7 +20,7 @@ import torch
 
 from ..core.aio import complete_before_cancel
 from ..core.tensorio import bytes_view
-from ..format.journal import JOURNAL, JournalWriter
+from ..format.journal import JOURNAL, JournalWriter, begin_record
 from ..handoff.contract import FileChunk
 from ..handoff.spooldir import Spool
 from .chunks import Chunk, SavePlan
@@ -168,16 +168,9 @@ class SpoolSession:
                 raise
 
     def _begin(self) -> dict[str, object]:
-        return {
-            "kind": "begin",
-            "format": 3,
-            "save_id": self.plan.save_id,
-            "step": self.plan.step,
-            "storage_url": self.storage_url,
-            "owner_url": self.owner_url,
-            "keep_last": self.keep_last,
-            "spec": self.plan.spec.to_document(),
-        }
+        return begin_record(
+            self.plan.spec, storage_url=self.storage_url, owner_url=self.owner_url, keep_last=self.keep_last
+        )
 
     async def captured(self) -> None:
         """Capture is complete: journal it, before save() returns, so that a crash from here on

@@ -149,6 +149,9 @@ async def resume_spooled(
             states[save_id] = await asyncio.to_thread(_journal_of, spool, save_id)
         except _Discard as why:
             states[save_id] = why
+        except Exception as exc:  # a journal never keeps the checkpointer from starting
+            log.error("aiosnap: reading the journal of spooled save %s failed (kept): %r", save_id, exc)
+            report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
     total = sum(
         s.manifest.objects[i].nbytes
         for s in states.values()
