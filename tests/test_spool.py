@@ -311,12 +311,36 @@ def _crash_before_commit(config: Config, state: dict[str, Any], step: int, **sav
         copy.rename(folder)
 
 
+def _deepest_accepted(wrap: Any, state: dict[str, Any] | None = None, key: str = "cfg", **save: Any) -> Any:
+    """The most levels of ``wrap`` around a leaf at ``state[key]`` that the planner takes."""
+    from aiosnap.errors import UnsupportedStateError
+    from aiosnap.trainer.plan import make_plan
+
+    def nested(levels: int) -> Any:
+        value: Any = 1
+        for _ in range(levels):
+            value = wrap(value)
+        return value
+
+    low, high = 1, 512  # accepted, refused
+    while high - low > 1:
+        mid = (low + high) // 2
+        try:
+            make_plan({**(state or {}), key: nested(mid)}, step=1, chunk_bytes=1 << 20, **save)
+            low = mid
+        except UnsupportedStateError:
+            high = mid
+    return nested(low)
+
+
 @pytest.mark.thread_only  # wraps a storage in the trainer's process
-@pytest.mark.parametrize("kind", ["no_tensor_bytes", "rank_local", "one_rank_dtensor"])
+@pytest.mark.parametrize("kind", ["no_tensor_bytes", "rank_local", "one_rank_dtensor", "deep"])
 def test_a_crash_after_capture_loses_no_state_in_always_mode(tmp_path: Path, kind: str) -> None:
     """``spool.mode: always`` lost a save with no tensor bytes (no journal was started), and
     discarded a one-process save in the multi-rank format (``rank_local=``, DTensors of a
-    one-device mesh) as "cannot be trusted" on resume."""
+    one-device mesh) as "cannot be trusted" on resume; so it did deeply nested states that
+    commit without a crash (the journal's spec went through pydantic's JSON parser, which
+    stops at 200 levels, of the record's own nesting and the tree's)."""
     import torch.distributed as dist
 
     config = _local(tmp_path / "root", tmp_path / "spool", mode="always", resume=True)
@@ -325,6 +349,10 @@ def test_a_crash_after_capture_loses_no_state_in_always_mode(tmp_path: Path, kin
     if kind == "rank_local":
         state = {"w": torch.randn(3000), "rng": torch.get_rng_state(), "step": 7}
         save = {"rank_local": ["rng"]}
+    elif kind == "deep":  # as deep as save() takes, whatever its bound: a rank-local value is a tree
+        save = {"rank_local": ["rng"]}  # of its own, in the spec's distributed part, further down the journal
+        state = {"cfg": _deepest_accepted(lambda v: {"k": v}), "w": torch.randn(3000), "rng": 2}
+        state["rng"] = _deepest_accepted(lambda v: [v], state, "rng", **save)
     elif kind == "one_rank_dtensor":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
