@@ -19,7 +19,13 @@ import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.core.names import MANIFEST_FILE, step_dir
-from aiosnap.errors import ManifestError, StepOrderError, UnsupportedStateError
+from aiosnap.errors import (
+    ManifestError,
+    PickleNotAllowedError,
+    StateMismatchError,
+    StepOrderError,
+    UnsupportedStateError,
+)
 from aiosnap.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from aiosnap.trainer import manifest_size, plan
 from tests.conftest import assert_same
@@ -458,3 +464,23 @@ def test_a_pickled_value_holds_every_kind_of_view_and_no_heap_bytes(tmp_path: Pa
         for got in (loaded[name].tensor, *((file[name].tensor,) if file else ())):
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert got.view(torch.uint8).equal(want.contiguous().view(torch.uint8)), name
+
+
+def test_a_partial_load_beside_pickled_keys_needs_no_allow_pickle(tmp_path: Path) -> None:
+    """``load({"opt": {"a": t}})`` decoded every key of ``opt`` to find ``"a"``: pickled keys
+    beside it (an Enum member, a frozenset, a tensor) made it read everything and ask for
+    ``allow_pickle``, though a pickled part elsewhere needs no opt-in."""
+    frozen, tensor_key = frozenset({1}), torch.tensor([4])
+    state = {"opt": {"a": torch.arange(3.0), Mode.TRAIN: 5, frozen: torch.zeros(1), tensor_key: 6}, "other": {1, 2}}
+    with SyncCheckpointer(_config(tmp_path, pickle_values=True)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        into = {"opt": {"a": torch.empty(3)}}
+        ckpt.load(into)
+        assert torch.equal(into["opt"]["a"], state["opt"]["a"])
+        for wanted in ({"opt": {Mode.TRAIN: 0}}, {"opt": {"a": torch.empty(3), frozen: None}}):
+            with pytest.raises(PickleNotAllowedError):  # a key that is pickled: its opt-in
+                ckpt.load(wanted)
+            ckpt.load(wanted, allow_pickle=True)
+        assert wanted["opt"][frozen].equal(torch.zeros(1)) and torch.equal(wanted["opt"]["a"], state["opt"]["a"])
+        with pytest.raises(StateMismatchError, match=r"\['b'\] are not in checkpoint"):
+            ckpt.load({"opt": {"b": 0}}, allow_pickle=True)

@@ -21,7 +21,7 @@ from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations, tensor_paths
 from .reshard import shard_targets
-from .select import check_keys_present, dict_node, entries_under, needed_for_state, select_paths
+from .select import check_keys_present, dict_node, entries_under, needed_for_state, saved_children, select_paths
 from .staged import stageable
 
 __all__ = ["apply_state", "check_meta_targets", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
@@ -128,7 +128,7 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
     inner = dict_node(node)
     if inner is None:
         raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
-    saved = {decode(k): v for k, v in inner["items"]}
+    saved = saved_children(inner["items"], target, decode)
     check_keys_present(target, saved, step, path)
     for key, current in target.items():
         child = saved[key]

@@ -23,7 +23,15 @@ from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
 from ..format.values import key_path
 
-__all__ = ["check_keys_present", "check_patterns", "dict_node", "entries_under", "needed_for_state", "select_paths"]
+__all__ = [
+    "check_keys_present",
+    "check_patterns",
+    "dict_node",
+    "entries_under",
+    "needed_for_state",
+    "saved_children",
+    "select_paths",
+]
 
 
 def entries_under(node: Any) -> set[int]:
@@ -57,6 +65,18 @@ def dict_node(node: Any) -> Any | None:
     return node if _dict_items(node) is not None else None
 
 
+def saved_children(items: Iterable[Any], target: dict[Any, Any], decode_key: Callable[[Any], Any]) -> dict[Any, Any]:
+    """The children of a dict node's ``items`` by decoded key, enough to find every key of
+    ``target``: the keys that are plain values, and the keys that are tensors or pickled
+    objects (which need their data, or ``allow_pickle``) only when a key of ``target`` is not
+    among those. (Keys of one dict are distinct, so no other key can match a found one.)"""
+    items = list(items)
+    plain = {decode_key(k): v for k, v in items if not entries_under(k)}
+    if all(key in plain for key in target):
+        return plain
+    return {decode_key(k): v for k, v in items}
+
+
 def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
     """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s."""
     missing = [k for k in target if k not in saved]
@@ -79,7 +99,7 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
         if items is None:
             return None  # apply_state reports the mismatch
         try:
-            saved = {decode_key(k): v for k, v in items}
+            saved = saved_children(items, target, decode_key)
         except Exception:  # a key the selection cannot decode without the data
             return None
         check_keys_present(target, saved, step, path)
