@@ -4,8 +4,9 @@ fuzzer of ``save()`` (tests/test_fuzz.py): each draw says what ``save()`` must d
 A drawn value is *plain* (stored as data: it must load back exactly), *pickled* (only
 pickle stores it: saved when the checkpointer allows pickles, else refused), or *refused*
 (no format of aiosnap holds it: a tensor of 65 dims, a storage shrunk below its view, a meta
-or sparse tensor, metadata JSON cannot give back, a step out of range). Deterministic for a
-given seed.
+or sparse tensor, metadata JSON cannot give back, a step out of range), or *deep* (a chain of
+containers around the depth bound: refused on the caller's thread as nested too deep, or
+saved like any other). Deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import struct
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from aiosnap.format.dtypes import DTYPE_ITEMSIZE
+from aiosnap.format.manifest import Manifest
+from aiosnap.format.values import MAX_TREE_DEPTH, key_text
 
-PLAIN, PICKLED, REFUSED = "plain", "pickled", "refused"
+PLAIN, PICKLED, REFUSED, DEEP = "plain", "pickled", "refused", "deep"
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -75,7 +79,8 @@ DTYPES = _plain_dtypes()
 
 _TEXT = ["", "x", "é", "日本", "😀", "\x00", "\u2028", '"\\\n', "a/b", "#_metadata", "\ud800", "file-\udcff"]
 _INTS = [0, 1, -1, 2**31, 2**63, -(2**64), 10**4300 - 1, -(10**4300 - 1), 10**4300, -(10**5000)]
-_FLOATS = [0.0, -0.0, 1.5, 1e308, 5e-324, float("nan"), float("inf"), float("-inf")]
+_NANS = [struct.unpack("<d", struct.pack("<Q", bits))[0] for bits in (0xFFF8000000000000, 0x7FF8000000000001)]
+_FLOATS = [0.0, -0.0, 1.5, 1e308, 5e-324, float("nan"), *_NANS, float("inf"), float("-inf")]
 
 
 @dataclass
@@ -133,6 +138,8 @@ class StateDrawer:
         if odd < 0.04:
             draw.saw(REFUSED, "sparse tensor")
             return torch.eye(2).to_sparse()
+        if odd < 0.08:  # torch.save keeps a tensor's Python attributes, tensors among them
+            tensor.note, tensor.mask = "attribute", torch.arange(3).to(torch.uint16)  # type: ignore[attr-defined]
         draw.saw(PLAIN, "tensor")
         return tensor
 
@@ -184,11 +191,28 @@ class StateDrawer:
             return value
         draw.saw(PICKLED, "Holder")
         exotic = [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.complex32, torch.float32]
-        return Holder({str(d): self._exotic(d) for d in rng.sample(exotic, 2)})
+        held = {str(d): self._exotic(d) for d in rng.sample(exotic, 2)}
+        if rng.random() < 0.1:  # inside a pickled value as much as among the state's own tensors
+            held["shrunk"] = shrunk = torch.arange(64.0)
+            shrunk.untyped_storage().resize_(16)
+            draw.saw(REFUSED, "shrunk storage in a pickled value")
+        return Holder(held)
 
     def _exotic(self, dtype: torch.dtype) -> torch.Tensor:
-        raw = torch.randint(0, 256, (4 * dtype.itemsize,), dtype=torch.uint8, generator=self.generator)
-        return raw.view(dtype).reshape(2, 2)
+        raw = torch.randint(0, 256, (8 * dtype.itemsize,), dtype=torch.uint8, generator=self.generator)
+        square = raw.view(dtype).reshape(2, 4)
+        view = self.rng.choice(["contiguous", "strided", "transposed", "expanded", "conj"])
+        if view == "strided":
+            return square[:, ::2]
+        if view == "transposed":
+            return square.t()
+        if view == "expanded":
+            return square[:1, :1].expand(3, 2)
+        if view == "conj" and dtype.is_complex:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch: "ComplexHalf support is experimental"
+                return square.conj()
+        return square
 
     def key(self, draw: Draw) -> Any:
         rng = self.rng
@@ -200,7 +224,11 @@ class StateDrawer:
             draw.saw(PICKLED if any(0xD800 <= ord(c) < 0xE000 for c in text) else PLAIN, "surrogate key")
             return text
         if choice == 6:
-            return rng.choice([0, -7, 2**70, 2.5, -0.0, None, False, b"k", torch.float16, (1, "t", (2.5,))])
+            key = rng.choice([0, -7, 2**70, 2.5, -0.0, *_NANS, None, False, b"k", torch.float16, (1, "t", (2.5,))])
+            if rng.random() < 0.2:
+                key = rng.choice([10**4300 - 1, -(10**4300), 10**5000 + 3])
+                draw.saw(PICKLED if abs(key) >= 10**4300 else PLAIN, "int key of 4301+ digits")
+            return key
         if choice == 7:
             draw.saw(PICKLED, "numpy.str_ key")
             return np.str_(f"n{rng.randrange(5)}")
@@ -215,8 +243,21 @@ class StateDrawer:
             return (1, Counter(rng.randrange(200, 300)))
         return torch.Size([rng.randrange(4), 2])
 
+    def deep(self, draw: Draw) -> Any:
+        """A chain of containers around the depth bound (each dict is 3 levels of JSON, each
+        list 2): whether it fits is the planner's to say, on the caller's thread."""
+        rng = self.rng
+        value = self.leaf(draw)
+        for _ in range(rng.randrange(MAX_TREE_DEPTH // 3 - 6, MAX_TREE_DEPTH // 2 + 3)):
+            kind = rng.choices(range(4), weights=[3, 1, 4, 2])[0]
+            value = [{"k": value}, OrderedDict(o=value), [value], (value,)][kind]
+        draw.saw(DEEP, "a deep chain")
+        return value
+
     def value(self, draw: Draw, depth: int) -> Any:
         rng = self.rng
+        if depth == 0 and rng.random() < 0.04:
+            return self.deep(draw)
         if depth >= 3 or rng.random() < 0.5:
             return self.leaf(draw)
         kind = rng.randrange(4)
@@ -299,42 +340,74 @@ def targets(value: Any) -> Any:
     if isinstance(value, torch.nn.Linear):
         return torch.nn.Linear(2, 2)
     if type(value) in (dict, OrderedDict):
+        if any(k != k for k in value if type(k) is float):  # NaN equals nothing: no lookup finds
+            return None  # a loaded NaN key (documented): the load replaces the dict
         return type(value)((k, targets(v)) for k, v in value.items())
     return None
 
 
 def _float_bits(value: float) -> bytes:
-    return b"nan" if value != value else struct.pack("<d", value)
+    return struct.pack("<d", value)  # NaN's sign and payload too
 
 
-def assert_exact(got: Any, want: Any, path: str = "") -> None:
-    """``got`` is ``want``, loaded back: same types, bit-exact tensors and floats, dict key
-    order, an OrderedDict's ``_metadata``."""
+def _same_key(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return _float_bits(a) == _float_bits(b)
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same_key(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def journal_manifest(folder: Path, state: dict[str, Any], **plan: Any) -> Manifest:
+    """The manifest a crash's resume would commit from the spool journal of a save of
+    ``state`` (journalled under ``folder``)."""
+    import asyncio
+
+    from aiosnap.format.journal import JournalWriter, begin_record, read_journal
+    from aiosnap.trainer.plan import make_plan
+
+    made = make_plan(state, chunk_bytes=1 << 20, **{"step": 1, **plan})
+    folder.mkdir(parents=True, exist_ok=True)  # the spool's folder (each save's is made in it)
+    path = folder / made.spec.save_id / "journal.jsonl"
+    begin = begin_record(made.spec, storage_url="file:///r", owner_url="file:///r", keep_last=None)
+    asyncio.run(JournalWriter(path).append(begin, {"kind": "captured"}))
+    return read_journal(path, made.spec.save_id).manifest
+
+
+def assert_exact(got: Any, want: Any, path: str = "", attributes: bool = False) -> None:
+    """``got`` is ``want``, loaded back: same types, bit-exact tensors and floats (NaN's sign
+    and payload too), dict key order, an OrderedDict's ``_metadata``; with ``attributes``, a
+    tensor's Python attributes too (what ``torch.save`` keeps)."""
     assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, torch.Tensor):
         assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{path}: {got.dtype}{got.shape} != {want.dtype}"
         if want.numel():
-            assert raw_bytes(got).equal(raw_bytes(want)), f"{path}: other bytes"
+            assert raw_bytes(got.resolve_conj()).equal(raw_bytes(want.resolve_conj())), f"{path}: other bytes"
+        if attributes:
+            assert_exact(got.__dict__, want.__dict__, f"{path}.__dict__", attributes)
     elif isinstance(want, float):
         assert _float_bits(got) == _float_bits(want), f"{path}: {got!r} != {want!r}"
     elif isinstance(want, complex):
         assert (_float_bits(got.real), _float_bits(got.imag)) == (_float_bits(want.real), _float_bits(want.imag))
     elif isinstance(want, dict):
-        assert len(got) == len(want) and all(
-            type(a) is type(b) and (a == b or a != a) for a, b in zip(got, want, strict=True)
-        ), f"{path}: keys {list(got)!r:.200} != {list(want)!r:.200}"
+        assert len(got) == len(want) and all(_same_key(a, b) for a, b in zip(got, want, strict=True)), (
+            f"{path}: keys {list(got)!r:.200} != {list(want)!r:.200}"
+        )
         for (key, a), b in zip(got.items(), want.values(), strict=True):
-            assert_exact(a, b, f"{path}/{key!r}")
-        assert_exact(getattr(got, "_metadata", None), getattr(want, "_metadata", None), f"{path}#_metadata")
+            assert_exact(a, b, f"{path}/{key_text(key)}", attributes)
+        meta = (getattr(got, "_metadata", None), getattr(want, "_metadata", None))
+        assert_exact(*meta, f"{path}#_metadata", attributes)
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), path
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_exact(a, b, f"{path}/{index}")
+            assert_exact(a, b, f"{path}/{index}", attributes)
     elif isinstance(want, torch.Generator):
         assert torch.equal(got.get_state(), want.get_state()), path
     elif isinstance(want, io.BytesIO):
         assert got.getvalue() == want.getvalue(), path
     elif isinstance(want, Holder):
-        assert_exact(got.tensors, want.tensors, f"{path}.tensors")
+        assert_exact(got.tensors, want.tensors, f"{path}.tensors", attributes)
     else:
         assert got == want, f"{path}: {got!r:.80} != {want!r:.80}"
