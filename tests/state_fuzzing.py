@@ -248,15 +248,16 @@ class StateDrawer:
         list 2): whether it fits is the planner's to say, on the caller's thread."""
         rng = self.rng
         value = self.leaf(draw)
+        only = rng.choice([None, 0, 1, 2, 3])  # one kind of container all the way, or mixed
         for _ in range(rng.randrange(MAX_TREE_DEPTH // 3 - 6, MAX_TREE_DEPTH // 2 + 3)):
-            kind = rng.choices(range(4), weights=[3, 1, 4, 2])[0]
+            kind = rng.choices(range(4), weights=[3, 1, 4, 2])[0] if only is None else only
             value = [{"k": value}, OrderedDict(o=value), [value], (value,)][kind]
         draw.saw(DEEP, "a deep chain")
         return value
 
     def value(self, draw: Draw, depth: int) -> Any:
         rng = self.rng
-        if depth == 0 and rng.random() < 0.04:
+        if depth == 0 and rng.random() < 0.06:
             return self.deep(draw)
         if depth >= 3 or rng.random() < 0.5:
             return self.leaf(draw)
