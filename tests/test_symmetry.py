@@ -484,3 +484,24 @@ def test_a_partial_load_beside_pickled_keys_needs_no_allow_pickle(tmp_path: Path
         assert wanted["opt"][frozen].equal(torch.zeros(1)) and torch.equal(wanted["opt"]["a"], state["opt"]["a"])
         with pytest.raises(StateMismatchError, match=r"\['b'\] are not in checkpoint"):
             ckpt.load({"opt": {"b": 0}}, allow_pickle=True)
+
+
+def test_what_a_folder_does_not_keep_is_documented_and_so(tmp_path: Path) -> None:
+    """docs/concepts/what-a-state-may-hold.md: a folder keeps a tensor's values, not its
+    ``requires_grad`` or Python attributes, and an OrderedDict's ``_metadata`` but no other
+    attribute; a NaN key loads back with load(), and load(state) reports it missing."""
+    ordered: OrderedDict[str, Any] = OrderedDict(w=torch.ones(2))
+    ordered._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    ordered.note = "dropped"  # type: ignore[attr-defined]
+    tagged = torch.arange(3.0)
+    tagged.note = "dropped"  # type: ignore[attr-defined]
+    nan = float("nan")
+    state = {"o": ordered, "t": tagged, "g": torch.ones(2, requires_grad=True), "d": {nan: 1}}
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        back = ckpt.load()
+        with pytest.raises(StateMismatchError, match=r"d: key\(s\) \[nan\] are not in checkpoint"):
+            ckpt.load({"d": {nan: 0}})
+    assert back["o"]._metadata == {"": {"version": 1}} and not hasattr(back["o"], "note")
+    assert not hasattr(back["t"], "note") and not back["g"].requires_grad and torch.equal(back["g"], state["g"])
+    assert list(back["d"].values()) == [1] and next(iter(back["d"])) != next(iter(back["d"]))
