@@ -221,6 +221,7 @@ class _Core:
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
             undo.callback(events.close)
+            self._job.check_spools(self.config.spool)
             spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
             if spool is not None:
                 undo.callback(spool.close)  # the lock, so a later checkpointer may take the spool
@@ -518,16 +519,25 @@ class Checkpointer(_Core):
         size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found: list[int] = await self._call(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest = None
+                if self._job.needs_latest(step):
+                    found: list[int] = await self._call(self._engine.steps(self._storage))
+                    latest = found[-1] if found else None
+                scope.step = chosen = self._job.load_step(step, latest)
+                read = self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                try:
+                    manifest, tensors = await self._call(read)
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        raise AssertionError("unreachable: the last attempt never reads again")
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -576,13 +586,15 @@ class Checkpointer(_Core):
             finally:
                 await self._call(self._storage.close())
             return
+        drained = False  # else close(timeout) raises its TimeoutError, whatever the saves it cancelled raised
         try:
             await self._call(self._engine.drain(timeout))
+            drained = True
         finally:
             for storage in self._close_views():
                 await self._call(storage.close())
             await self._call(self._engine.shutdown())
-            self._end_close(_raise_failure)
+            self._end_close(_raise_failure and drained)
 
     async def __aenter__(self) -> Checkpointer:
         return self
@@ -638,16 +650,26 @@ class SyncCheckpointer(_Core):
         """See :meth:`Checkpointer.load`."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found = self._loop.run(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest = None
+                if self._job.needs_latest(step):
+                    found = self._loop.run(self._engine.steps(self._storage))
+                    latest = found[-1] if found else None
+                scope.step = chosen = self._job.load_step(step, latest)
+                try:
+                    manifest, tensors = self._loop.run(
+                        self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                    )
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        raise AssertionError("unreachable: the last attempt never reads again")
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -684,13 +706,15 @@ class SyncCheckpointer(_Core):
             finally:
                 self._loop.run(self._storage.close())
             return
+        drained = False  # else close(timeout) raises its TimeoutError, whatever the saves it cancelled raised
         try:
             self._loop.run(self._engine.drain(timeout))
+            drained = True
         finally:
             for storage in self._close_views():
                 self._loop.run(storage.close())
             self._loop.run(self._engine.shutdown())
-            self._end_close(_raise_failure)
+            self._end_close(_raise_failure and drained)
 
     def __enter__(self) -> SyncCheckpointer:
         return self

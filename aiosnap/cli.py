@@ -397,6 +397,8 @@ def gc_command(
         out.print(f"{verb} incomplete: {prefix}")
     for prefix in report.kept_recent:
         out.print(f"kept (younger than {grace}): {prefix}")
+    for prefix in report.kept_live:
+        out.print(f"kept (a multi-rank save in progress: a live heartbeat or a young verdict): {prefix}")
     for step in report.kept_unreadable:
         out.print(f"kept (manifest unreadable, never guessed about): step {step}")
     for prefix in report.skipped:

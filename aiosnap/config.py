@@ -174,7 +174,15 @@ class DistributedConfig(_Section):
     commit_timeout: float = Field(600.0, gt=0, le=86400)
     """Seconds the coordinator (rank 0) waits for every rank's part of a save once its own is
     written; then the save fails on every rank, naming the ranks missing, and the previous
-    checkpoint stays the latest."""
+    checkpoint stays the latest. A rank that stops (killed, its upload helper dead, wedged)
+    is named sooner, after ``heartbeat_timeout``."""
+    heartbeat_interval: float = Field(2.0, gt=0, le=3600)
+    """Seconds between the heartbeats a rank writes to storage while its part of a save is
+    in flight (``<step>/<save id>/rank-<r>.alive``): how the other ranks, and ``aiosnap gc``,
+    know it is alive."""
+    heartbeat_timeout: float = Field(20.0, gt=0, le=86400)
+    """Seconds without a new heartbeat after which a rank counts as stopped: the save fails on
+    every rank, naming it. At least twice ``heartbeat_interval``."""
     agree_timeout: float = Field(600.0, gt=0, le=86400)
     """Seconds ``save()``/``load()`` wait for every rank to arrive (ranks agree on the save on
     aiosnap's own CPU group); then they raise, naming the ranks that did not."""
@@ -182,6 +190,15 @@ class DistributedConfig(_Section):
     """Path patterns (``fnmatch``, keys joined by ``/``: ``"rng"``, ``"loader/*"``) whose
     values each rank saves for itself and gets back (RNG states, data-loader positions);
     ``save(rank_local=...)`` adds to these."""
+
+    @model_validator(mode="after")
+    def _heartbeats_before_their_timeout(self) -> DistributedConfig:
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be at least twice heartbeat_interval "
+                f"({self.heartbeat_interval:g} s): one late heartbeat must not make a live rank count as stopped"
+            )
+        return self
 
 
 class S3Config(_Section):

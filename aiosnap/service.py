@@ -19,8 +19,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
-from .transfer.rank_commit import abandon_part
+from .transfer.rank_commit import abandon_part, settle_without_transfer
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 
@@ -516,12 +517,28 @@ class Engine:
                 job.preflight.exception()
             if job.outcome.done():
                 continue
-            if "upload" in job.stages:  # its commit may have begun, or landed
-                task = asyncio.get_running_loop().create_task(self._read_back(job, error))
-                job.journalling.add(task)
-                task.add_done_callback(job.journalling.discard)
+            if job.plan.spec.distributed is not None:  # the other ranks must hear of it
+                self._settle_later(job, self._rank_lost(job, error))
+            elif "upload" in job.stages:  # its commit may have begun, or landed
+                self._settle_later(job, self._read_back(job, error))
             else:
                 self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
+
+    @staticmethod
+    def _settle_later(job: _SaveJob, settle: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(settle)
+        job.journalling.add(task)
+        task.add_done_callback(job.journalling.discard)
+
+    async def _rank_lost(self, job: _SaveJob, error: BaseException) -> None:
+        """The upload process died with this rank's part of a multi-rank save: leave the
+        marker the other ranks need, or (its part delivered) wait here for the verdict."""
+        try:
+            await settle_without_transfer(job.storage, job.plan.spec, error, self.config.distributed)
+            outcome = TransferOutcome(committed=True)
+        except Exception as exc:
+            outcome = TransferOutcome(committed=False, error=exc)
+        self.finished(job.plan.save_id, outcome)
 
     async def _read_back(self, job: _SaveJob, error: BaseException) -> None:
         """The transfer side died after a save's upload stage: did its commit land?"""

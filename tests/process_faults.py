@@ -29,3 +29,35 @@ class WedgedAfterManifest(LocalStorage):
             import time
 
             time.sleep(60)  # noqa: ASYNC251 - wedges the upload process's loop on purpose
+
+
+class RankFaults(LocalStorage):
+    """One rank's root in a multi-rank job, with a fault per step (``plan``: step -> action):
+    ``hang_data``: the step's data objects never finish (the trainer then kills the helper);
+    ``wedge_after_part``: the rank's part lands, then the upload process's loop freezes.
+    Either way a file ``<marks>/<action>-<rank>-<step>`` says the moment has come."""
+
+    def __init__(self, root: str, rank: int, plan: dict[str, str], marks: str) -> None:
+        super().__init__(root)
+        self.rank = rank
+        self.plan = plan
+        self.marks = marks
+
+    def _mark(self, action: str, step: str) -> None:
+        import pathlib
+
+        pathlib.Path(self.marks, f"{action}-{self.rank}-{step}").touch()
+
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        import asyncio
+        import time
+
+        step = name.split("/", 1)[0].lstrip("0") or "0"
+        action = self.plan.get(step)
+        if action == "hang_data" and name.endswith(".bin"):
+            self._mark(action, step)
+            await asyncio.sleep(3600)
+        await super().write(name, data, if_absent=if_absent)
+        if action == "wedge_after_part" and name.endswith(f"rank-{self.rank}.part.json"):
+            self._mark(action, step)
+            time.sleep(60)  # noqa: ASYNC251 - wedges the upload process's loop on purpose

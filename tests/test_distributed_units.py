@@ -12,10 +12,11 @@ import pytest
 import torch
 from aiosnap import SyncCheckpointer, UnsupportedStateError
 from aiosnap.distributed.assign import assign_writers
-from aiosnap.errors import ManifestError
+from aiosnap.errors import ManifestError, StateMismatchError
 from aiosnap.format.parts import RankPart, build_part, merge_parts
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
+from aiosnap.load.decode import refuse_unavailable
 from aiosnap.load.ranks import rank_view
 
 SAVE_ID = "0123456789abcdef"
@@ -146,8 +147,10 @@ def test_rank_view_gives_each_rank_its_own_values() -> None:
     assert view.tree["items"] == [["x", 10], ["y", {"t": "list", "items": [1]}]]
     skipped = rank_view(manifest, 0, 3, skip_rank_local=True)
     assert skipped.tree["items"] == [["x", {"t": "skipped"}], ["y", {"t": "skipped"}]]
-    with pytest.raises(ValueError, match="2 ranks"):
-        rank_view(manifest, 0, 3, skip_rank_local=False)
+    elsewhere = rank_view(manifest, 0, 3, skip_rank_local=False)  # refused only where a load needs them
+    assert [value["t"] for _, value in elsewhere.tree["items"]] == ["unavailable", "unavailable"]
+    with pytest.raises(StateMismatchError, match="2 ranks"):
+        refuse_unavailable(elsewhere.tree)
     with pytest.raises(ValueError, match="rank-local values of 1 ranks"):
         Manifest.model_validate({**manifest.model_dump(), "rank_local": [record(0).model_dump()]})
     with pytest.raises(ValueError, match="no multi-rank parts"):

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..catalog.steps import read_manifest
+from ..config import DistributedConfig
 from ..distributed.assign import assign_writers
 from ..format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..load.reshard import ShardTarget, overlaps
@@ -114,17 +115,18 @@ async def _measure(storage: Storage, world: int, tensors: int, replicated_count:
     coordinator = rank_spec(0, world, tensors, replicated, writers)
     counting = Counting(storage)
     started = time.perf_counter()
-    manifest = await gather_manifest(counting, coordinator, _crcs(coordinator))  # type: ignore[arg-type]
+    timers = DistributedConfig()
+    manifest = await gather_manifest(counting, coordinator, _crcs(coordinator), timers)  # type: ignore[arg-type]
     manifest_bytes = await commit_manifest(counting, manifest, replace=False)  # type: ignore[arg-type]
     commit_s = time.perf_counter() - started
     requests = dict(counting.counts)
     tracemalloc.start()
-    again = await gather_manifest(storage, coordinator, _crcs(coordinator))
+    again = await gather_manifest(storage, coordinator, _crcs(coordinator), timers)
     again.to_json()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     follower = Counting(storage)
-    await wait_for_commit(follower, rank_spec(1, world, tensors, replicated, writers))  # type: ignore[arg-type]
+    await wait_for_commit(follower, rank_spec(1, world, tensors, replicated, writers), timers)  # type: ignore[arg-type]
     started = time.perf_counter()
     loaded = await read_manifest(storage, 1)
     read_s = time.perf_counter() - started

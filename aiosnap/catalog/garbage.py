@@ -7,8 +7,11 @@ each item again right before removing it, because training may be writing the ro
 - committed steps beyond the newest ``keep_last`` (manifest first, then the attempt it
   names) -- re-checked against a fresh listing;
 - attempt folders ``<step>/<save id>/`` that no manifest names and whose newest object is
-  older than the grace period (younger ones may be saves in progress) -- re-checked: still
-  old, still not committed;
+  older than the grace period (younger ones may be saves in progress), and that are not
+  live: a multi-rank save's attempt with a heartbeat younger than the lease it states
+  (``distributed.heartbeat_timeout``), or with a verdict younger than
+  :data:`VERDICT_READ_S` (its ranks may be reading it), is left alone whatever the grace --
+  re-checked: still old, still not live, still not committed;
 - temporary files a crashed manifest write left in a step folder, older than the grace;
 - multipart uploads under the root started before the grace period (S3).
 
@@ -27,13 +30,18 @@ from dataclasses import dataclass, field
 
 from ..core.names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.markers import MAX_HEARTBEAT_BYTES, heartbeat_lease
 from ..storage.base import ObjectInfo, Storage
 from .maintenance import split_name
 from .steps import committed_save_id, read_manifest, remove_step, retention_victims
 
-__all__ = ["GcPlan", "GcReport", "collect_garbage", "plan_gc"]
+__all__ = ["VERDICT_READ_S", "GcPlan", "GcReport", "collect_garbage", "plan_gc"]
 
 _TEMP_MANIFEST = re.compile(r"\.manifest\.json\.([0-9a-f]{8}\.tmp|lock)")
+_HEARTBEAT = re.compile(r"rank-[0-9]+\.alive")
+VERDICT_READ_S = 60.0
+"""How long after a multi-rank save's verdict was written its attempt is left alone (ranks
+that have not read it yet still poll the attempt folder)."""
 
 
 @dataclass
@@ -49,6 +57,8 @@ class GcPlan:
     """Multipart uploads (name, upload id) started before the grace period."""
     kept_recent: list[str] = field(default_factory=list)
     """Attempt folders younger than the grace period (possibly saves in progress)."""
+    kept_live: list[str] = field(default_factory=list)
+    """Attempt folders of multi-rank saves in progress (a live heartbeat, a young verdict)."""
     kept_unreadable: list[int] = field(default_factory=list)
     """Committed steps whose manifest cannot be read: left whole."""
     sizes: dict[str, int] = field(default_factory=dict)
@@ -67,6 +77,7 @@ class GcReport:
     removed_incomplete: list[str] = field(default_factory=list)
     """Attempt folders and temporary files removed."""
     kept_recent: list[str] = field(default_factory=list)
+    kept_live: list[str] = field(default_factory=list)
     kept_unreadable: list[int] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Planned, but no longer garbage when re-checked (a save wrote to it meanwhile)."""
@@ -124,6 +135,9 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
         if max(o.mtime for o in members) >= cutoff:
             plan.kept_recent.append(prefix)
             continue
+        if await _live(storage, members, now):
+            plan.kept_live.append(prefix)
+            continue
         plan.attempts.append(prefix)
         plan.sizes[prefix] = sum(o.size for o in members)
     plan.temp_files = [o.name for o in temps]
@@ -132,13 +146,29 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
     return plan
 
 
-async def _still_garbage(storage: Storage, prefix: str, cutoff: float) -> bool:
-    """Right before removing an attempt folder: still old, and no manifest names it."""
+async def _live(storage: Storage, members: list[ObjectInfo], now: float) -> bool:
+    """A multi-rank save in progress: a heartbeat within its lease, or a young verdict."""
+    for obj in members:
+        base = obj.name.rsplit("/", 1)[-1]
+        if base == "verdict" and obj.mtime >= now - VERDICT_READ_S:
+            return True
+        if _HEARTBEAT.fullmatch(base):
+            try:
+                lease = heartbeat_lease(await storage.read(obj.name, limit=MAX_HEARTBEAT_BYTES))
+            except FileNotFoundError:
+                continue  # its rank is done with it
+            if lease is not None and obj.mtime + lease >= now:
+                return True
+    return False
+
+
+async def _still_garbage(storage: Storage, prefix: str, cutoff: float, now: float) -> bool:
+    """Right before removing an attempt folder: still old, not live, and no manifest names it."""
     folder, save_id = prefix.split("/")
     step = parse_step_dir(folder)
     assert step is not None
     found = await storage.walk(prefix)
-    if found and max(o.mtime for o in found) >= cutoff:
+    if found and (max(o.mtime for o in found) >= cutoff or await _live(storage, found, now)):
         return False
     return await committed_save_id(storage, step) != save_id
 
@@ -151,8 +181,9 @@ async def collect_garbage(
     now = time.time() if now is None else now
     plan = await plan_gc(storage, keep_last=keep_last, grace_s=grace_s, now=now)
     report = GcReport(
-        kept_recent=plan.kept_recent, kept_unreadable=plan.kept_unreadable, freed_bytes=plan.nbytes, dry_run=dry_run
-    )
+        kept_recent=plan.kept_recent, kept_live=plan.kept_live, kept_unreadable=plan.kept_unreadable,
+        freed_bytes=plan.nbytes, dry_run=dry_run,
+    )  # fmt: skip
     if dry_run:
         report.deleted_steps = list(plan.steps)
         report.removed_incomplete = plan.attempts + plan.temp_files
@@ -167,7 +198,7 @@ async def collect_garbage(
         report.deleted_steps.append(step)
     cutoff = now - grace_s
     for prefix in plan.attempts:
-        if not await _still_garbage(storage, prefix, cutoff):
+        if not await _still_garbage(storage, prefix, cutoff, now):
             report.skipped.append(prefix)
             continue
         await storage.delete_prefix(prefix)

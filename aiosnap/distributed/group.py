@@ -135,6 +135,20 @@ class RankGroup:
         first = self._exchange(_LOAD, words + [0] * (_WORDS - 2))[0]
         return None if first[0] < 0 else first[0] * _HALF + first[1]
 
+    def agree_spools(self, digest: int) -> list[int]:
+        """Every rank's spool directory, as a digest of its host and path (0: none), when
+        the checkpointer is made."""
+        self._arrive("making the checkpointer")
+        return [row[0] for row in self._exchange(_OPEN, [digest] + [0] * (_WORDS - 1))]
+
+    def agree_loaded(self, save_id: str | None, failed: bool) -> list[tuple[str | None, bool]]:
+        """After a load read its step: the save id each rank's manifest named (None: it read
+        none) and whether its read failed, for every rank."""
+        self._arrive("the end of load()")
+        ours = [0, 0] if save_id is None else [1, int(save_id, 16) - _SIGNED]
+        rows = self._exchange(_LOADED, [int(failed), *ours] + [0] * (_WORDS - 3))
+        return [(f"{row[2] + _SIGNED:016x}" if row[1] else None, bool(row[0])) for row in rows]
+
     def close(self) -> None:
         """Nothing to release: the group is shared by this process's checkpointers (see
         :func:`_shared_group`) and goes with torch.distributed's own teardown."""
@@ -183,8 +197,8 @@ def _first_difference(listed: list[list[str]]) -> str:
 _HALF = 2**62
 _SIGNED = 2**63
 _WORDS = 7
-_SAVE, _LOAD = 1, 2
-_OPERATIONS = {_SAVE: "save()", _LOAD: "load()"}
+_SAVE, _LOAD, _LOADED, _OPEN = 1, 2, 3, 4
+_OPERATIONS = {_SAVE: "save()", _LOAD: "load()", _LOADED: "the end of load()", _OPEN: "making a checkpointer"}
 
 
 def _encode(p: SaveProposal) -> list[int]:

@@ -37,7 +37,7 @@ from ..errors import AiosnapError
 from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest
 from .spec import SaveSpec
 
-__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_journal"]
+__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "RankPartJournal", "read_journal"]
 
 JOURNAL = "journal.jsonl"
 FORMAT = 3
@@ -46,6 +46,10 @@ MAX_JOURNAL_BYTES = 2 * MAX_MANIFEST_BYTES
 
 class JournalError(AiosnapError, ValueError):
     """A spool journal that cannot be trusted (the save it describes is not resumed)."""
+
+
+class RankPartJournal(JournalError):
+    """A valid journal of one rank's part of a multi-rank save, which no spool can finish."""
 
 
 class _Record(BaseModel):
@@ -190,7 +194,15 @@ def read_journal(path: Path, save_id: str) -> JournalState:
         raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
     try:
         spec = SaveSpec.from_document(begin.spec)
+        if spec.world_size > 1:
+            raise RankPartJournal(
+                f"it holds rank {spec.rank} of {spec.world_size}'s part of a multi-rank save of step {spec.step}, "
+                "which commits only while all its ranks run (the coordinator merges every rank's part): no spool "
+                "can finish it (the step is committed if the coordinator finished it before the crash)"
+            )
         manifest = build_manifest(spec)  # validated like any manifest read back
+    except RankPartJournal:
+        raise
     except (ValueError, TypeError, RecursionError, AiosnapError) as exc:
         raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:

@@ -40,7 +40,7 @@ from .manifest import (
 from .spec import SaveSpec
 from .tree import shift_entry_ids
 
-__all__ = ["RankPart", "WrittenRecord", "aborted_name", "build_part", "failed_name", "merge_parts", "part_name"]
+__all__ = ["RankPart", "WrittenRecord", "build_part", "failed_name", "merge_parts", "part_name"]
 
 _MAX_INT = 2**63
 MAX_PART_BYTES = 64 * 1024**2
@@ -51,14 +51,9 @@ def part_name(step: int, save_id: str, rank: int) -> str:
 
 
 def failed_name(step: int, save_id: str, rank: int) -> str:
-    """Written (best effort) by a rank whose part of the save failed: the coordinator gives up at once."""
+    """Written (best effort) by a rank whose part of the save failed: the coordinator gives
+    up at once. (The other markers of a save: :mod:`.markers`.)"""
     return f"{attempt_prefix(step, save_id)}/rank-{rank}.failed"
-
-
-def aborted_name(step: int, save_id: str) -> str:
-    """Written by the coordinator when it gives a save up, before anyone removes data: the
-    step's manifest is then never written by this save."""
-    return f"{attempt_prefix(step, save_id)}/aborted"
 
 
 class _Frozen(BaseModel):

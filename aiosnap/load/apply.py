@@ -14,7 +14,7 @@ from ..core.cudaorder import CudaOrder
 from ..core.stateful import is_stateful
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
-from .decode import TreeDecoder, is_skipped
+from .decode import TreeDecoder, is_skipped, refuse_unavailable
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations
 from .reshard import shard_targets
@@ -78,8 +78,11 @@ def plan_read(
     tensor metadata of the caller's objects)."""
     keys = key_decoder(manifest, allow_pickle)
     if paths is not None:
-        return ReadPlan(only=entries_under(select_paths(manifest.tree, paths, keys)))
+        selected = select_paths(manifest.tree, paths, keys)
+        refuse_unavailable(selected)
+        return ReadPlan(only=entries_under(selected))
     if state is None:
+        refuse_unavailable(manifest.tree)
         return ReadPlan()
     only = needed_for_state(manifest.tree, state, keys, manifest.step)
     into = {} if targets is None else destinations(manifest, targets, keys)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
+from .decode import refuse_unavailable
 
 __all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
 
@@ -75,6 +76,7 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
         check_keys_present(target, saved, step, path)
         for key, current in target.items():
             child = saved[key]
+            refuse_unavailable(child)
             if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
                 pending.append((child, current, f"{path}/{key}" if path else str(key)))
             else:

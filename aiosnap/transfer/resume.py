@@ -26,7 +26,7 @@ from pathlib import Path
 from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
-from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
+from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJournal, read_journal
 from ..format.manifest import build_manifest
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
@@ -64,6 +64,8 @@ def _journal_of(spool: Spool, save_id: str) -> JournalState:
         raise _Discard("no journal: the process stopped before anything was spooled")
     try:
         return read_journal(path, save_id)
+    except RankPartJournal as exc:
+        raise _Discard(str(exc)) from None
     except JournalError as exc:
         raise _Discard(f"its journal cannot be trusted: {exc}") from None
 
