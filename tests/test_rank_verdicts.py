@@ -180,3 +180,145 @@ def test_on_s3_the_losing_writer_tells_its_followers_at_once(tmp_path: Path, s3_
             json.loads(ckpt.manifest(2).to_json())["save_id"]
             == json.loads((tmp_path / "competing.json").read_bytes())["save_id"]
         )
+
+
+# --- the parts, one process: heartbeats, the verdict, gc, untrusted markers -------------------------------------
+
+
+def _spec(root: Path, rank: int = 0, step: int = 3) -> Any:
+    from aiosnap.format.spec import DistSpec, SaveSpec
+
+    return SaveSpec(
+        step=step, save_id="00000000000000a1", rank=rank, world_size=2, tree={"t": "dict", "items": []},
+        metadata={}, entries=(), chunks=(), distributed=DistSpec(0, 60.0, 0, (), (), ()),
+    )  # fmt: skip
+
+
+QUICK = {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.5}
+
+
+def _files(folder: Path, pattern: str) -> list[Path]:
+    return [p for p in folder.rglob(pattern) if p.is_file()]
+
+
+async def test_a_heartbeat_keeps_its_rank_alive_and_its_end_is_seen(tmp_path: Path) -> None:
+    import asyncio
+    import time
+
+    from aiosnap.config import DistributedConfig
+    from aiosnap.storage.local import LocalStorage
+    from aiosnap.transfer.heartbeat import Heartbeat, PeerWatch
+
+    storage, timers = LocalStorage(tmp_path), DistributedConfig(**QUICK)
+    beat = Heartbeat(storage, _spec(tmp_path, rank=1), timers)
+    watch = PeerWatch(storage, _spec(tmp_path, rank=0), timers)
+    beat.start()
+    deadline = time.monotonic() + 2.0  # four timeouts: a live rank is never taken for stopped
+    while time.monotonic() < deadline:
+        assert await watch.stopped([1]) in (None, [])
+        await asyncio.sleep(0.02)
+    assert watch.phase(1) == "uploading"
+    await beat.stop()
+    assert not _files(tmp_path, "*.alive"), "the heartbeat object goes with its rank"
+    started = time.monotonic()
+    while not await watch.stopped([1]):
+        assert time.monotonic() - started < 10
+        await asyncio.sleep(0.02)
+    # counted from its last beat, up to an interval before stop()
+    assert QUICK["heartbeat_timeout"] - QUICK["heartbeat_interval"] <= time.monotonic() - started < 5
+    # a rank that never started is named too, counting from the first look
+    fresh = PeerWatch(storage, _spec(tmp_path, rank=0), timers)
+    started = time.monotonic()
+    while not await fresh.stopped([1]):
+        assert time.monotonic() - started < 10
+        await asyncio.sleep(0.02)
+    assert time.monotonic() - started >= QUICK["heartbeat_timeout"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+async def test_one_verdict_wins_of_a_commit_claim_and_an_abort(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    import asyncio
+
+    from aiosnap.storage.local import LocalStorage
+    from aiosnap.transfer.verdict import claim_verdict, overrule_commit, read_verdict
+
+    if where == "s3":
+        from aiosnap.storage.registry import storage_from_url
+        from tests.conftest import s3_config
+
+        endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")
+        config = s3_config(endpoint, bucket)
+        storage = storage_from_url(config.storage.url, config)
+    else:
+        storage = LocalStorage(tmp_path)
+    try:
+        for round_ in range(6):
+            coordinator, follower = _spec(tmp_path, 0, step=round_), _spec(tmp_path, 1, step=round_)
+            claims = [claim_verdict(storage, coordinator, "commit"), claim_verdict(storage, follower, "abort")]
+            if round_ % 2:
+                claims.reverse()
+            first, second = await asyncio.gather(*claims)
+            assert first == second, "both claimers see the same verdict"
+            assert await read_verdict(storage, coordinator) == first
+        # only the coordinator replaces its own commit claim (its manifest was refused)
+        assert (await claim_verdict(storage, _spec(tmp_path, 0, step=99), "commit")).verdict == "commit"
+        await overrule_commit(storage, _spec(tmp_path, 0, step=99), FileExistsError("another writer"))
+        found = await read_verdict(storage, _spec(tmp_path, 1, step=99))
+        assert found is not None and found.verdict == "abort" and "another writer" in found.reason
+    finally:
+        await storage.close()
+
+
+async def test_gc_leaves_live_attempts_alone_whatever_the_grace(tmp_path: Path) -> None:
+    import asyncio
+    import os
+    import time
+
+    from aiosnap.catalog.garbage import collect_garbage
+    from aiosnap.config import DistributedConfig
+    from aiosnap.format.markers import heartbeat_document, heartbeat_name, verdict_name
+    from aiosnap.storage.local import LocalStorage
+    from aiosnap.transfer.heartbeat import Heartbeat
+
+    storage = LocalStorage(tmp_path)
+    live, dead, decided = _spec(tmp_path, step=1), _spec(tmp_path, step=2), _spec(tmp_path, step=3)
+    for spec in (live, dead, decided):
+        await storage.write(f"{spec.step:012d}/{spec.save_id}/rank-0/0.bin", b"x" * 100)
+    beat = Heartbeat(storage, live, DistributedConfig(**QUICK))
+    beat.start()
+    # a rank that died: its last heartbeat, with a lease of 0.2 s, left behind
+    await storage.write(heartbeat_name(dead.step, dead.save_id, 0), heartbeat_document(0, 7, "uploading", 1, 0.1, 0.2))
+    await storage.write(verdict_name(decided.step, decided.save_id), b"{}")  # a verdict the ranks may still read
+    old = time.time() - 3600
+    for path in _files(tmp_path, "*"):
+        if path.name != "verdict":
+            os.utime(path, (old, old))
+    await asyncio.sleep(0.3)  # the live rank beats again; the dead one's lease runs out
+    report = await collect_garbage(storage, keep_last=5, grace_s=0)
+    await beat.stop()
+    assert report.kept_live == [f"{1:012d}/{live.save_id}", f"{3:012d}/{decided.save_id}"], report
+    assert report.removed_incomplete == [f"{2:012d}/{dead.save_id}"], report
+    assert (tmp_path / f"{1:012d}" / live.save_id / "rank-0" / "0.bin").exists()
+
+
+def test_markers_read_back_are_untrusted_input(request: pytest.FixtureRequest) -> None:
+    import random
+
+    from aiosnap.format.markers import Verdict, heartbeat_document, heartbeat_lease, heartbeat_phase
+    from tests.fuzzing import mutate_bytes, mutated_text
+
+    rng = random.Random(20)
+    heartbeat = json.loads(heartbeat_document(3, 1, "gathering", 99, 2.0, 20.0))
+    verdict = json.loads(Verdict(verdict="abort", save_id="00000000000000a1", rank=1, error="E", message="m").to_json())
+    assert heartbeat_lease(json.dumps(heartbeat).encode()) == 20.0 and heartbeat_phase(json.dumps(heartbeat).encode())
+    cases = max(200, int(request.config.getoption("--fuzz-cases")) // 4)
+    for _ in range(cases):
+        for data in (mutated_text(heartbeat, rng), mutate_bytes(json.dumps(heartbeat).encode(), rng)):
+            lease = heartbeat_lease(data)
+            assert lease is None or 0 < lease <= 86400
+            assert heartbeat_phase(data) in (None, "uploading", "gathering")
+        for data in (mutated_text(verdict, rng), mutate_bytes(json.dumps(verdict).encode(), rng), b"x" * 9000):
+            found = Verdict.from_json(data)
+            assert found is None or found.verdict in ("commit", "abort")
