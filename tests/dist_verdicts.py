@@ -269,3 +269,56 @@ def s3_losing_writer(rank: int, world: int, work: str, params: dict[str, Any]) -
         result["steps"] = ckpt.steps()
         result["loads"] = {"1": _matches(ckpt.load(step=1), 1, rank)}
     return result
+
+
+def soak_state(step: int, rank: int) -> dict[str, Any]:
+    """What a rank of the multi-rank soak holds at ``step``: replicated values, and a rank-local one."""
+    generator = torch.Generator().manual_seed(step)
+    mine = torch.Generator().manual_seed(100_000 * rank + step)
+    return {
+        "w": torch.randn(40_000, generator=generator),
+        "b": torch.randint(0, 1000, (333,), generator=generator, dtype=torch.int32),
+        "mine": {"noise": torch.randn(1000, generator=mine), "rank": rank},
+        "meta": {"step": step},
+    }
+
+
+def soak_job(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """One job of the multi-rank soak (tests/soak_ranks.py): check that every listed step
+    loads bit-exact on this rank, then save ``steps``, rank ``victim`` (or its upload helper)
+    being killed at ``point`` of the save of ``kill_step``."""
+    import aiosnap
+    from tests.conftest import assert_same
+    from tests.process_faults import KillAt
+
+    victim, point, kill_step = params["victim"], params["point"], params["kill_step"]
+    armed = rank == victim and point in ("data", "part", "verdict", "manifest")
+    storage = KillAt(params["root"], kill_step if armed else None, point if armed else None)
+    cfg = config(params["root"], executor=params["executor"], commit_timeout=30.0, **params["timers"])
+    cfg["retention"] = {"keep_last": params["keep_last"]}
+    result: dict[str, Any] = {"verified": 0, "bad": [], "outcomes": []}
+    with aiosnap.SyncCheckpointer(cfg, storage=storage) as ckpt:
+        for step in ckpt.steps() if params["verify"] else []:
+            try:
+                assert_same(ckpt.load(step=step), soak_state(step, rank))
+                result["verified"] += 1
+            except Exception as exc:
+                result["bad"].append(f"step {step} listed but does not load bit-exact on rank {rank}: {exc!r}")
+        for step in params["steps"]:
+            started = time.monotonic()
+            handle = ckpt.save(soak_state(step, rank), step=step, rank_local=["mine"])
+            if rank == victim and step == kill_step:
+                if point == "after_save":
+                    os._exit(9)
+                if point == "delay":
+                    time.sleep(params["delay"])
+                    os._exit(9)
+                if point == "helper":
+                    time.sleep(params["delay"])
+                    os.kill(ckpt._engine.transfer.pid, 9)
+            result["outcomes"].append([step, *_outcome(handle, started)])
+            rank_killed = point in ("after_save", "delay") or (params["executor"] == "thread" and point != "helper")
+            if step == kill_step and rank_killed:
+                break  # the other rank is gone: this job can save no more
+        result["steps"] = ckpt.steps()
+    return result

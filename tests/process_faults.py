@@ -61,3 +61,28 @@ class RankFaults(LocalStorage):
         if action == "wedge_after_part" and name.endswith(f"rank-{self.rank}.part.json"):
             self._mark(action, step)
             time.sleep(60)  # noqa: ASYNC251 - wedges the upload process's loop on purpose
+
+
+class KillAt(LocalStorage):
+    """Kills the process it runs in -- a rank (``upload.executor: thread``) or its upload
+    helper (``process``) -- at ``point`` of the save of ``step``: ``data`` (as its first data
+    object is written), ``part`` (its part landed), ``verdict`` (the verdict landed),
+    ``manifest`` (the step's manifest landed). Disarmed (``step`` None), a plain root."""
+
+    def __init__(self, root: str, step: int | None, point: str | None) -> None:
+        super().__init__(root)
+        self.step = step
+        self.point = point
+
+    def _here(self, name: str, point: str) -> bool:
+        return self.point == point and self.step is not None and name.startswith(f"{self.step:012d}/")
+
+    async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        import os
+
+        if self._here(name, "data") and name.endswith(".bin"):
+            os._exit(9)
+        await super().write(name, data, if_absent=if_absent)
+        for point, suffix in (("part", ".part.json"), ("verdict", "/verdict"), ("manifest", "/manifest.json")):
+            if self._here(name, point) and name.endswith(suffix):
+                os._exit(9)
