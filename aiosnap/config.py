@@ -134,7 +134,9 @@ class SpoolConfig(_Section):
     returns at disk speed while a slow target (S3, NFS, Lustre) catches up."""
 
     dir: str | None = None
-    """Spool directory on fast local disk (one checkpointer at a time: a lock file)."""
+    """Spool directory on fast local disk (one checkpointer at a time: a lock file). In a
+    multi-rank job each rank needs its own: ranks on one host given the same one all fail
+    with ``SpoolBusyError`` when the checkpointer is made."""
     budget: SpoolBudget = "50%"
     """Most bytes on spool disk: a size, or a share such as "50%" of the free space of the
     spool file system when the checkpointer starts (never more than that free space)."""
