@@ -163,7 +163,8 @@ def helper_deaths(rank: int, world: int, work: str, params: dict[str, Any]) -> d
 
 def gc_during_save(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     """While rank 1's data of step 1 waits, ``aiosnap gc --grace 0`` runs on the root; in
-    step 2, one of the coordinator's objects is deleted behind its back before it commits."""
+    step 2, one of the coordinator's objects is deleted behind its back before it commits; in
+    step 3, rank 1's part cannot be written (a full disk)."""
     import aiosnap
     from aiosnap.catalog.garbage import collect_garbage
     from aiosnap.storage.local import LocalStorage
@@ -175,6 +176,8 @@ def gc_during_save(rank: int, world: int, work: str, params: dict[str, Any]) -> 
     class Meddled(LocalStorage):
         async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
             step = _step_of(name)
+            if rank == 1 and step == 3 and name.endswith(".part.json"):
+                raise OSError(28, "No space left on device (injected)")
             if rank == 1 and name.endswith(".bin") and step in (1, 2) and step not in done:
                 done.add(step)
                 theirs = root / name.split("/rank-")[0] / "rank-0"
@@ -192,7 +195,7 @@ def gc_during_save(rank: int, world: int, work: str, params: dict[str, Any]) -> 
     cfg = config(str(root), commit_timeout=params["commit_timeout"], **params.get("timers", {}))
     result: dict[str, Any] = {}
     with aiosnap.SyncCheckpointer(cfg, storage=Meddled(str(root))) as ckpt:
-        for step in (1, 2):
+        for step in (1, 2, 3):
             started = time.monotonic()
             result[str(step)] = _outcome(ckpt.save(_state(step, rank), step=step, rank_local=["me"]), started)
         result["steps"] = ckpt.steps()

@@ -121,6 +121,10 @@ def test_gc_leaves_a_live_save_alone_and_a_commit_checks_its_objects(tmp_path: P
     for result in results:
         assert result["2"][0].startswith("RankFailedError") and deleted in result["2"][0], result["2"]
         assert result["steps"] == [1]
+    # a part that cannot be written is told at once (before: only when its heartbeat ran out)
+    assert follower["3"][0].startswith("OSError"), follower["3"]
+    assert coordinator["3"][0].startswith("RankFailedError") and "OSError" in coordinator["3"][0], coordinator["3"]
+    assert coordinator["3"][1] < TIMERS["heartbeat_timeout"], coordinator["3"]
     _all_load(results)
 
 

@@ -127,6 +127,14 @@ async def abandon_part(storage: Storage, spec: SaveSpec, exc: BaseException) -> 
         await report_failure(storage, spec, exc)
 
 
+async def _exists(storage: Storage, name: str) -> bool:
+    """Whether ``name`` exists; True when that cannot be told (the store failing)."""
+    try:
+        return await storage.exists(name)
+    except Exception:
+        return True
+
+
 async def _is_aborted(storage: Storage, spec: SaveSpec) -> bool:
     try:
         found = await read_verdict(storage, spec)
@@ -355,6 +363,9 @@ async def settle_rank(storage: Storage, spec: SaveSpec, exc: BaseException, reac
     save can no longer be committed (else it is left to ``aiosnap gc``)."""
     assert spec.distributed is not None
     coordinator = spec.distributed.coordinator == spec.rank
+    own_part = part_name(spec.step, spec.save_id, spec.rank)
+    if reached == "delivered" and storage.settled_writes and not await _exists(storage, own_part):
+        reached = "uploading"  # its part never landed, and never will: the coordinator is told at once
     if reached in ("committing", "delivered"):  # the manifest, or our part, was being written
         # a refusal (another writer's manifest is there) is definite; anything else may have
         # been a request abandoned mid-way, which on an object store can still land
