@@ -45,7 +45,7 @@ from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
-from .transfer.rank_commit import abandon_part, settle_without_transfer
+from .transfer.rank_settle import abandon_part, settle_without_transfer
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 

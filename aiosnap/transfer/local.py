@@ -28,7 +28,8 @@ from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
 from .heartbeat import Heartbeat
-from .rank_commit import Reached, check_objects, deliver_part, gather_manifest, settle_rank, wait_for_commit
+from .rank_commit import Reached, check_objects, deliver_part, gather_manifest, wait_for_commit
+from .rank_settle import settle_rank
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 

@@ -16,7 +16,7 @@ No collective runs here: ranks learn about each other from objects in the attemp
   for ``heartbeat_timeout`` they declare the save aborted (if the coordinator has not
   claimed the commit first) and name it.
 - A rank whose part fails before its part is written leaves ``rank-<r>.failed``: the
-  coordinator gives up at once. Giving up, the coordinator writes the ``abort`` verdict
+  coordinator gives up at once (settling a failed part: :mod:`.rank_settle`). Giving up, the coordinator writes the ``abort`` verdict
   first; after that no manifest of this save is ever written, and each rank removes its own
   folder. Data that might still be committed (a part delivered, no verdict yet) is never
   removed: it is left to ``aiosnap gc``, which leaves alone an attempt with a live heartbeat.
@@ -38,7 +38,7 @@ from typing import Literal
 from ..catalog.steps import committed_save_id, latest_committed, read_manifest
 from ..config import DistributedConfig
 from ..core.aio import run_all
-from ..core.names import attempt_prefix, manifest_name, object_prefix
+from ..core.names import attempt_prefix, manifest_name
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -49,22 +49,10 @@ from ..format.manifest import Checksums, Manifest
 from ..format.parts import RankPart, build_part, failed_name, merge_parts, part_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
-from .commit import whose_commit
 from .heartbeat import PeerWatch
-from .verdict import claim_verdict, given_up, overrule_commit, read_verdict
+from .verdict import claim_verdict, given_up, read_verdict
 
-__all__ = [
-    "Reached",
-    "check_objects",
-    "deliver_part",
-    "gather_manifest",
-    "abandon_part",
-    "give_up",
-    "report_failure",
-    "settle_rank",
-    "settle_without_transfer",
-    "wait_for_commit",
-]
+__all__ = ["GRACE_S", "Reached", "check_objects", "deliver_part", "gather_manifest", "wait_for_commit"]
 
 log = logging.getLogger("aiosnap")
 
@@ -87,69 +75,6 @@ async def deliver_part(storage: Storage, spec: SaveSpec, crcs: Checksums) -> int
     document = build_part(spec, crcs).to_json()
     await storage.write(part_name(spec.step, spec.save_id, spec.rank), document)
     return len(document)
-
-
-def _reason(exc: BaseException, rank: int) -> bytes:
-    return json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc)[:1000]}).encode()
-
-
-async def report_failure(storage: Storage, spec: SaveSpec, exc: BaseException) -> None:
-    """Tell the coordinator this rank's part failed (best effort: else its heartbeat's end does)."""
-    try:
-        await storage.write(failed_name(spec.step, spec.save_id, spec.rank), _reason(exc, spec.rank))
-    except Exception as error:
-        log.warning("aiosnap: rank %d could not record its failed save of step %d: %r", spec.rank, spec.step, error)
-
-
-async def give_up(storage: Storage, spec: SaveSpec, exc: BaseException, *, overrule: bool = False) -> bool:
-    """Coordinator: make the verdict ``abort`` (before any data is removed). With
-    ``overrule``, also over its own ``commit`` claim (its manifest was refused, or never
-    written). Returns whether the save is now aborted (False: the store failed, or the
-    commit claim stands)."""
-    try:
-        verdict = await claim_verdict(storage, spec, "abort", exc)
-        if verdict.verdict == "commit" and overrule:
-            await overrule_commit(storage, spec, exc)
-            return True
-        return verdict.verdict == "abort"
-    except Exception as error:
-        log.warning("aiosnap: could not mark the failed save of step %d as aborted: %r", spec.step, error)
-        return False
-
-
-async def abandon_part(storage: Storage, spec: SaveSpec, exc: BaseException) -> None:
-    """This rank's save failed before its transfer could settle it (``save()`` itself
-    raised): the coordinator gives up, any other rank reports its failure."""
-    assert spec.distributed is not None
-    if spec.distributed.coordinator == spec.rank:
-        await give_up(storage, spec, exc)
-    else:
-        await report_failure(storage, spec, exc)
-
-
-async def _exists(storage: Storage, name: str) -> bool:
-    """Whether ``name`` exists; True when that cannot be told (the store failing)."""
-    try:
-        return await storage.exists(name)
-    except Exception:
-        return True
-
-
-async def _is_aborted(storage: Storage, spec: SaveSpec) -> bool:
-    try:
-        found = await read_verdict(storage, spec)
-    except Exception:
-        return False
-    return found is not None and found.verdict == "abort"
-
-
-async def _remove_own_data(storage: Storage, spec: SaveSpec) -> None:
-    """This rank's objects and part of a save that will never be committed (best effort)."""
-    try:
-        await storage.delete_prefix(object_prefix(spec.step, spec.save_id, spec.rank))
-        await storage.delete(part_name(spec.step, spec.save_id, spec.rank))
-    except Exception as exc:
-        log.warning("aiosnap: rank %d left data of the failed step %d for gc: %r", spec.rank, spec.step, exc)
 
 
 class _Backoff:
@@ -354,68 +279,3 @@ async def _coordinator_stopped(
         raise undecided from exc
     if verdict.verdict == "abort":
         raise why if verdict.rank == spec.rank else RankFailedError(f"{why} (declared by rank {verdict.rank})")
-
-
-async def settle_rank(storage: Storage, spec: SaveSpec, exc: BaseException, reached: Reached, *, remove: bool) -> bool:
-    """This rank's part of the save raised ``exc`` at ``reached``: True if the save committed
-    after all. Otherwise leave the marker the others need (the coordinator the ``abort``
-    verdict, another rank its failure) and, with ``remove``, this rank's own data once the
-    save can no longer be committed (else it is left to ``aiosnap gc``)."""
-    assert spec.distributed is not None
-    coordinator = spec.distributed.coordinator == spec.rank
-    own_part = part_name(spec.step, spec.save_id, spec.rank)
-    if reached == "delivered" and storage.settled_writes and not await _exists(storage, own_part):
-        reached = "uploading"  # its part never landed, and never will: the coordinator is told at once
-    if reached in ("committing", "delivered"):  # the manifest, or our part, was being written
-        # a refusal (another writer's manifest is there) is definite; anything else may have
-        # been a request abandoned mid-way, which on an object store can still land
-        interrupted = not isinstance(exc, FileExistsError)
-        verdict = await whose_commit(storage, spec.step, spec.save_id, write_interrupted=interrupted)
-        if verdict == "ours":
-            return True
-        aborted = False
-        if coordinator and verdict == "other":  # its manifest was refused or never landed
-            aborted = await give_up(storage, spec, exc, overrule=True)
-        if not aborted and not await _is_aborted(storage, spec):
-            log.warning("aiosnap: step %d (rank %d) may still be committed; its data is left for gc",
-                        spec.step, spec.rank)  # fmt: skip
-            return False
-    elif coordinator:  # before its manifest write: no manifest of this save from now on
-        if not await give_up(storage, spec, exc, overrule=reached == "claiming"):
-            log.warning("aiosnap: step %d: no abort verdict could be written; rank %d's data is left for gc",
-                        spec.step, spec.rank)  # fmt: skip
-            return False
-    else:
-        await report_failure(storage, spec, exc)  # the coordinator gives up at once
-    if remove:
-        await _remove_own_data(storage, spec)
-    return False
-
-
-async def settle_without_transfer(
-    storage: Storage, spec: SaveSpec, error: BaseException, config: DistributedConfig
-) -> bool:
-    """The upload process carrying this rank's part of the save died (trainer's loop thread):
-    True if the save committed after all (or, having delivered its part, commits now), else
-    the marker the others need is written, and :class:`RankFailedError` or ``error`` is
-    raised. What the dead process left is read from storage."""
-    assert spec.distributed is not None
-    reached: Reached
-    if spec.distributed.coordinator == spec.rank:
-        # aborted now, unless the dead process claimed the commit (or the store fails)
-        reached = "gathering" if await give_up(storage, spec, error) else "committing"
-    elif await storage.exists(part_name(spec.step, spec.save_id, spec.rank)):
-        reached = "delivered"
-        try:
-            await wait_for_commit(storage, spec, config)
-            return True
-        except RankFailedError:
-            if storage.settled_writes:
-                await _remove_own_data(storage, spec)
-            raise
-    else:
-        reached = "uploading"
-    # an abandoned write of the dead process may still land on an object store: leave its data
-    if await settle_rank(storage, spec, error, reached, remove=storage.settled_writes):
-        return True
-    raise error
