@@ -296,7 +296,8 @@ def soak_job(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
 
     victim, point, kill_step = params["victim"], params["point"], params["kill_step"]
     armed = rank == victim and point in ("data", "part", "verdict", "manifest")
-    storage = KillAt(params["root"], kill_step if armed else None, point if armed else None)
+    in_helper = params["executor"] == "process"
+    storage = KillAt(params["root"], kill_step if armed else None, point if armed else None, in_helper=in_helper)
     cfg = config(params["root"], executor=params["executor"], commit_timeout=30.0, **params["timers"])
     cfg["retention"] = {"keep_last": params["keep_last"]}
     result: dict[str, Any] = {"verified": 0, "bad": [], "outcomes": []}

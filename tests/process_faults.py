@@ -69,12 +69,20 @@ class KillAt(LocalStorage):
     object is written), ``part`` (its part landed), ``verdict`` (the verdict landed),
     ``manifest`` (the step's manifest landed). Disarmed (``step`` None), a plain root."""
 
-    def __init__(self, root: str, step: int | None, point: str | None) -> None:
+    def __init__(self, root: str, step: int | None, point: str | None, *, in_helper: bool) -> None:
+        import os
+
         super().__init__(root)
         self.step = step
         self.point = point
+        self.in_helper = in_helper  # kill the upload helper only, not the trainer writing after it
+        self.made_in = os.getpid()
 
     def _here(self, name: str, point: str) -> bool:
+        import os
+
+        if (os.getpid() != self.made_in) != self.in_helper:
+            return False
         return self.point == point and self.step is not None and name.startswith(f"{self.step:012d}/")
 
     async def write(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:

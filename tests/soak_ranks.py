@@ -46,7 +46,7 @@ class RankFigures:
     undecided: int = 0
     steps_verified: int = 0
     verdict_seconds: list[float] = field(default_factory=list)
-    """A killed rank's save: from its save() to the verdict on the rank that lived."""
+    """A killed rank's save that failed: from save() to the failure, on the rank that lived."""
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -54,8 +54,8 @@ class RankFigures:
         told = ""
         if self.verdict_seconds:
             told = (
-                f", rank deaths told after median {statistics.median(self.verdict_seconds):.1f} s "
-                f"(max {max(self.verdict_seconds):.1f} s)"
+                f", {len(self.verdict_seconds)} rank death(s) named after median "
+                f"{statistics.median(self.verdict_seconds):.1f} s (max {max(self.verdict_seconds):.1f} s)"
             )
         return (
             f"jobs {self.jobs}, saves tried {self.saves}, kills {sum(self.kills.values())} ({kills}), "
@@ -84,7 +84,7 @@ def _check_job(
     for rank, result in alive.items():
         for step, outcome, seconds in result["outcomes"]:
             by_step.setdefault(step, {})[rank] = outcome
-            if step == kill_step and rank != victim and victim not in alive:
+            if step == kill_step and rank != victim and victim not in alive and outcome != "committed":
                 figures.verdict_seconds.append(seconds)
     durable = None
     oldest = listed[0] if listed else None

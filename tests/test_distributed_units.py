@@ -16,8 +16,8 @@ from aiosnap.errors import ManifestError, StateMismatchError
 from aiosnap.format.parts import RankPart, build_part, merge_parts
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
-from aiosnap.load.decode import refuse_unavailable
 from aiosnap.load.ranks import rank_view
+from aiosnap.load.select import refuse_unavailable
 
 SAVE_ID = "0123456789abcdef"
 

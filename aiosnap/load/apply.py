@@ -14,11 +14,11 @@ from ..core.cudaorder import CudaOrder
 from ..core.stateful import is_stateful
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
-from .decode import TreeDecoder, is_skipped, refuse_unavailable
+from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations
 from .reshard import shard_targets
-from .select import check_keys_present, entries_under, needed_for_state, select_paths
+from .select import check_keys_present, entries_under, needed_for_state, refuse_unavailable, select_paths
 from .staged import stageable
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]

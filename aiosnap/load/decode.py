@@ -19,33 +19,14 @@ from ..core.tensorio import bytes_view
 from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from ..format.dtypes import dtype_itemsize
 from ..format.tree import float_text
+from .select import UNAVAILABLE
 
-__all__ = ["UNAVAILABLE", "TreeDecoder", "is_skipped", "refuse_unavailable", "torch_dtype"]
-
-
-UNAVAILABLE = "unavailable"
-"""The tag of a node this load cannot restore (another rank's value: :mod:`aiosnap.load.ranks`),
-with the reason as ``why``."""
+__all__ = ["TreeDecoder", "is_skipped", "torch_dtype"]
 
 
 def is_skipped(node: Any) -> bool:
     """A rank-local value the load skips (see :mod:`aiosnap.load.ranks`): left out."""
     return isinstance(node, dict) and node.get("t") == "skipped"
-
-
-def refuse_unavailable(node: Any) -> None:
-    """:class:`StateMismatchError` (its reason) if ``node`` holds a value this load cannot
-    restore; before anything is read."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, dict):
-            if current.get("t") == UNAVAILABLE:
-                raise StateMismatchError(str(current["why"]))
-            if current.get("t") not in ("tensor", "pickle", "dtensor"):
-                stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..format.manifest import Manifest
 from ..format.tree import shift_entry_ids
-from .decode import UNAVAILABLE
+from .select import UNAVAILABLE
 
 __all__ = ["SKIPPED", "rank_view"]
 

@@ -21,9 +21,35 @@ from typing import Any
 
 from ..core.stateful import is_stateful
 from ..errors import StateMismatchError
-from .decode import refuse_unavailable
 
-__all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
+__all__ = [
+    "UNAVAILABLE",
+    "check_keys_present",
+    "check_patterns",
+    "entries_under",
+    "needed_for_state",
+    "refuse_unavailable",
+    "select_paths",
+]
+
+UNAVAILABLE = "unavailable"
+"""The tag of a node this load cannot restore (another rank's value: :mod:`aiosnap.load.ranks`),
+with the reason as ``why``."""
+
+
+def refuse_unavailable(node: Any) -> None:
+    """:class:`StateMismatchError` (its reason) if ``node`` holds a value this load cannot
+    restore; before anything is read."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("t") == UNAVAILABLE:
+                raise StateMismatchError(str(current["why"]))
+            if current.get("t") not in ("tensor", "pickle", "dtensor"):
+                stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
 
 
 def entries_under(node: Any) -> set[int]:

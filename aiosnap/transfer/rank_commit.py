@@ -16,10 +16,11 @@ No collective runs here: ranks learn about each other from objects in the attemp
   for ``heartbeat_timeout`` they declare the save aborted (if the coordinator has not
   claimed the commit first) and name it.
 - A rank whose part fails before its part is written leaves ``rank-<r>.failed``: the
-  coordinator gives up at once (settling a failed part: :mod:`.rank_settle`). Giving up, the coordinator writes the ``abort`` verdict
-  first; after that no manifest of this save is ever written, and each rank removes its own
-  folder. Data that might still be committed (a part delivered, no verdict yet) is never
-  removed: it is left to ``aiosnap gc``, which leaves alone an attempt with a live heartbeat.
+  coordinator gives up at once (settling a failed part: :mod:`.rank_settle`). Giving up, the
+  coordinator writes the ``abort`` verdict first; after that no manifest of this save is ever
+  written, and each rank removes its own folder. Data that might still be committed (a part
+  delivered, no verdict yet) is never removed: it is left to ``aiosnap gc``, which leaves
+  alone an attempt with a live heartbeat.
 
 Requests grow linearly with ranks: each rank writes one part and a heartbeat per interval
 and polls two small objects with backoff; the coordinator lists the attempt folder per poll,
