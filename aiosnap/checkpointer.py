@@ -586,15 +586,13 @@ class Checkpointer(_Core):
             finally:
                 await self._call(self._storage.close())
             return
-        drained = False  # else close(timeout) raises its TimeoutError, whatever the saves it cancelled raised
         try:
             await self._call(self._engine.drain(timeout))
-            drained = True
         finally:
             for storage in self._close_views():
                 await self._call(storage.close())
             await self._call(self._engine.shutdown())
-            self._end_close(_raise_failure and drained)
+            self._end_close(_raise_failure)
 
     async def __aenter__(self) -> Checkpointer:
         return self
@@ -706,15 +704,13 @@ class SyncCheckpointer(_Core):
             finally:
                 self._loop.run(self._storage.close())
             return
-        drained = False  # else close(timeout) raises its TimeoutError, whatever the saves it cancelled raised
         try:
             self._loop.run(self._engine.drain(timeout))
-            drained = True
         finally:
             for storage in self._close_views():
                 self._loop.run(storage.close())
             self._loop.run(self._engine.shutdown())
-            self._end_close(_raise_failure and drained)
+            self._end_close(_raise_failure)
 
     def __enter__(self) -> SyncCheckpointer:
         return self

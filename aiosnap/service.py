@@ -33,7 +33,7 @@ from .core.budget import ByteBudget
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
-from .errors import StepOrderError
+from .errors import StepOrderError, UploadProcessError
 from .format.manifest import Manifest
 from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
@@ -123,6 +123,9 @@ class _SaveJob:
     later saves; its own saves end with it)."""
     aborted: bool = False
     """Given up before capture ended: it can no longer commit, and holds no step."""
+    cancelled_by_close: bool = False
+    """Cancelled while it waited for its outcome (``close(timeout)``): the TimeoutError close
+    raises reports it, not the UploadProcessError of the helper killed for not answering."""
 
 
 class Engine:
@@ -362,7 +365,7 @@ class Engine:
                 if current is not None:
                     current.uncancel()
                 self._abort_transfer(job, even_committing=True)
-                given_up = True
+                given_up = job.cancelled_by_close = True
 
     async def _capture(self, job: _SaveJob) -> None:
         """Copy every chunk, check the step order, and let save() return."""
@@ -450,7 +453,7 @@ class Engine:
             else:
                 job.captured.set_exception(failure)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
-        elif not cancelled:
+        elif not cancelled and not (job.cancelled_by_close and isinstance(failure, UploadProcessError)):
             self.failures.record(failure)  # before the handle can hand it out: see FailureLedger
         if cancelled:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {step} was cancelled"))
