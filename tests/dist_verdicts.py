@@ -107,8 +107,11 @@ def slow_coordinator_and_retention(rank: int, world: int, work: str, params: dic
 
 
 def vanish_after_save(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Step 1 commits; rank ``victim`` is killed right after its ``save()`` of step 2 returned
-    (its spool, mode always, keeps the captured save)."""
+    """Step 1 commits; rank ``victim`` is killed (``how``: "kill") or stopped ("stop": a
+    wedged process, SIGKILLed by the other rank once it has its verdict) right after its
+    ``save()`` of step 2 returned (its spool, mode always, keeps the captured save)."""
+    import signal
+
     import aiosnap
 
     victim = params["victim"]
@@ -119,9 +122,15 @@ def vanish_after_save(rank: int, world: int, work: str, params: dict[str, Any]) 
     ckpt.save(_state(1, rank), step=1, rank_local=["me"]).wait(timeout=40)
     started = time.monotonic()
     handle = ckpt.save(_state(2, rank), step=2, rank_local=["me"])
+    stopped = Path(work) / "stopped.pid"
     if rank == victim:
+        if params["how"] == "stop":
+            stopped.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread of this rank stops: wedged
         os._exit(9)
     result: dict[str, Any] = {"2": _outcome(handle, started, timeout=params["wait"])}
+    if stopped.exists():
+        os.kill(int(stopped.read_text()), signal.SIGKILL)
     result["steps"] = ckpt.steps()
     with contextlib.suppress(Exception):
         ckpt.close(timeout=5)

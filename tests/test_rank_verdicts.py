@@ -51,14 +51,14 @@ def test_a_slow_coordinator_and_quick_retention_leave_one_verdict(tmp_path: Path
     _all_load(results)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_killed_after_save_is_named_within_seconds(tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize(("victim", "how"), [(1, "stop"), (0, "kill")])
+def test_a_rank_killed_or_wedged_after_save_is_named_within_seconds(tmp_path: Path, victim: int, how: str) -> None:
     root = tmp_path / "root"
     results = run_ranks(
-        "vanish_after_save", 2, tmp_path / "job", root=str(root), victim=victim, commit_timeout=60.0,
+        "vanish_after_save", 2, tmp_path / "job", root=str(root), victim=victim, how=how, commit_timeout=60.0,
         wait=40, timers=TIMERS, hard_exit=True,
     )  # fmt: skip
-    assert results[victim] == {"exit": 9}
+    assert results[victim] == {"exit": -9 if how == "stop" else 9}
     survivor = ok([results[1 - victim]], tmp_path / "job")[0]
     outcome, seconds = survivor["2"]
     # before: the survivor heard nothing until commit_timeout (60 s here, 600 s by default)
@@ -66,7 +66,7 @@ def test_a_rank_killed_after_save_is_named_within_seconds(tmp_path: Path, victim
     assert f"rank(s) [{victim}]" in outcome or f"rank {victim}" in outcome, outcome
     assert "heartbeat" in outcome, outcome
     assert seconds < NAMED_WITHIN, f"named after {seconds:.1f} s"
-    print(f"\nrank {victim} killed after save(): rank {1 - victim} named it after {seconds:.2f} s")
+    print(f"\nrank {victim} {how} after save(): rank {1 - victim} named it after {seconds:.2f} s")
     assert survivor["steps"] == [1]
     with SyncCheckpointer(str(root)) as ckpt:
         assert ckpt.steps() == [1]
