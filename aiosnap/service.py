@@ -33,6 +33,7 @@ from .core.budget import ByteBudget
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
+from .core.names import attempt_prefix, step_dir
 from .errors import StepOrderError, UploadProcessError
 from .format.manifest import Manifest
 from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
@@ -45,6 +46,7 @@ from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
+from .transfer.heartbeat import Heartbeat
 from .transfer.rank_settle import abandon_part, settle_without_transfer
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
@@ -228,7 +230,7 @@ class Engine:
         self._check_order(plan.step, storage)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
-        await self._pending.acquire()
+        await self._wait_for_slot(plan, storage)
         try:
             self.raise_unobserved()  # a save that failed while we waited
             self._check_order(plan.step, storage)
@@ -268,6 +270,33 @@ class Engine:
             self.abort(plan.save_id)
             raise
         return durable
+
+    async def _wait_for_slot(self, plan: SavePlan, storage: Storage) -> None:
+        """Backpressure: wait for a pending-save slot. A multi-rank save that has to wait
+        heartbeats meanwhile (the other ranks may be further on, and must not take this rank
+        for stopped); its transfer side's heartbeat takes over once it begins."""
+        assert self._pending is not None
+        if plan.spec.distributed is None or not self._pending.locked():
+            await self._pending.acquire()
+            return
+        waiting = Heartbeat(storage, plan.spec, self.config.distributed)
+        waiting.start()
+        try:
+            await self._pending.acquire()
+        except BaseException:
+            await finish_despite_cancel(self._stop_waiting(waiting, storage, plan))
+            raise
+        await waiting.stop()
+
+    @staticmethod
+    async def _stop_waiting(waiting: Heartbeat, storage: Storage, plan: SavePlan) -> None:
+        """A save cancelled while it waited for a slot: no heartbeat, no empty folder left."""
+        await waiting.stop()
+        try:
+            await storage.remove_empty_folder(attempt_prefix(plan.step, plan.save_id))
+            await storage.remove_empty_folder(step_dir(plan.step))
+        except Exception as exc:
+            log.debug("aiosnap: removing the folder of a save cancelled before it began failed: %r", exc)
 
     async def leave(self, plan: SavePlan, storage: Storage, error: BaseException) -> None:
         """``save()`` of a multi-rank ``plan`` failed on this rank after the ranks agreed.

@@ -62,7 +62,9 @@ def _verify_all(ckpt: Any, rank: int) -> dict[str, bool]:
 def slow_coordinator_and_retention(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     """keep_last 1 and four saves in flight, the follower's looks at step 1 so slow that
     retention has removed it by then; then a coordinator whose upload outlasts the
-    follower's old deadline (commit_timeout + grace after its part)."""
+    follower's old deadline (commit_timeout + grace after its part); then, one save in flight
+    at most, a coordinator whose retention takes longer than a heartbeat timeout while its
+    next save waits for a slot (the follower, one save further, must not take it for stopped)."""
     import aiosnap
     from aiosnap.storage.local import LocalStorage
 
@@ -83,6 +85,11 @@ def slow_coordinator_and_retention(rank: int, world: int, work: str, params: dic
             await self._slow_look(name)
             return await super().read(name, limit=limit)
 
+        async def delete_prefix(self, prefix: str) -> None:
+            if rank == 0 and _step_of(prefix) == 11:
+                await asyncio.sleep(params["retention_delay"])  # a slow store, a large step
+            await super().delete_prefix(prefix)
+
         async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
             if rank == 0 and _step_of(name) == 10 and name.endswith(".bin"):
                 await asyncio.sleep(params["coordinator_delay"])  # a slow coordinator
@@ -101,6 +108,12 @@ def slow_coordinator_and_retention(rank: int, world: int, work: str, params: dic
         for step in (10, 11):
             started = time.monotonic()
             result[str(step)] = _outcome(ckpt.save(_state(step, rank), step=step, rank_local=["me"]), started)
+    cfg.update(max_pending_saves=1)
+    with aiosnap.SyncCheckpointer(cfg, storage=Slow(str(root))) as ckpt:
+        started = time.monotonic()
+        handles = [(s, ckpt.save(_state(s, rank), step=s, rank_local=["me"])) for s in (20, 21)]
+        for step, handle in handles:
+            result[str(step)] = _outcome(handle, started)
         result["steps"] = ckpt.steps()
         result["loads"] = _verify_all(ckpt, rank)
     return result

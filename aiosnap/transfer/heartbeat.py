@@ -5,7 +5,8 @@ While a rank's part of a save is in flight, :class:`Heartbeat` rewrites the smal
 ``<step>/<save id>/rank-<r>.alive`` every ``heartbeat_interval`` seconds (a counter and the
 rank's phase: ``uploading``, then ``gathering`` on the coordinator), and removes it when the
 rank is done. It runs on the loop of whoever carries the save: the trainer's loop thread
-(``upload.executor: thread``) or the upload process's, so a dead upload process stops it too.
+(``upload.executor: thread``) or the upload process's, so a dead upload process stops it too
+(and, while a save waits for a pending-save slot before its transfer begins, the trainer's).
 Followers stop theirs once their part is delivered (the coordinator has what it needs of
 them); the coordinator keeps its own until the verdict.
 
