@@ -230,7 +230,12 @@ class Engine:
         self._check_order(plan.step, storage)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
-        await self._wait_for_slot(plan, storage)
+        bridge = self._bridge(plan, storage)
+        try:
+            await self._pending.acquire()
+        except BaseException:
+            await self._drop_bridge(bridge, storage, plan)
+            raise
         try:
             self.raise_unobserved()  # a save that failed while we waited
             self._check_order(plan.step, storage)
@@ -240,6 +245,7 @@ class Engine:
             transfer.open_root(storage.url, storage)
         except BaseException:
             self._pending.release()
+            await self._drop_bridge(bridge, storage, plan)
             raise
         loop = asyncio.get_running_loop()
         durable: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
@@ -252,6 +258,9 @@ class Engine:
         job.transfer = transfer
         self._jobs[plan.save_id] = job
         job.emit("start")
+        if bridge is not None:  # until the transfer side beats (its look at the root is back) or the save ends
+            for future in (job.preflight, job.outcome):
+                future.add_done_callback(lambda _: bridge.hand_over())
         try:
             transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
             plan.handed_over = True
@@ -261,6 +270,7 @@ class Engine:
             job.emit("exception", exception=exc)
             durable.set_exception(exc)
             durable.exception()  # raised here, by save() itself
+            await self._drop_bridge(bridge, storage, plan)
             raise
         job.task = loop.create_task(self._run(job))
         job.task.add_done_callback(lambda task: self._forget(job))
@@ -271,32 +281,28 @@ class Engine:
             raise
         return durable
 
-    async def _wait_for_slot(self, plan: SavePlan, storage: Storage) -> None:
-        """Backpressure: wait for a pending-save slot. A multi-rank save that has to wait
-        heartbeats meanwhile (the other ranks may be further on, and must not take this rank
-        for stopped); its transfer side's heartbeat takes over once it begins."""
-        assert self._pending is not None
-        if plan.spec.distributed is None or not self._pending.locked():
-            await self._pending.acquire()
-            return
-        waiting = Heartbeat(storage, plan.spec, self.config.distributed)
-        waiting.start()
-        try:
-            await self._pending.acquire()
-        except BaseException:
-            await finish_despite_cancel(self._stop_waiting(waiting, storage, plan))
-            raise
-        await waiting.stop()
+    def _bridge(self, plan: SavePlan, storage: Storage) -> Heartbeat | None:
+        """A multi-rank save's heartbeat from the trainer side, while it waits for a
+        pending-save slot and until its transfer side (maybe an upload process still
+        starting) beats: the other ranks, perhaps one save further, must not take this rank
+        for stopped meanwhile."""
+        if plan.spec.distributed is None:
+            return None
+        bridge = Heartbeat(storage, plan.spec, self.config.distributed)
+        bridge.start()
+        return bridge
 
     @staticmethod
-    async def _stop_waiting(waiting: Heartbeat, storage: Storage, plan: SavePlan) -> None:
-        """A save cancelled while it waited for a slot: no heartbeat, no empty folder left."""
-        await waiting.stop()
+    async def _drop_bridge(bridge: Heartbeat | None, storage: Storage, plan: SavePlan) -> None:
+        """A save that never began: no heartbeat, and no empty folder, left behind."""
+        if bridge is None:
+            return
+        await finish_despite_cancel(bridge.stop())
         try:
             await storage.remove_empty_folder(attempt_prefix(plan.step, plan.save_id))
             await storage.remove_empty_folder(step_dir(plan.step))
         except Exception as exc:
-            log.debug("aiosnap: removing the folder of a save cancelled before it began failed: %r", exc)
+            log.debug("aiosnap: removing the folder of a save that never began failed: %r", exc)
 
     async def leave(self, plan: SavePlan, storage: Storage, error: BaseException) -> None:
         """``save()`` of a multi-rank ``plan`` failed on this rank after the ranks agreed.

@@ -6,7 +6,8 @@ While a rank's part of a save is in flight, :class:`Heartbeat` rewrites the smal
 rank's phase: ``uploading``, then ``gathering`` on the coordinator), and removes it when the
 rank is done. It runs on the loop of whoever carries the save: the trainer's loop thread
 (``upload.executor: thread``) or the upload process's, so a dead upload process stops it too
-(and, while a save waits for a pending-save slot before its transfer begins, the trainer's).
+(and, from ``save()`` until its transfer side beats, the trainer's: a save may wait for a
+pending-save slot, or for a new upload process, first).
 Followers stop theirs once their part is delivered (the coordinator has what it needs of
 them); the coordinator keeps its own until the verdict.
 
@@ -64,6 +65,13 @@ class Heartbeat:
             except Exception as exc:  # a store that fails now and then: the next beat may land
                 log.debug("aiosnap: heartbeat %s failed: %r", self.name, exc)
             await asyncio.sleep(self.interval)
+
+    def hand_over(self) -> None:
+        """No more beats from here; the object stays (another heartbeat of the same rank
+        and save, its transfer side's, keeps it fresh). Idempotent; any callback."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
 
     async def stop(self) -> None:
         """No more beats; the object is removed (best effort: ``aiosnap gc`` judges a stale
