@@ -332,7 +332,11 @@ def soak_job(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
                 result["bad"].append(f"step {step} listed but does not load bit-exact on rank {rank}: {exc!r}")
         for step in params["steps"]:
             started = time.monotonic()
-            handle = ckpt.save(soak_state(step, rank), step=step, rank_local=["mine"])
+            try:
+                handle = ckpt.save(soak_state(step, rank), step=step, rank_local=["mine"])
+            except Exception as exc:  # save() itself failed (a helper found dead as it began): reported here
+                result["outcomes"].append([step, f"{type(exc).__name__}: {exc}", time.monotonic() - started])
+                continue
             if rank == victim and step == kill_step:
                 if point == "after_save":
                     os._exit(9)
