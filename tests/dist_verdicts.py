@@ -352,3 +352,12 @@ def soak_job(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
                 break  # the other rank is gone: this job can save no more
         result["steps"] = ckpt.steps()
     return result
+
+
+def local_faults(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """:func:`shared_spool_and_load_agreement` on ``root``, then :func:`gc_during_save` on
+    ``gc_root``: two scenarios, one launch of ranks."""
+    return {
+        "load": shared_spool_and_load_agreement(rank, world, work, params),
+        "gc": gc_during_save(rank, world, work, {**params, "root": params["gc_root"]}),
+    }

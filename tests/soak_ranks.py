@@ -107,16 +107,17 @@ def _check_job(
 
 
 def soak_rank_jobs(root: Path, work: Path, jobs: int, seed: int, figures: RankFigures) -> None:
-    """``jobs`` 2-rank jobs into ``root``, each killing a rank or a helper, then one that
-    only checks every listed step on both ranks."""
+    """``jobs`` 2-rank jobs into ``root``, each killing a rank or a helper (every kind of
+    kill of :data:`KILL_POINTS` before any twice), then one that only checks every listed
+    step on both ranks."""
     rng = random.Random(seed)
+    kinds = [(executor, victim, point) for (executor, victim), points in KILL_POINTS.items() for point in points]
+    rng.shuffle(kinds)  # every kind of kill once (in a random order) before any twice
     step = 0
     newest_durable: int | None = None
     for job in range(jobs + 1):
         last = job == jobs
-        executor = rng.choice(["thread", "process"])
-        victim = rng.randrange(2)
-        point = rng.choice(KILL_POINTS[(executor, victim)])
+        executor, victim, point = kinds[job % len(kinds)]
         steps = [] if last else list(range(step + 1, step + 1 + STEPS_PER_JOB))
         kill_step = rng.choice(steps) if steps else -1
         results = run_ranks(

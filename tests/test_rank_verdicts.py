@@ -108,12 +108,35 @@ def test_an_upload_helper_dying_is_told_to_every_rank(tmp_path: Path) -> None:
     _all_load(results)
 
 
-def test_gc_leaves_a_live_save_alone_and_a_commit_checks_its_objects(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    results = ok(
-        run_ranks("gc_during_save", 2, tmp_path / "job", root=str(root), commit_timeout=30.0, timers=TIMERS),
-        tmp_path / "job",
-    )
+@pytest.fixture(scope="module")
+def local_faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch of ranks for two scenarios on local disk (dist_verdicts.local_faults): ranks
+    given one spool.dir, then a load racing another job's re-save of step 5 (version A is the
+    latest when the ranks start; version B lands between rank 0's read and rank 1's); then gc
+    and a deletion behind the coordinator's back during saves."""
+    work = tmp_path_factory.mktemp("local_faults")
+    root = work / "root"
+    a, b = torch.arange(64, dtype=torch.float32), torch.arange(64, dtype=torch.float32) + 1000
+    with SyncCheckpointer({"storage": {"url": str(root)}, "events": {"log": False}}) as ckpt:
+        ckpt.save({"w": a}, step=5).wait(30)
+        attempt_a = next(p for p in (root / "000000000005").iterdir() if p.is_dir())
+        shutil.copytree(attempt_a, work / "attempt-a")
+        manifest_a = (root / "000000000005" / "manifest.json").read_bytes()
+        ckpt.save({"w": b}, step=5).wait(30)  # a re-save: replaces the manifest, removes attempt A
+    (work / "next.json").write_bytes((root / "000000000005" / "manifest.json").read_bytes())
+    shutil.copytree(work / "attempt-a", attempt_a)
+    (root / "000000000005" / "manifest.json").write_bytes(manifest_a)  # version A is the latest again
+    return ok(
+        run_ranks(
+            "local_faults", 2, work / "job", timeout=100, root=str(root), gc_root=str(work / "gc-root"),
+            agree_timeout=20.0, next_manifest=str(work / "next.json"), commit_timeout=30.0, timers=TIMERS,
+        ),
+        work / "job",
+    )  # fmt: skip
+
+
+def test_gc_leaves_a_live_save_alone_and_a_commit_checks_its_objects(local_faults: list[dict[str, Any]]) -> None:
+    results = [result["gc"] for result in local_faults]
     coordinator, follower = results
     # before: gc --grace 0 removed the live attempt, which then committed and did not load
     assert follower["gc_removed"] == [], follower["gc_removed"]
@@ -130,26 +153,10 @@ def test_gc_leaves_a_live_save_alone_and_a_commit_checks_its_objects(tmp_path: P
     _all_load(results)
 
 
-def test_ranks_sharing_a_spool_fail_at_once_and_a_load_agrees_on_the_save_id(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    a, b = torch.arange(64, dtype=torch.float32), torch.arange(64, dtype=torch.float32) + 1000
-    with SyncCheckpointer({"storage": {"url": str(root)}, "events": {"log": False}}) as ckpt:
-        ckpt.save({"w": a}, step=5).wait(30)
-        attempt_a = next(p for p in (root / "000000000005").iterdir() if p.is_dir())
-        shutil.copytree(attempt_a, tmp_path / "attempt-a")
-        manifest_a = (root / "000000000005" / "manifest.json").read_bytes()
-        ckpt.save({"w": b}, step=5).wait(30)  # a re-save: replaces the manifest, removes attempt A
-    (tmp_path / "next.json").write_bytes((root / "000000000005" / "manifest.json").read_bytes())
-    shutil.copytree(tmp_path / "attempt-a", attempt_a)
-    (root / "000000000005" / "manifest.json").write_bytes(manifest_a)  # version A is the latest again
-    results = ok(
-        run_ranks(
-            "shared_spool_and_load_agreement", 2, tmp_path / "job", root=str(root), agree_timeout=20.0,
-            next_manifest=str(tmp_path / "next.json"),
-        ),
-        tmp_path / "job",
-    )  # fmt: skip
-    for rank, result in enumerate(results):
+def test_ranks_sharing_a_spool_fail_at_once_and_a_load_agrees_on_the_save_id(
+    local_faults: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(result["load"] for result in local_faults):
         # before: one rank took the lock and went on; the other raised; the next save or
         # load then hung for agree_timeout
         outcome, seconds = result["shared_spool"]
