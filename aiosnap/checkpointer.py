@@ -178,6 +178,22 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
     return handlers + list(extra)
 
 
+def _check_multi_rank_storage(storage: Storage) -> None:
+    """:class:`ConfigError` unless ``storage`` can carry multi-rank saves: their verdict is
+    written only if absent, and exactly one writer must win (a coordinator's commit claim
+    or another rank's abort), else a rank's data could be removed under a commit."""
+    if not storage.conditional_writes:
+        hint = (
+            "set s3.conditional_commit: true (the store must support If-None-Match)"
+            if storage.url.startswith("s3://")
+            else f"{type(storage).__name__} must set conditional_writes = True (write(if_absent=True): one writer wins)"
+        )
+        raise ConfigError(
+            f"{storage.url}: a multi-rank checkpointer needs a store with conditional writes, so that one verdict per "
+            f"save holds for every rank; {hint}"
+        )
+
+
 class _Core:
     """What both APIs share: config, the loop thread, the engine, the lifecycle.
 
@@ -200,13 +216,14 @@ class _Core:
         event_handlers: Sequence[EventHandler] = (),
     ) -> None:
         self.config = Config.coerce(config)
-        self._job = DistributedJob(
-            self.config.distributed, ProcessGroupInfo.of(process_group, rank, world_size), process_group
-        )
-        group = self._job.info
-        ram_budget = self.config.ram_budget_bytes()
+        info = ProcessGroupInfo.of(process_group, rank, world_size)
         if storage is None:
             storage = storage_for(self.config.storage.url, self.config)
+        if info.world_size > 1:
+            _check_multi_rank_storage(storage)
+        self._job = DistributedJob(self.config.distributed, info, process_group)
+        group = self._job.info
+        ram_budget = self.config.ram_budget_bytes()
         self.rank = group.rank
         self.world_size = group.world_size
         self._storage = storage
@@ -253,6 +270,8 @@ class _Core:
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view._storage = storage if storage is not None else storage_for(url, self.config)
+        if self.world_size > 1:
+            _check_multi_rank_storage(view._storage)
         view._keep_last = keep_last
         view._views = []
         view._layouts = LayoutMemo()
@@ -521,11 +540,14 @@ class Checkpointer(_Core):
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         with self._load_events(step) as scope:
             for attempt in self._job.load_attempts(skip_rank_local):
-                latest = None
+                latest, failure = None, None
                 if self._job.needs_latest(step):
-                    found: list[int] = await self._call(self._engine.steps(self._storage))
-                    latest = found[-1] if found else None
-                scope.step = chosen = self._job.load_step(step, latest)
+                    try:
+                        found: list[int] = await self._call(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
                 read = self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
                 try:
                     manifest, tensors = await self._call(read)
@@ -650,11 +672,14 @@ class SyncCheckpointer(_Core):
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         with self._load_events(step) as scope:
             for attempt in self._job.load_attempts(skip_rank_local):
-                latest = None
+                latest, failure = None, None
                 if self._job.needs_latest(step):
-                    found = self._loop.run(self._engine.steps(self._storage))
-                    latest = found[-1] if found else None
-                scope.step = chosen = self._job.load_step(step, latest)
+                    try:
+                        found = self._loop.run(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
                 try:
                     manifest, tensors = self._loop.run(
                         self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)

@@ -399,6 +399,11 @@ def gc_command(
         out.print(f"kept (younger than {grace}): {prefix}")
     for prefix in report.kept_live:
         out.print(f"kept (a multi-rank save in progress: a live heartbeat or a young verdict): {prefix}")
+    for prefix in report.kept_undecided:
+        out.print(
+            f"kept (a multi-rank save whose commit was claimed, and whose manifest never appeared: its coordinator "
+            f"may still write it; remove it by hand once its job is gone): {prefix}"
+        )
     for step in report.kept_unreadable:
         out.print(f"kept (manifest unreadable, never guessed about): step {step}")
     for prefix in report.skipped:

@@ -34,7 +34,7 @@ from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
 from .core.names import attempt_prefix, step_dir
-from .errors import StepOrderError, UploadProcessError
+from .errors import RankTimeoutError, StepOrderError, UploadProcessError
 from .format.manifest import Manifest
 from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
@@ -60,6 +60,10 @@ ABORT_GRACE_S = 10.0
 waiting (``close(timeout)``): an upload process that does not answer by then (stopped,
 wedged) is killed; its saves fail with UploadProcessError, except those whose step is read
 back as committed."""
+
+CLOSE_LOOK_S = 1.0
+"""How long a multi-rank save that ``close(timeout)`` gave up on, whose upload process had to
+be killed, still looks for its verdict (its part delivered) before it is left undecided."""
 
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
@@ -488,7 +492,9 @@ class Engine:
             else:
                 job.captured.set_exception(failure)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
-        elif not cancelled and not (job.cancelled_by_close and isinstance(failure, UploadProcessError)):
+        elif not cancelled and not (
+            job.cancelled_by_close and isinstance(failure, (UploadProcessError, RankTimeoutError))
+        ):  # (close's own TimeoutError reports a save it gave up on)
             self.failures.record(failure)  # before the handle can hand it out: see FailureLedger
         if cancelled:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {step} was cancelled"))
@@ -570,9 +576,12 @@ class Engine:
 
     async def _rank_lost(self, job: _SaveJob, error: BaseException) -> None:
         """The upload process died with this rank's part of a multi-rank save: leave the
-        marker the other ranks need, or (its part delivered) wait here for the verdict."""
+        marker the other ranks need, or (its part delivered) wait here for the verdict --
+        briefly (:data:`CLOSE_LOOK_S`) when ``close(timeout)`` gave the save up, which then
+        ends undecided."""
+        wait_s = CLOSE_LOOK_S if job.cancelled_by_close else None
         try:
-            await settle_without_transfer(job.storage, job.plan.spec, error, self.config.distributed)
+            await settle_without_transfer(job.storage, job.plan.spec, error, self.config.distributed, wait_s=wait_s)
             outcome = TransferOutcome(committed=True)
         except Exception as exc:
             outcome = TransferOutcome(committed=False, error=exc)
@@ -670,7 +679,10 @@ class Engine:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
-            raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
+            raise TimeoutError(
+                f"{len(pending)} save(s) did not finish within {timeout} s and were cancelled (each handle says how it "
+                "ended: a multi-rank save whose part was delivered may still be committed by its coordinator)"
+            )
 
     async def resume(
         self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None

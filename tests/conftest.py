@@ -43,6 +43,7 @@ class FaultyStorage(Storage):
         self.inner = inner
         self.url = inner.url
         self.settled_writes = inner.settled_writes
+        self.conditional_writes = inner.conditional_writes
         self.single_file = inner.single_file
         self.fail_when = fail_when
         self.error = error

@@ -35,7 +35,8 @@ from ..format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, S
 from ..load.reshard import ShardTarget, overlaps
 from ..storage.base import Storage
 from ..transfer.commit import commit_manifest
-from ..transfer.rank_commit import deliver_part, gather_manifest, wait_for_commit
+from ..transfer.rank_commit import deliver_part, gather_manifest
+from ..transfer.rank_wait import wait_for_commit
 
 __all__ = ["main"]
 
@@ -48,7 +49,8 @@ class Counting:
     """Counts a storage's requests by kind (LIST, GET, PUT, HEAD); delegates everything."""
 
     KINDS: ClassVar[dict[str, str]] = {
-        "list_children": "LIST", "read": "GET", "write": "PUT", "exists": "HEAD", "size": "HEAD",
+        "list_children": "LIST", "read": "GET", "write": "PUT", "write_marker": "PUT", "exists": "HEAD",
+        "size": "HEAD",
     }  # fmt: skip
 
     def __init__(self, inner: Storage) -> None:

@@ -16,13 +16,15 @@ import logging
 import threading
 from collections import OrderedDict
 
-from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
+from ..core.names import manifest_name, parse_step_dir, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
+from .tombstones import Tombstones, retire_attempt
 
 __all__ = [
     "apply_retention",
+    "committed_document",
     "committed_steps",
     "latest_committed",
     "manifest_of",
@@ -147,22 +149,35 @@ async def manifest_of(storage: Storage, step: int | None) -> Manifest:
 async def committed_save_id(storage: Storage, step: int) -> str | None:
     """The save id of ``step``'s manifest; None when there is none or it cannot be read.
     A manifest this process has validated before, byte for byte, is not validated again."""
+    found = await committed_document(storage, step)
+    return None if found is None else found[1]
+
+
+async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | None] | None:
+    """The bytes of ``step``'s manifest and its save id (None when it cannot be read); None
+    when there is no manifest."""
     try:
         data = await _manifest_bytes(storage, step)
-        known = _TRUSTED.save_id(step, data)
-        return known if known is not None else _validated(data, storage, step).save_id
-    except (CheckpointNotFoundError, CorruptCheckpointError):
+    except CheckpointNotFoundError:
         return None
+    known = _TRUSTED.save_id(step, data)
+    if known is not None:
+        return data, known
+    try:
+        return data, _validated(data, storage, step).save_id
+    except CorruptCheckpointError:
+        return data, None
 
 
-async def remove_step(storage: Storage, step: int) -> None:
-    """Uncommit ``step`` (manifest first), then delete the attempt folder it named. Other
-    attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap gc``;
-    so is the data of a step whose manifest could not be read."""
+async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
+    """Uncommit ``step`` (manifest first), then delete the attempt folder it named (with
+    ``tombstones``, a multi-rank attempt's verdict stays a while: see :mod:`.tombstones`).
+    Other attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap
+    gc``; so is the data of a step whose manifest could not be read."""
     save_id = await committed_save_id(storage, step)
     await storage.delete(manifest_name(step))
     if save_id is not None:
-        await storage.delete_prefix(attempt_prefix(step, save_id))
+        await retire_attempt(storage, step, save_id, tombstones)
     await storage.remove_empty_folder(step_dir(step))
 
 
@@ -183,15 +198,20 @@ async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -
 
 
 async def apply_retention(
-    storage: Storage, keep_last: int | None, just_committed: int, in_flight_steps: set[int]
+    storage: Storage,
+    keep_last: int | None,
+    just_committed: int,
+    in_flight_steps: set[int],
+    tombstones: Tombstones | None = None,
 ) -> list[int]:
     """Delete what :func:`retention_victims` names; never ``just_committed`` and never a
-    step with a save in flight. Returns the steps deleted."""
+    step with a save in flight (``tombstones``: see :func:`remove_step`). Returns the steps
+    deleted."""
     if keep_last is None:
         return []
     doomed = await retention_victims(storage, keep_last, {just_committed, *in_flight_steps})
     for step in doomed:
-        await remove_step(storage, step)
+        await remove_step(storage, step, tombstones)
     return doomed
 
 

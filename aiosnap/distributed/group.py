@@ -128,11 +128,17 @@ class RankGroup:
             raise RanksDisagreeError(f"step {mine.step}: {_first_difference(listed)}; {hint}")
         return found
 
-    def agree_step(self, step: int | None) -> int | None:
-        """Rank 0's choice of step for a load, for every rank."""
+    def agree_step(self, step: int | None, *, failed: bool = False) -> int | None:
+        """Rank 0's choice of step for a load, for every rank; ``failed``: rank 0 could not
+        look the latest step up, and every other rank raises :class:`RankFailedError` (rank
+        0 raises its own error)."""
         self._arrive("load()")
         words = [-1, 0] if step is None else [step // _HALF, step % _HALF]
-        first = self._exchange(_LOAD, words + [0] * (_WORDS - 2))[0]
+        first = self._exchange(_LOAD, words + [int(failed)] + [0] * (_WORDS - 3))[0]
+        if first[2]:
+            raise RankFailedError(
+                "load(): rank 0 could not look up the latest committed step (it raises its own error); no rank loads"
+            )
         return None if first[0] < 0 else first[0] * _HALF + first[1]
 
     def agree_spools(self, digest: int) -> list[int]:

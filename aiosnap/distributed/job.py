@@ -107,12 +107,22 @@ class DistributedJob:
         """Whether this rank must look up the latest step for :meth:`load_step`."""
         return self.group is not None and step is None and self.rank == COORDINATOR
 
-    def load_step(self, step: int | None, latest: int | None) -> int | None:
+    def load_step(self, step: int | None, latest: int | None, failure: BaseException | None = None) -> int | None:
         """The step every rank loads: ``step``, or the latest committed step as rank 0 saw
         it (``latest``: rank 0's lookup), so that a commit landing meanwhile cannot make
-        ranks load different steps. Every rank calls ``load()`` with the same ``step``."""
+        ranks load different steps. Every rank calls ``load()`` with the same ``step``.
+        ``failure``: rank 0's lookup failed; it still takes part in the agreement, as failed
+        (the other ranks raise :class:`RankFailedError` at once), then raises ``failure``."""
         if self.group is None or step is not None:
+            if failure is not None:
+                raise failure
             return step
+        if failure is not None:
+            try:
+                self.group.agree_step(None, failed=True)
+            except Exception as exc:  # RankFailedError: expected; anything else: the lookup's error matters more
+                log.debug("aiosnap: rank %d left load(): %r", self.rank, exc)
+            raise failure
         return self.group.agree_step(latest)
 
     def view(self, skip_rank_local: bool) -> Callable[[Manifest], Manifest]:

@@ -3,8 +3,9 @@ happened, beside their parts (:mod:`.parts`) in the attempt folder ``<step>/<sav
 Pure code: names and documents, no I/O. Everything read back is untrusted input.
 
 - ``rank-<r>.alive``: rank ``r``'s heartbeat, rewritten while its part is in flight
-  (:mod:`aiosnap.transfer.heartbeat`); ``aiosnap gc`` leaves an attempt alone while one is
-  younger than the lease it states.
+  (:mod:`aiosnap.transfer.heartbeat`): a counter, the rank's phase and its progress (chunks
+  captured and uploaded); ``aiosnap gc`` leaves an attempt alone while one changes within
+  the lease it states.
 - ``rank-<r>.failed``: rank ``r``'s part failed (see :func:`~.parts.failed_name`).
 - ``verdict``: the one verdict of the save, written only if absent (so exactly one writer
   wins): ``commit``, claimed by the coordinator once every part is in and every object it
@@ -12,7 +13,10 @@ Pure code: names and documents, no I/O. Everything read back is untrusted input.
   coordinator giving up, or by a follower that found the coordinator stopped. An ``abort``
   is final: no manifest of this save is ever written after it, and every rank removes its
   own data. A ``commit`` is followed by the manifest; only the coordinator may turn it into
-  ``abort``, and only when its manifest was refused (another writer's is there).
+  ``abort``, and only when its manifest was refused, or found, once written, to name objects
+  that are gone. When a committed multi-rank step is later removed (retention, a re-save),
+  its ``commit`` verdict stays for :data:`VERDICT_READ_S` as the only object of its folder:
+  a rank that had not seen the manifest yet learns that its save did commit.
 """
 
 from __future__ import annotations
@@ -27,17 +31,25 @@ from ..core.names import attempt_prefix
 __all__ = [
     "MAX_HEARTBEAT_BYTES",
     "MAX_VERDICT_BYTES",
+    "VERDICT_FILE",
+    "VERDICT_READ_S",
     "Verdict",
     "heartbeat_document",
+    "heartbeat_interval",
     "heartbeat_lease",
     "heartbeat_name",
     "heartbeat_phase",
+    "heartbeat_progress",
     "verdict_name",
 ]
 
 MAX_HEARTBEAT_BYTES = 4096
 MAX_VERDICT_BYTES = 8192
 MAX_LEASE_S = 86400.0
+VERDICT_FILE = "verdict"
+VERDICT_READ_S = 60.0
+"""How long after a multi-rank save's verdict was written its ranks may still be reading it:
+``aiosnap gc`` leaves the attempt alone that long, and a removed step's verdict stays that long."""
 Phase = Literal["uploading", "gathering"]
 
 
@@ -46,13 +58,15 @@ def heartbeat_name(step: int, save_id: str, rank: int) -> str:
 
 
 def verdict_name(step: int, save_id: str) -> str:
-    return f"{attempt_prefix(step, save_id)}/verdict"
+    return f"{attempt_prefix(step, save_id)}/{VERDICT_FILE}"
 
 
-def heartbeat_document(rank: int, beat: int, phase: Phase, pid: int, interval_s: float, timeout_s: float) -> bytes:
+def heartbeat_document(
+    rank: int, beat: int, phase: Phase, pid: int, interval_s: float, timeout_s: float, progress: int = 0
+) -> bytes:
     return json.dumps({
         "format": "aiosnap-heartbeat", "rank": rank, "beat": beat, "phase": phase, "pid": pid,
-        "interval_s": interval_s, "timeout_s": timeout_s,
+        "interval_s": interval_s, "timeout_s": timeout_s, "progress": progress,
     }).encode()  # fmt: skip
 
 
@@ -72,13 +86,31 @@ def heartbeat_phase(document: bytes) -> Phase | None:
     return None
 
 
+def _seconds(document: bytes, key: str) -> float | None:
+    value = _heartbeat_field(document, key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_LEASE_S:
+        return None
+    return float(value)
+
+
 def heartbeat_lease(document: bytes) -> float | None:
     """How long after it was written a heartbeat proves its rank alive (its ``timeout_s``),
     for ``aiosnap gc``; None when ``document`` is not a heartbeat."""
-    lease = _heartbeat_field(document, "timeout_s")
-    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 0 < lease <= MAX_LEASE_S:
+    return _seconds(document, "timeout_s")
+
+
+def heartbeat_interval(document: bytes) -> float | None:
+    """How often the rank that wrote ``document`` rewrites it (None: not a heartbeat)."""
+    return _seconds(document, "interval_s")
+
+
+def heartbeat_progress(document: bytes) -> int | None:
+    """The rank's progress when it wrote ``document``: a count that grows with every chunk
+    it captured or uploaded (None: not a heartbeat)."""
+    progress = _heartbeat_field(document, "progress")
+    if not isinstance(progress, int) or isinstance(progress, bool) or not 0 <= progress < 2**63:
         return None
-    return float(lease)
+    return progress
 
 
 class Verdict(BaseModel):

@@ -18,6 +18,7 @@ import abc
 import asyncio
 import bisect
 import contextlib
+import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +27,19 @@ from typing import Any
 from ..core.checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
 
-__all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
+__all__ = [
+    "BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "in_control_lane", "preadv_all",
+]  # fmt: skip
 
 BytesLike = bytes | bytearray | memoryview
+
+_CONTROL_LANE: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_control_lane", default=False)
+
+
+def in_control_lane() -> bool:
+    """Whether the write running now is a :meth:`Storage.write_marker` (backends serve those
+    apart from data writes: they must never queue behind them)."""
+    return _CONTROL_LANE.get()
 
 
 def _read_file(path: str) -> bytes:
@@ -65,6 +76,7 @@ class ScatterTarget:
 
 
 _IOV_MAX = 1024
+_DELETES_AT_ONCE = 16
 
 
 def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -101,6 +113,11 @@ class Storage(abc.ABC):
     """True when a :meth:`write` that returned, raised or was cancelled can have no effect
     later (local files: the rename happened or it did not). False for object stores, where
     a request abandoned mid-way may still land."""
+    conditional_writes: bool = False
+    """True when ``write(name, data, if_absent=True)`` lets exactly one of several writers of
+    ``name`` win (local files: an atomic link; S3: ``If-None-Match`` with
+    ``s3.conditional_commit``). A multi-rank save needs it: of its coordinator claiming the
+    commit and another rank declaring the save aborted, exactly one must win."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
     (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): saves to it are planned as one file."""
@@ -115,6 +132,18 @@ class Storage(abc.ABC):
         """Store ``data`` under ``name``, atomically and durably (replaces an old object).
 
         With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
+
+    async def write_marker(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        """:meth:`write` of a small control object of a multi-rank save (a heartbeat, the
+        verdict, a failure report), which must never wait behind data writes: a heartbeat
+        queued behind a rank's uploads would make that live rank look stopped. Backends
+        serve it in a lane of its own (:func:`in_control_lane` is true while it runs); this
+        default is :meth:`write` in that lane."""
+        token = _CONTROL_LANE.set(True)
+        try:
+            await self.write(name, data, if_absent=if_absent)
+        finally:
+            _CONTROL_LANE.reset(token)
 
     async def write_file(self, name: str, path: str) -> None:
         """Store the local file ``path`` under ``name`` (used for spooled chunks).
@@ -186,6 +215,19 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``; a missing prefix is not an error."""
+
+    async def delete_many(self, names: Sequence[str]) -> None:
+        """Delete each of ``names`` (missing ones are not an error). This default deletes
+        them one by one, a few at a time; backends with a batch delete use it."""
+        limit = asyncio.Semaphore(_DELETES_AT_ONCE)
+
+        async def one(name: str) -> None:
+            async with limit:
+                await self.delete(name)
+
+        async with asyncio.TaskGroup() as group:
+            for name in names:
+                group.create_task(one(name))
 
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), names relative to the root. Used by

@@ -23,13 +23,16 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from ..catalog.steps import committed_save_id, latest_committed, read_manifest, trust_committed
+from ..catalog.steps import committed_document, latest_committed, read_manifest, trust_committed
+from ..catalog.tombstones import Tombstones, retire_attempt
 from ..core.names import attempt_prefix, manifest_name, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
 from ..format.manifest import Manifest
 from ..storage.base import Storage
 
-__all__ = ["Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
+__all__ = [
+    "Preflight", "commit_manifest", "preflight", "remove_attempt", "remove_replaced", "whose_commit", "write_manifest",
+]  # fmt: skip
 
 log = logging.getLogger("aiosnap")
 
@@ -72,8 +75,21 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
     another writer committed the step first. A re-save (``replace``) replaces the step's
     manifest, then removes the attempt folder the old one named (a failure there is only
     logged: the save has committed)."""
-    name = manifest_name(manifest.step)
     document = manifest.to_json()
+    replaced = await write_manifest(storage, manifest, document, replace=replace)
+    if replaced is not None:
+        await remove_replaced(storage, manifest, replaced[0])
+    return len(document)
+
+
+async def write_manifest(
+    storage: Storage, manifest: Manifest, document: bytes, *, replace: bool
+) -> tuple[str | None, bytes] | None:
+    """Write ``document`` (``manifest`` as JSON) as the step's manifest: the commit point. A
+    new step's only if still absent (:class:`FileExistsError` if another writer committed
+    it first). For a re-save (``replace``), what it replaced: that manifest's save id (None
+    if unreadable) and bytes; None when nothing was replaced."""
+    name = manifest_name(manifest.step)
     if not replace:
         try:
             await storage.write(name, document, if_absent=True)
@@ -85,16 +101,24 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
                     "while this save ran; not overwriting it"
                 ) from exc
         trust_committed(manifest.step, document, manifest.save_id)
-        return len(document)
-    replaced = await committed_save_id(storage, manifest.step)
+        return None
+    old = await committed_document(storage, manifest.step)
     await storage.write(name, document)
     trust_committed(manifest.step, document, manifest.save_id)
-    if replaced is not None and replaced != manifest.save_id:
-        try:
-            await storage.delete_prefix(attempt_prefix(manifest.step, replaced))
-        except Exception as exc:
-            log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
-    return len(document)
+    return None if old is None else (old[1], old[0])
+
+
+async def remove_replaced(
+    storage: Storage, manifest: Manifest, replaced: str | None, tombstones: Tombstones | None = None
+) -> None:
+    """After a re-save's commit: remove the attempt the old manifest named (a failure is
+    only logged: the save has committed)."""
+    if replaced is None or replaced == manifest.save_id:
+        return
+    try:
+        await retire_attempt(storage, manifest.step, replaced, tombstones)
+    except Exception as exc:
+        log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
 
 
 async def whose_commit(

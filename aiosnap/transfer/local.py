@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..catalog.steps import apply_retention
+from ..catalog.tombstones import Tombstones
 from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
@@ -28,8 +30,9 @@ from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
 from .heartbeat import Heartbeat
-from .rank_commit import Reached, check_objects, deliver_part, gather_manifest, wait_for_commit
+from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
+from .rank_wait import wait_for_commit
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 
@@ -67,6 +70,11 @@ class LocalTransfer:
         self._cleanups: set[asyncio.Task[None]] = set()
         self._abandoned = False
         self._warm_ups: set[asyncio.Task[None]] = set()
+        self.tombstones = Tombstones()
+        """Verdicts of multi-rank steps this side removed, kept a while for their ranks."""
+        self.trainer_alive: Callable[[], bool] | None = None
+        """In an upload process: whether its trainer still pings it (heartbeats pause
+        otherwise, so that a stopped or wedged trainer stops them too)."""
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
@@ -173,6 +181,8 @@ class LocalTransfer:
                 log.warning("aiosnap: %d failed attempt(s) not removed by close(); `aiosnap gc` will", len(late))
                 await asyncio.wait(late)
         for storage in self._roots.values():
+            if self.tombstones:
+                await self.tombstones.sweep(storage)  # the young ones are left for gc
             await storage.close()
         self._roots.clear()
 
@@ -215,11 +225,16 @@ class _Upload:
         self._stages: dict[str, float] = {}
         self._ran = False
         self.reached: Reached = "uploading"
-        self.heartbeat = None if spec.distributed is None else Heartbeat(storage, spec, owner.config.distributed)
+        self.heartbeat = (
+            None if spec.distributed is None
+            else Heartbeat(storage, spec, owner.config.distributed, alive=owner.trainer_alive)
+        )  # fmt: skip
 
     def put(self, chunk: Staged) -> None:
         self._outstanding.add(chunk.index)
         self._queue.put_nowait(chunk)
+        if self.heartbeat is not None:
+            self.heartbeat.advance()  # captured
 
     def all_staged(self) -> None:
         for _ in range(self._workers):
@@ -227,6 +242,8 @@ class _Upload:
         self.may_start.set()
 
     def _done(self, index: int, pieces: list[int] | None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.advance()  # uploaded (or given back)
         if index in self._outstanding:
             self._outstanding.discard(index)
             self.owner.listener.done_with(self.save_id, index, pieces)
@@ -298,28 +315,34 @@ class _Upload:
             self.owner.listener.stage_ended(self.save_id, "commit", part_bytes, self._stages["commit"])
             return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
         if dist is not None:
-            manifest = await self._gather(crcs)
-        else:
-            manifest = build_manifest(self.spec, crcs)
+            manifest, document = await self._gather(crcs)
         self.commit_started = True
         self.reached = "committing"
-        manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
+        if dist is not None:  # the commit is checked to stand once its manifest landed: only then retention
+            manifest_bytes = await commit_claimed(
+                self.storage, self.spec, manifest, document, replace=decided.replaces, tombstones=self.owner.tombstones
+            )
+        else:
+            manifest = build_manifest(self.spec, crcs)
+            manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention()
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
 
-    async def _gather(self, crcs: Checksums) -> Manifest:
-        """Coordinator: every rank's part merged, its objects checked, the commit claimed."""
+    async def _gather(self, crcs: Checksums) -> tuple[Manifest, bytes]:
+        """Coordinator: every rank's part merged, its objects checked, the manifest
+        serialized (so that after the claim only its write remains), the commit claimed."""
         assert self.heartbeat is not None
         self.reached = self.heartbeat.phase = "gathering"
         manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed)
         await check_objects(self.storage, manifest)
+        document = manifest.to_json()
         self.reached = "claiming"
         verdict = await claim_verdict(self.storage, self.spec, "commit")
         if verdict.verdict == "abort":  # a follower found this rank stopped (its heartbeat late)
             raise given_up(self.spec, verdict)
-        return manifest
+        return manifest, document
 
     async def _worker(self, crcs: Checksums, clock: _StageClock) -> None:
         await self.may_start.wait()
@@ -337,8 +360,11 @@ class _Upload:
 
     async def _retention(self) -> list[int]:
         busy = self.owner.busy_steps(self.storage) - {self.spec.step}
+        tombstones = None if self.spec.distributed is None else self.owner.tombstones
         try:
-            return await apply_retention(self.storage, self.keep_last, self.spec.step, busy)
+            if tombstones is not None:
+                await tombstones.sweep(self.storage)
+            return await apply_retention(self.storage, self.keep_last, self.spec.step, busy, tombstones)
         except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
             log.warning("aiosnap: retention after step %d failed: %r", self.spec.step, exc)
             return []

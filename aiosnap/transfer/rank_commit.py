@@ -1,4 +1,5 @@
-"""The commit of a multi-rank save, through storage only (loop thread or upload process).
+"""The commit of a multi-rank save, through storage only (loop thread or upload process):
+the coordinator's side (the other ranks wait in :mod:`.rank_wait`).
 
 No collective runs here: ranks learn about each other from objects in the attempt folder
 (:mod:`aiosnap.format.markers`), and every way the save can end leaves one verdict there.
@@ -8,19 +9,19 @@ No collective runs here: ranks learn about each other from objects in the attemp
 - The coordinator (rank 0) waits for every part, bounded by ``commit_timeout`` from the end
   of its own upload, and names a rank whose heartbeat stopped after ``heartbeat_timeout``;
   reads and checks each part as it appears; merges them; checks that every object the merge
-  names is in storage; claims the ``commit`` verdict; writes the step's manifest, by the same
-  rules as a single-rank save (:mod:`aiosnap.transfer.commit`).
-- The other ranks wait until the step's manifest names their save (committed), or the
-  verdict is ``abort`` (:class:`RankFailedError` with its reason). They wait as long as the
-  coordinator's heartbeat goes on (a slow coordinator is no failure); once it has stopped
-  for ``heartbeat_timeout`` they declare the save aborted (if the coordinator has not
-  claimed the commit first) and name it.
+  names is in storage; serializes the manifest; claims the ``commit`` verdict; writes the
+  step's manifest, by the same rules as a single-rank save (:mod:`aiosnap.transfer.commit`);
+  then checks that the commit stands (:func:`commit_claimed`: its claim still in force,
+  every object still there: a coordinator held up after its claim may find them removed),
+  and only then removes what the manifest replaced and lets retention run. A commit that
+  does not stand is taken back (the manifest removed, or the replaced one restored) and the
+  verdict becomes ``abort``.
 - A rank whose part fails before its part is written leaves ``rank-<r>.failed``: the
   coordinator gives up at once (settling a failed part: :mod:`.rank_settle`). Giving up, the
   coordinator writes the ``abort`` verdict first; after that no manifest of this save is ever
   written, and each rank removes its own folder. Data that might still be committed (a part
   delivered, no verdict yet) is never removed: it is left to ``aiosnap gc``, which leaves
-  alone an attempt with a live heartbeat.
+  alone an attempt with a live heartbeat or a standing ``commit`` claim.
 
 Requests grow linearly with ranks: each rank writes one part and a heartbeat per interval
 and polls two small objects with backoff; the coordinator lists the attempt folder per poll,
@@ -36,24 +37,21 @@ import random
 import time
 from typing import Literal
 
-from ..catalog.steps import committed_save_id, latest_committed, read_manifest
+from ..catalog.steps import committed_document
+from ..catalog.tombstones import Tombstones
 from ..config import DistributedConfig
 from ..core.aio import run_all
 from ..core.names import attempt_prefix, manifest_name
-from ..errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    RankFailedError,
-    RankTimeoutError,
-)
+from ..errors import CorruptCheckpointError, RankFailedError, RankTimeoutError
 from ..format.manifest import Checksums, Manifest
-from ..format.parts import RankPart, build_part, failed_name, merge_parts, part_name
+from ..format.parts import MAX_PART_BYTES, RankPart, build_part, failed_name, merge_parts, part_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
+from .commit import remove_replaced, write_manifest
 from .heartbeat import PeerWatch
-from .verdict import claim_verdict, given_up, read_verdict
+from .verdict import given_up, overrule_commit, read_verdict
 
-__all__ = ["GRACE_S", "Reached", "check_objects", "deliver_part", "gather_manifest", "wait_for_commit"]
+__all__ = ["GRACE_S", "Backoff", "Reached", "check_objects", "commit_claimed", "deliver_part", "gather_manifest"]
 
 log = logging.getLogger("aiosnap")
 
@@ -78,7 +76,7 @@ async def deliver_part(storage: Storage, spec: SaveSpec, crcs: Checksums) -> int
     return len(document)
 
 
-class _Backoff:
+class Backoff:
     """Polls from every few milliseconds (a commit lands moments after the last part) to
     every :data:`LAST_POLL_S` (or more in large jobs), with jitter."""
 
@@ -98,12 +96,12 @@ class _Backoff:
         return True
 
 
-def _listed(ranks: list[int]) -> str:
+def listed(ranks: list[int]) -> str:
     return f"{ranks[:16]}{' and more' if len(ranks) > 16 else ''}"
 
 
 def _missing(world: int, have: set[int]) -> str:
-    return _listed([r for r in range(world) if r not in have])
+    return listed([r for r in range(world) if r not in have])
 
 
 async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, config: DistributedConfig) -> Manifest:
@@ -114,14 +112,14 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, conf
     assert spec.distributed is not None
     world, folder = spec.world_size, attempt_prefix(spec.step, spec.save_id)
     parts: dict[int, RankPart] = {spec.rank: build_part(spec, own)}
-    backoff = _Backoff(time.monotonic() + spec.distributed.commit_timeout, world)
+    backoff = Backoff(time.monotonic() + spec.distributed.commit_timeout, world)
     watch = PeerWatch(storage, spec, config)
     limit = asyncio.Semaphore(_READS_AT_ONCE)
 
     async def read(rank: int) -> None:
         name = part_name(spec.step, spec.save_id, rank)
         async with limit:
-            data = await storage.read(name)
+            data = await storage.read(name, limit=MAX_PART_BYTES)
         part = RankPart.from_json(data, where=f"{storage.url}/{name}")
         if part.rank != rank:
             raise CorruptCheckpointError(f"{storage.url}/{name}: a part of rank {part.rank}")
@@ -144,7 +142,7 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, conf
         stopped = await watch.stopped(r for r in range(world) if r not in parts)
         if stopped:
             raise RankTimeoutError(
-                f"step {spec.step}: rank(s) {_listed(stopped)} stopped before delivering their part of the save: no "
+                f"step {spec.step}: rank(s) {listed(stopped)} stopped before delivering their part of the save: no "
                 f"heartbeat for {watch.silence(stopped[0]):.1f} s (heartbeat_timeout "
                 f"{config.heartbeat_timeout:g} s); nothing was committed"
             )
@@ -160,9 +158,10 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, conf
 
 
 async def check_objects(storage: Storage, manifest: Manifest) -> None:
-    """Coordinator, before it claims the commit: every object ``manifest`` names is in
-    storage, whole. :class:`RankFailedError` naming those that are not (``aiosnap gc``, or
-    another tool, removed them): committing would make a step that cannot be loaded."""
+    """Coordinator, before it claims the commit and once its manifest is written: every
+    object ``manifest`` names is in storage, whole. :class:`RankFailedError` naming those
+    that are not (``aiosnap gc``, or another tool, removed them): committing would make a
+    step that cannot be loaded."""
     try:
         stored = {o.name: o.size for o in await storage.walk(attempt_prefix(manifest.step, manifest.save_id))}
     except NotImplementedError:
@@ -182,9 +181,73 @@ async def check_objects(storage: Storage, manifest: Manifest) -> None:
         names = ", ".join(o.name for o in wrong[:5]) + (" ..." if len(wrong) > 5 else "")
         ranks = sorted({o.rank for o in wrong})
         raise RankFailedError(
-            f"step {manifest.step}: {len(wrong)} object(s) of rank(s) {_listed(ranks)} are missing from {storage.url} "
+            f"step {manifest.step}: {len(wrong)} object(s) of rank(s) {listed(ranks)} are missing from {storage.url} "
             f"or not of their size ({names}): removed by `aiosnap gc` or another tool? Nothing was committed"
         )
+
+
+async def commit_claimed(
+    storage: Storage,
+    spec: SaveSpec,
+    manifest: Manifest,
+    document: bytes,
+    *,
+    replace: bool,
+    tombstones: Tombstones | None = None,
+) -> int:
+    """Coordinator, its ``commit`` claimed: write ``document`` (``manifest`` as JSON) as the
+    step's manifest, then check that the commit stands before anything relies on it: the
+    verdict is still its own ``commit``, and every object the manifest names is there,
+    whole. A coordinator held up after its claim (a paused machine, a stalled loop) may find
+    them gone (``aiosnap gc``, another tool). Only then is the attempt a re-save replaced
+    removed (keeping its verdict a while, in ``tombstones``) and may retention run. A commit
+    that does not stand is taken back (the manifest removed, or the one it replaced written
+    back), the verdict becomes ``abort``, and :class:`RankFailedError` says why. Returns the
+    manifest's size."""
+    replaced = await write_manifest(storage, manifest, document, replace=replace)
+    problem = await _commit_fails(storage, spec, manifest)
+    if problem is not None:
+        await _take_back(storage, manifest, None if replaced is None else replaced[1])
+        await overrule_commit(storage, spec, problem)
+        raise problem
+    if replaced is not None:
+        await remove_replaced(storage, manifest, replaced[0], tombstones)
+    return len(document)
+
+
+async def _commit_fails(storage: Storage, spec: SaveSpec, manifest: Manifest) -> RankFailedError | None:
+    """Why the commit just written does not stand (None: it does)."""
+    verdict = await read_verdict(storage, spec)
+    if verdict is None or verdict.verdict != "commit" or verdict.rank != spec.rank:
+        why = "is gone" if verdict is None else f"was overruled by rank {verdict.rank}: {verdict.reason}"
+        return RankFailedError(
+            f"step {spec.step}: this rank's commit claim {why} by the time its manifest was written (it was held up "
+            "after claiming); the manifest is taken back: nothing was committed"
+        )
+    try:
+        await check_objects(storage, manifest)
+    except RankFailedError as exc:
+        return RankFailedError(
+            f"{exc}, although they were there when the commit was claimed (this rank was held up after its claim): "
+            "the manifest is taken back"
+        )
+    return None
+
+
+async def _take_back(storage: Storage, manifest: Manifest, replaced: bytes | None) -> None:
+    """Remove the manifest just written (or write back the one it replaced), if the step's
+    manifest is still this save's."""
+    name = manifest_name(manifest.step)
+    try:
+        found = await committed_document(storage, manifest.step)
+        if found is None or found[1] != manifest.save_id:
+            return  # not ours any more: another writer's, left alone
+        if replaced is None:
+            await storage.delete(name)
+        else:
+            await storage.write(name, replaced)
+    except Exception as exc:
+        log.error("aiosnap: step %d: could not take back a manifest naming missing objects: %r", manifest.step, exc)
 
 
 async def _read_reason(storage: Storage, name: str) -> str:
@@ -193,90 +256,3 @@ async def _read_reason(storage: Storage, name: str) -> str:
         return f"{doc['error']}: {doc['message']}"[:1200] + f" (rank {int(doc['rank'])})"
     except Exception:
         return "(no reason recorded)"
-
-
-async def _names_this_save(storage: Storage, spec: SaveSpec) -> bool:
-    if not await storage.exists(manifest_name(spec.step)):
-        return False
-    try:
-        return (await read_manifest(storage, spec.step)).save_id == spec.save_id
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        return False  # replaced or being replaced: look again
-
-
-async def _committed_and_removed(storage: Storage, spec: SaveSpec) -> bool:
-    """This rank's delivered part is gone: a commit removed it since (retention, or a re-save
-    of the step), if a newer step is committed or the step's manifest is another save's.
-    (``aiosnap gc`` leaves an attempt alone while a heartbeat is live or its verdict young.)"""
-    if await storage.exists(part_name(spec.step, spec.save_id, spec.rank)):
-        return False
-    latest = await latest_committed(storage)
-    if latest is not None and latest > spec.step:
-        return True
-    owner = await committed_save_id(storage, spec.step)
-    return owner is not None and owner != spec.save_id
-
-
-async def wait_for_commit(storage: Storage, spec: SaveSpec, config: DistributedConfig) -> None:
-    """Non-coordinator, once its part is delivered: return when the step's manifest names this
-    save (or it did, and a later commit already removed the step). :class:`RankFailedError`
-    when the verdict is ``abort``, or when this rank finds the coordinator stopped and declares
-    it; :class:`RankTimeoutError` when the verdict cannot be known (the coordinator stopped
-    after claiming the commit, or said it was gathering parts longer than ``commit_timeout``
-    plus :data:`GRACE_S`)."""
-    assert spec.distributed is not None
-    coordinator = spec.distributed.coordinator
-    watch = PeerWatch(storage, spec, config)
-    backoff = _Backoff(None, spec.world_size)
-    deadline: float | None = None
-    while True:
-        if await _names_this_save(storage, spec):  # first: a manifest naming this save is the commit
-            return
-        verdict = await read_verdict(storage, spec)
-        if verdict is not None and verdict.verdict == "abort":
-            raise given_up(spec, verdict)
-        stopped = await watch.stopped([coordinator])
-        if stopped is not None:
-            if await _committed_and_removed(storage, spec):
-                log.info("aiosnap: step %d was committed, and removed by a later commit before rank %d saw it",
-                         spec.step, spec.rank)  # fmt: skip
-                return
-            if stopped:
-                await _coordinator_stopped(storage, spec, watch.silence(coordinator), config, verdict is not None)
-                continue  # it claimed the commit meanwhile: its manifest follows
-            if deadline is None and watch.phase(coordinator) == "gathering":
-                deadline = time.monotonic() + spec.distributed.commit_timeout + GRACE_S
-        if deadline is not None and time.monotonic() > deadline:
-            raise RankTimeoutError(
-                f"step {spec.step}: the coordinator (rank {coordinator}) did not commit the save within commit_timeout "
-                f"({spec.distributed.commit_timeout:g} s) plus {GRACE_S:g} s of gathering parts; this rank's data is "
-                "left in place (the step may still be committed; `aiosnap gc` removes it otherwise)"
-            )
-        await backoff.sleep()
-
-
-async def _coordinator_stopped(
-    storage: Storage, spec: SaveSpec, silence: float, config: DistributedConfig, claimed: bool
-) -> None:
-    """The coordinator's heartbeat stopped: declare the save aborted (RankFailedError), unless
-    it claimed the commit first (then nobody can tell: RankTimeoutError; if it returns, the
-    claim appeared just now)."""
-    assert spec.distributed is not None
-    coordinator = spec.distributed.coordinator
-    why = RankTimeoutError(
-        f"step {spec.step}: the coordinator (rank {coordinator}) stopped: no heartbeat for {silence:.1f} s "
-        f"(heartbeat_timeout {config.heartbeat_timeout:g} s); nothing was committed"
-    )
-    undecided = RankTimeoutError(
-        f"step {spec.step}: the coordinator (rank {coordinator}) stopped (no heartbeat for {silence:.1f} s) after "
-        "claiming the commit; this rank's data is left in place (the step may still be committed; `aiosnap gc` "
-        "removes it otherwise)"
-    )
-    if claimed:
-        raise undecided
-    try:
-        verdict = await claim_verdict(storage, spec, "abort", why)
-    except Exception as exc:
-        raise undecided from exc
-    if verdict.verdict == "abort":
-        raise why if verdict.rank == spec.rank else RankFailedError(f"{why} (declared by rank {verdict.rank})")

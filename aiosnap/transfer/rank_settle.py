@@ -10,17 +10,19 @@ committed is left for ``aiosnap gc``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 from ..config import DistributedConfig
 from ..core.names import object_prefix
-from ..errors import RankFailedError
+from ..errors import RankFailedError, RankTimeoutError
 from ..format.parts import failed_name, part_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 from .commit import whose_commit
-from .rank_commit import Reached, wait_for_commit
+from .rank_commit import Reached
+from .rank_wait import wait_for_commit
 from .verdict import claim_verdict, overrule_commit, read_verdict
 
 __all__ = ["abandon_part", "give_up", "report_failure", "settle_rank", "settle_without_transfer"]
@@ -35,7 +37,7 @@ def _reason(exc: BaseException, rank: int) -> bytes:
 async def report_failure(storage: Storage, spec: SaveSpec, exc: BaseException) -> None:
     """Tell the coordinator this rank's part failed (best effort: else its heartbeat's end does)."""
     try:
-        await storage.write(failed_name(spec.step, spec.save_id, spec.rank), _reason(exc, spec.rank))
+        await storage.write_marker(failed_name(spec.step, spec.save_id, spec.rank), _reason(exc, spec.rank))
     except Exception as error:
         log.warning("aiosnap: rank %d could not record its failed save of step %d: %r", spec.rank, spec.step, error)
 
@@ -128,12 +130,14 @@ async def settle_rank(storage: Storage, spec: SaveSpec, exc: BaseException, reac
 
 
 async def settle_without_transfer(
-    storage: Storage, spec: SaveSpec, error: BaseException, config: DistributedConfig
+    storage: Storage, spec: SaveSpec, error: BaseException, config: DistributedConfig, *, wait_s: float | None = None
 ) -> bool:
     """The upload process carrying this rank's part of the save died (trainer's loop thread):
     True if the save committed after all (or, having delivered its part, commits now), else
     the marker the others need is written, and :class:`RankFailedError` or ``error`` is
-    raised. What the dead process left is read from storage."""
+    raised. What the dead process left is read from storage. ``wait_s`` bounds the wait for
+    the verdict of a delivered part (``close(timeout)`` killed the process): past it,
+    :class:`RankTimeoutError` says the step may still be committed."""
     assert spec.distributed is not None
     reached: Reached
     if spec.distributed.coordinator == spec.rank:
@@ -142,8 +146,17 @@ async def settle_without_transfer(
     elif await storage.exists(part_name(spec.step, spec.save_id, spec.rank)):
         reached = "delivered"
         try:
-            await wait_for_commit(storage, spec, config)
+            async with asyncio.timeout(wait_s) as bound:
+                await wait_for_commit(storage, spec, config)
             return True
+        except TimeoutError as exc:
+            if not bound.expired():
+                raise  # wait_for_commit's own RankTimeoutError
+            raise RankTimeoutError(
+                f"step {spec.step}: this rank's part was delivered, and close() stopped waiting for the save's verdict "
+                f"after {wait_s:g} s: the step may still be committed by the coordinator (see `aiosnap ls`); this "
+                "rank's data is left in place"
+            ) from exc
         except RankFailedError:
             if storage.settled_writes:
                 await _remove_own_data(storage, spec)

@@ -2,8 +2,9 @@
 
 ``<step>/<save id>/verdict`` is written only if absent (see :mod:`aiosnap.format.markers`),
 so of the coordinator claiming the commit and a follower declaring a stopped coordinator's
-save aborted, exactly one wins, and every rank reads the same answer. (On an S3 store
-without conditional writes, ``s3.conditional_commit: false``, the last writer wins instead.)
+save aborted, exactly one wins, and every rank reads the same answer. A multi-rank save
+needs a store where that holds (:attr:`~aiosnap.storage.base.Storage.conditional_writes`;
+on S3 ``s3.conditional_commit``): without it, checkpointers refuse to be made.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ async def claim_verdict(
     name = verdict_name(spec.step, spec.save_id)
     for _ in range(3):
         try:
-            await storage.write(name, mine.to_json(), if_absent=True)
+            await storage.write_marker(name, mine.to_json(), if_absent=True)
             return mine
         except FileExistsError:
             found = await read_verdict(storage, spec)
@@ -66,7 +67,7 @@ async def claim_verdict(
 async def overrule_commit(storage: Storage, spec: SaveSpec, exc: BaseException) -> None:
     """Coordinator only: its own ``commit`` claim becomes ``abort``, because its manifest was
     refused or never written (only the claimer may replace the verdict)."""
-    await storage.write(verdict_name(spec.step, spec.save_id), _verdict(spec, "abort", exc).to_json())
+    await storage.write_marker(verdict_name(spec.step, spec.save_id), _verdict(spec, "abort", exc).to_json())
 
 
 def given_up(spec: SaveSpec, verdict: Verdict) -> RankFailedError:
