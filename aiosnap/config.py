@@ -177,7 +177,9 @@ class DistributedConfig(_Section):
     """Seconds the coordinator (rank 0) waits for every rank's part of a save once its own is
     written; then the save fails on every rank, naming the ranks missing, and the previous
     checkpoint stays the latest. A rank that stops (killed, its upload helper dead, wedged)
-    is named sooner, after ``heartbeat_timeout``."""
+    is named sooner, after ``heartbeat_timeout``. The other ranks give the save up (on
+    every rank) when the coordinator has made no progress for this long (plus 5 s), and,
+    once it has claimed the commit, wait this long (plus 5 s) for its manifest."""
     heartbeat_interval: float = Field(2.0, gt=0, le=3600)
     """Seconds between the heartbeats a rank writes to storage while its part of a save is
     in flight (``<step>/<save id>/rank-<r>.alive``): how the other ranks, and ``aiosnap gc``,
@@ -234,7 +236,9 @@ class S3Config(_Section):
     """Seconds one operation keeps retrying throttling, 5xx, resets and timeouts."""
     conditional_commit: bool = True
     """Write a new step's manifest with If-None-Match so two writers never silently
-    overwrite one committed step (needs a server that supports conditional writes)."""
+    overwrite one committed step (needs a server that supports conditional writes).
+    Multi-rank checkpointers need it (their verdict is written the same way): with
+    ``false`` they are refused with a ``ConfigError``."""
 
     @model_validator(mode="after")
     def _keys_come_in_pairs(self) -> S3Config:

@@ -159,7 +159,9 @@ def helper_deaths(rank: int, world: int, work: str, params: dict[str, Any]) -> d
 
     marks = Path(work) / "marks"
     marks.mkdir(exist_ok=True)
-    plan = {1: {2: "hang_data", 3: "wedge_after_part"}, 0: {4: "hang_data"}}[rank]
+    plan = {1: {2: "hang_data", 3: "wedge_after_part", 6: "wedge_after_part"}, 0: {4: "hang_data", 6: "slow_data"}}[
+        rank
+    ]
     storage = RankFaults(params["root"], rank, {str(k): v for k, v in plan.items()}, str(marks))
     cfg = config(
         params["root"], executor="process", commit_timeout=params["commit_timeout"], **params.get("timers", {})
@@ -180,7 +182,30 @@ def helper_deaths(rank: int, world: int, work: str, params: dict[str, Any]) -> d
             result[str(step)] = _outcome(handle, started)
         result["steps"] = ckpt.steps()
         result["loads"] = _verify_all(ckpt, rank)
+        result.update(_close_while_helper_wedged(ckpt, rank, marks))
     return result
+
+
+def _close_while_helper_wedged(ckpt: Any, rank: int, marks: Path) -> dict[str, Any]:
+    """Step 6: rank 1's helper wedges after its part landed, the coordinator is slow (its
+    data takes RankFaults.SLOW_S), and rank 1 calls close(timeout=1)."""
+    import aiosnap.service
+
+    started = time.monotonic()
+    handle = ckpt.save(_state(6, rank), step=6, rank_local=["me"])
+    if rank == 0:
+        return {"6": _outcome(handle, started)}
+    deadline = time.monotonic() + 20
+    while not (marks / "wedge_after_part-1-6").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    aiosnap.service.ABORT_GRACE_S = 2.0  # (10 s by default) before the wedged helper is killed
+    closing = time.monotonic()
+    try:
+        ckpt.close(timeout=1)
+        closed = "returned"
+    except Exception as exc:
+        closed = f"{type(exc).__name__}: {exc}"
+    return {"close": [closed, time.monotonic() - closing], "6": _outcome(handle, started, timeout=1)}
 
 
 def gc_during_save(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -354,10 +379,54 @@ def soak_job(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
     return result
 
 
+def stall_after_claim_and_failed_lookup(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Step 2: the coordinator's loop stalls (blocked: no heartbeat either) for longer than
+    heartbeat_timeout right after its commit claim landed (a paused machine, a huge manifest
+    being serialized); then a load of the latest step whose lookup fails on rank 0 (a store
+    error); then every step is loaded."""
+    import aiosnap
+    from aiosnap.storage.local import LocalStorage
+
+    stall = params["timers"]["heartbeat_timeout"] + 1.5
+    armed = {"lookup": False}
+
+    class Stalling(LocalStorage):
+        async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+            await super().write(name, data, if_absent=if_absent)
+            if rank == 0 and _step_of(name) == 2 and name.endswith("/verdict") and b'"commit"' in bytes(data):
+                time.sleep(stall)  # noqa: ASYNC251 - the coordinator's loop stalls on purpose
+
+        async def list_children(self, prefix: str = "") -> list[str]:
+            if rank == 0 and prefix == "" and armed["lookup"]:
+                armed["lookup"] = False
+                raise OSError(5, "Input/output error (injected)")
+            return await super().list_children(prefix)
+
+    cfg = config(params["root"], commit_timeout=params["commit_timeout"], agree_timeout=params["agree_timeout"],
+                 **params["timers"])  # fmt: skip
+    result: dict[str, Any] = {}
+    with aiosnap.SyncCheckpointer(cfg, storage=Stalling(params["root"])) as ckpt:
+        for step in (1, 2):
+            started = time.monotonic()
+            result[str(step)] = _outcome(ckpt.save(_state(step, rank), step=step, rank_local=["me"]), started)
+        armed["lookup"] = True
+        started = time.monotonic()
+        try:
+            ckpt.load({"w": torch.zeros(128, 64)})
+            result["lookup"] = ["loaded", time.monotonic() - started]
+        except Exception as exc:
+            result["lookup"] = [f"{type(exc).__name__}: {exc}", time.monotonic() - started]
+        result["steps"] = ckpt.steps()
+        result["loads"] = _verify_all(ckpt, rank)
+    return result
+
+
 def local_faults(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
     """:func:`shared_spool_and_load_agreement` on ``root``, then :func:`gc_during_save` on
-    ``gc_root``: two scenarios, one launch of ranks."""
+    ``gc_root``, then :func:`stall_after_claim_and_failed_lookup` on ``stall_root``: three
+    scenarios, one launch of ranks."""
     return {
         "load": shared_spool_and_load_agreement(rank, world, work, params),
         "gc": gc_during_save(rank, world, work, {**params, "root": params["gc_root"]}),
+        "stall": stall_after_claim_and_failed_lookup(rank, world, work, {**params, "root": params["stall_root"]}),
     }

@@ -34,8 +34,11 @@ class WedgedAfterManifest(LocalStorage):
 class RankFaults(LocalStorage):
     """One rank's root in a multi-rank job, with a fault per step (``plan``: step -> action):
     ``hang_data``: the step's data objects never finish (the trainer then kills the helper);
-    ``wedge_after_part``: the rank's part lands, then the upload process's loop freezes.
-    Either way a file ``<marks>/<action>-<rank>-<step>`` says the moment has come."""
+    ``wedge_after_part``: the rank's part lands, then the upload process's loop freezes;
+    ``slow_data``: each of the step's data objects takes :attr:`SLOW_S` seconds (a slow rank).
+    A file ``<marks>/<action>-<rank>-<step>`` says the moment has come."""
+
+    SLOW_S = 8.0
 
     def __init__(self, root: str, rank: int, plan: dict[str, str], marks: str) -> None:
         super().__init__(root)
@@ -57,6 +60,8 @@ class RankFaults(LocalStorage):
         if action == "hang_data" and name.endswith(".bin"):
             self._mark(action, step)
             await asyncio.sleep(3600)
+        if action == "slow_data" and name.endswith(".bin"):
+            await asyncio.sleep(self.SLOW_S)
         await super().write(name, data, if_absent=if_absent)
         if action == "wedge_after_part" and name.endswith(f"rank-{self.rank}.part.json"):
             self._mark(action, step)

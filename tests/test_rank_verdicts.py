@@ -27,6 +27,12 @@ NAMED_WITHIN = TIMERS["heartbeat_timeout"] + 6.0
 """A stopped rank is named by then (its heartbeat timeout, plus slack for a loaded machine)."""
 
 
+def _expected(step: int) -> dict[str, torch.Tensor]:
+    from dist_verdicts import _state
+
+    return _state(step, 0)
+
+
 def _all_load(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
         assert result["loads"] and all(result["loads"].values()), (rank, result["loads"])
@@ -106,6 +112,18 @@ def test_an_upload_helper_dying_is_told_to_every_rank(tmp_path: Path) -> None:
     for result in results:
         assert result["steps"] == [1, 3, 5]
     _all_load(results)
+    # step 6: close(timeout=1) on the follower whose helper wedged after its part, the
+    # coordinator slow: close is bounded (timeout + abort grace 2 s + 1 s look), and says the
+    # save may still be committed; it is (before: close waited for the coordinator, 40 s in
+    # the review, raised "did not commit", and the handle then said committed)
+    closed, seconds = follower["close"]
+    assert closed.startswith("TimeoutError") and "may still be committed" in closed, closed
+    assert seconds < 1 + 2 + 1 + 2.5, f"close(timeout=1) took {seconds:.1f} s"
+    assert follower["6"][0].startswith("RankTimeoutError") and "may still be committed" in follower["6"][0]
+    assert coordinator["6"][0] == "committed", coordinator["6"]
+    with SyncCheckpointer(str(root)) as ckpt:
+        loaded = ckpt.load(step=6, skip_rank_local=True)
+    assert torch.equal(loaded["w"], _expected(6)["w"]) and torch.equal(loaded["v"], _expected(6)["v"])
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +148,7 @@ def local_faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
         run_ranks(
             "local_faults", 2, work / "job", timeout=100, root=str(root), gc_root=str(work / "gc-root"),
             agree_timeout=20.0, next_manifest=str(work / "next.json"), commit_timeout=30.0, timers=TIMERS,
+            stall_root=str(work / "stall-root"),
         ),
         work / "job",
     )  # fmt: skip
@@ -164,6 +183,25 @@ def test_ranks_sharing_a_spool_fail_at_once_and_a_load_agrees_on_the_save_id(
         assert "[0, 1]" in outcome and seconds < 15, (rank, outcome, seconds)
         # before: rank 0 loaded version A (0.0), rank 1 version B (1000.0)
         assert result["load"] == 1000.0, (rank, result["load"])
+
+
+def test_a_coordinator_stalled_after_its_claim_and_a_failed_lookup_leave_one_verdict(
+    local_faults: list[dict[str, Any]],
+) -> None:
+    results = [result["stall"] for result in local_faults]
+    coordinator, follower = results
+    # before: the follower took the stalled coordinator (claim landed, heartbeat silent for
+    # heartbeat_timeout) for undecided and raised RankTimeoutError; the coordinator committed
+    for rank, result in enumerate(results):
+        assert result["1"][0] == "committed" and result["2"][0] == "committed", (rank, result["2"])
+        assert result["steps"] == [1, 2]
+    assert follower["2"][1] > TIMERS["heartbeat_timeout"], "the stall outlasted the heartbeat timeout"
+    # rank 0's lookup of the latest step failed: it raises its error, rank 1 hears at once
+    # (before: rank 1 waited agree_timeout, 20 s, for an agreement rank 0 never joined)
+    assert coordinator["lookup"][0].startswith("OSError"), coordinator["lookup"]
+    assert follower["lookup"][0].startswith("RankFailedError") and "rank 0" in follower["lookup"][0]
+    assert follower["lookup"][1] < 10, follower["lookup"]
+    _all_load(results)
 
 
 def test_on_s3_the_losing_writer_tells_its_followers_at_once(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
