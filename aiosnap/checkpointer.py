@@ -182,7 +182,7 @@ def _check_multi_rank_storage(storage: Storage) -> None:
     """:class:`ConfigError` unless ``storage`` can carry multi-rank saves: their verdict is
     written only if absent, and exactly one writer must win (a coordinator's commit claim
     or another rank's abort), else a rank's data could be removed under a commit."""
-    if not storage.conditional_writes:
+    if not storage.conditional_writes and not storage.single_file:  # (one file holds one rank: refused at save)
         hint = (
             "set s3.conditional_commit: true (the store must support If-None-Match)"
             if storage.url.startswith("s3://")

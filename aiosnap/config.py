@@ -177,9 +177,8 @@ class DistributedConfig(_Section):
     """Seconds the coordinator (rank 0) waits for every rank's part of a save once its own is
     written; then the save fails on every rank, naming the ranks missing, and the previous
     checkpoint stays the latest. A rank that stops (killed, its upload helper dead, wedged)
-    is named sooner, after ``heartbeat_timeout``. The other ranks give the save up (on
-    every rank) when the coordinator has made no progress for this long (plus 5 s), and,
-    once it has claimed the commit, wait this long (plus 5 s) for its manifest."""
+    is named sooner, after ``heartbeat_timeout``. Once the coordinator has claimed the
+    commit, the other ranks wait this long (plus 5 s) for its manifest."""
     heartbeat_interval: float = Field(2.0, gt=0, le=3600)
     """Seconds between the heartbeats a rank writes to storage while its part of a save is
     in flight (``<step>/<save id>/rank-<r>.alive``): how the other ranks, and ``aiosnap gc``,
@@ -187,6 +186,10 @@ class DistributedConfig(_Section):
     heartbeat_timeout: float = Field(20.0, gt=0, le=86400)
     """Seconds without a new heartbeat after which a rank counts as stopped: the save fails on
     every rank, naming it. At least twice ``heartbeat_interval``."""
+    progress_timeout: float = Field(1800.0, gt=0, le=86400)
+    """Seconds the other ranks wait for a coordinator whose heartbeat goes on but which makes
+    no progress (not one chunk of its part captured or uploaded: a write that hangs) before
+    they give the save up, on every rank. Longer than any one chunk's upload takes."""
     agree_timeout: float = Field(600.0, gt=0, le=86400)
     """Seconds ``save()``/``load()`` wait for every rank to arrive (ranks agree on the save on
     aiosnap's own CPU group); then they raise, naming the ranks that did not."""

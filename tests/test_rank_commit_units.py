@@ -186,14 +186,11 @@ async def test_a_follower_takes_its_part_gone_for_a_commit_only_with_its_verdict
     await asyncio.wait_for(wait_for_commit(storage, retired, QUICK), 5)
 
 
-async def test_a_follower_gives_up_on_a_coordinator_that_beats_but_makes_no_progress(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from aiosnap.transfer import rank_wait
+async def test_a_follower_gives_up_on_a_coordinator_that_beats_but_makes_no_progress(tmp_path: Path) -> None:
     from aiosnap.transfer.heartbeat import Heartbeat
     from aiosnap.transfer.rank_wait import wait_for_commit
 
-    monkeypatch.setattr(rank_wait, "GRACE_S", 0.2)
+    timers = DistributedConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5, progress_timeout=0.7)
     storage = LocalStorage(tmp_path)
     for step, progressing in ((1, True), (2, False)):
         follower = _spec(f"00000000000000f{step}", 1, step=step, commit_timeout=0.5)
@@ -210,11 +207,11 @@ async def test_a_follower_gives_up_on_a_coordinator_that_beats_but_makes_no_prog
         try:
             if progressing:  # a slow coordinator that makes progress is waited for
                 with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(wait_for_commit(storage, follower, QUICK), 1.5)
+                    await asyncio.wait_for(wait_for_commit(storage, follower, timers), 1.5)
                 assert await read_verdict(storage, follower) is None
             else:  # before: waited for ever (its helper beat on, its trainer wedged)
                 with pytest.raises(RankTimeoutError, match="made no progress"):
-                    await asyncio.wait_for(wait_for_commit(storage, follower, QUICK), 10)
+                    await asyncio.wait_for(wait_for_commit(storage, follower, timers), 10)
                 found = await read_verdict(storage, follower)
                 assert found is not None and found.verdict == "abort"
         finally:

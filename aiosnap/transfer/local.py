@@ -70,11 +70,8 @@ class LocalTransfer:
         self._cleanups: set[asyncio.Task[None]] = set()
         self._abandoned = False
         self._warm_ups: set[asyncio.Task[None]] = set()
-        self.tombstones = Tombstones()
-        """Verdicts of multi-rank steps this side removed, kept a while for their ranks."""
-        self.trainer_alive: Callable[[], bool] | None = None
-        """In an upload process: whether its trainer still pings it (heartbeats pause
-        otherwise, so that a stopped or wedged trainer stops them too)."""
+        self.tombstones = Tombstones()  # verdicts of multi-rank steps this side removed, kept a while
+        self.trainer_alive: Callable[[], bool] | None = None  # upload process: heartbeats only while pinged
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""

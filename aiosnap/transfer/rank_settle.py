@@ -84,6 +84,16 @@ async def _is_aborted(storage: Storage, spec: SaveSpec) -> bool:
     return found is not None and found.verdict == "abort"
 
 
+async def _retired(storage: Storage, spec: SaveSpec) -> bool:
+    """This rank's part is gone beside a ``commit`` verdict (which needs every part): the
+    save committed, and retention or a re-save removed it since."""
+    try:
+        found = await read_verdict(storage, spec)
+    except Exception:
+        return False
+    return found is not None and found.verdict == "commit"
+
+
 async def _remove_own_data(storage: Storage, spec: SaveSpec) -> None:
     """This rank's objects and part of a save that will never be committed (best effort)."""
     try:
@@ -161,6 +171,8 @@ async def settle_without_transfer(
             if storage.settled_writes:
                 await _remove_own_data(storage, spec)
             raise
+    elif await _retired(storage, spec):
+        return True  # committed, and already removed by a later commit (its verdict kept)
     else:
         reached = "uploading"
     # an abandoned write of the dead process may still land on an object store: leave its data

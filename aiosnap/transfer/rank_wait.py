@@ -12,8 +12,8 @@ attempt) proves nothing.
 Whenever a follower gives up, it first writes the ``abort`` verdict (only if absent), so
 that the coordinator can no longer commit: a verdict the ranks disagree on is impossible.
 It gives up when the coordinator's heartbeat has stopped for ``heartbeat_timeout``, when the
-coordinator has made no progress (no chunk captured or uploaded) for ``commit_timeout`` plus
-:data:`~.rank_commit.GRACE_S` while uploading, or has waited that long for parts. Once the
+coordinator has made no progress (no chunk captured or uploaded) for ``progress_timeout``
+while uploading, or has waited for parts ``commit_timeout`` plus :data:`~.rank_commit.GRACE_S`. Once the
 coordinator has claimed the commit, no rank can declare the save aborted: the follower waits
 for the manifest ``commit_timeout`` plus :data:`~.rank_commit.GRACE_S` from when it saw the
 claim (a coordinator held up that long is the one case where the outcome is not known:
@@ -101,11 +101,11 @@ class _Waiting:
                     f"step {step}: the coordinator (rank {coordinator}) waited for the ranks' parts longer than "
                     f"commit_timeout ({self.bound - GRACE_S:g} s) plus {GRACE_S:g} s; nothing was committed"
                 )
-        elif self.watch.idle(coordinator) > self.bound:
+        elif self.watch.idle(coordinator) > self.config.progress_timeout:
             return RankTimeoutError(
                 f"step {step}: the coordinator (rank {coordinator}) made no progress (no chunk captured or uploaded) "
-                f"for {self.watch.idle(coordinator):.1f} s, more than commit_timeout ({self.bound - GRACE_S:g} s) "
-                f"plus {GRACE_S:g} s; nothing was committed"
+                f"for {self.watch.idle(coordinator):.1f} s (progress_timeout {self.config.progress_timeout:g} s), "
+                "although its heartbeat went on; nothing was committed"
             )
         return None
 
