@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.core.arena import Arena

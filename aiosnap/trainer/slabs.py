@@ -127,7 +127,7 @@ class SlabPool:
             result = torch.cuda.cudart().cudaHostRegister(address, end - self._pinned_to, 0)  # type: ignore[no-untyped-call]
             if int(result) != 0:
                 self._pin_failed = True
-                log.warning("aiosnap: could not pin the staging arena (cudaHostRegister: %s); device copies block", result)
+                log.warning("aiosnap: cannot pin the staging arena (cudaHostRegister: %s); device copies block", result)
                 return
             self._registered.append(address)
             self._pinned_to = end

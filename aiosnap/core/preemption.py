@@ -1,0 +1,227 @@
+"""Preemption: a signal that says "you will be killed soon" (``preemption`` config section).
+
+Clusters announce the end of a job with a signal and a grace period before ``SIGKILL``:
+Kubernetes sends ``SIGTERM`` and waits ``terminationGracePeriodSeconds`` (30 by default),
+SLURM sends ``SIGTERM`` (or the signal of ``--signal``) and waits ``KillWait``. With
+preemption enabled, aiosnap catches those signals for the whole process (one
+:class:`Preemption` per process, shared by its checkpointers) and, on the first one:
+
+1. sets :attr:`Preemption.event` (``ckpt.preempted`` is True from then on), so that the
+   training loop can take a last save and stop;
+2. tells every subscribed checkpointer, which finishes its saves in flight and, with a
+   spool, writes the chunks they hold in RAM to the spool disk as well, so that a save
+   that cannot finish in time is resumed by the next process;
+3. makes the process exit as the signal would have, at the earliest of: the end of the
+   grace period, or the interpreter's normal exit (the trainer's main returned). "As the
+   signal would have": the disposition that was there before aiosnap's is put back and the
+   signal delivered again, so the default action kills the process with that signal (exit
+   status 128 + signal number in a shell: 143 for SIGTERM), a handler installed earlier
+   (Lightning's, torchelastic's) runs, and an ignored signal stays ignored.
+
+Python runs signal handlers on the main thread only, and only the main thread may install
+them: :func:`watch` must be called there (a checkpointer made on another thread joins the
+handlers a main-thread one installed, or is refused with a message saying so). The handler
+itself only writes a byte to a pipe; a watcher thread (``aiosnap-preemption``) does the
+rest, so a signal arriving while the main thread holds any lock cannot deadlock. If the main
+thread does not run the re-delivered signal's handler within :data:`EXIT_FALLBACK_S` (it is
+stuck in native code), the watcher ends the process with ``os._exit(128 + signal)``.
+No torch, no asyncio here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["EXIT_FALLBACK_S", "Preemption", "watch"]
+
+log = logging.getLogger("aiosnap")
+
+EXIT_FALLBACK_S = 5.0
+"""How long the watcher waits for the main thread to act on the re-delivered signal before
+it ends the process itself."""
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class Preemption:
+    """The process's preemption handling (see the module docstring). Made by :func:`watch`;
+    its attributes are read from any thread."""
+
+    def __init__(self, signals: Sequence[signal.Signals], grace_period: float) -> None:
+        self.grace_period = grace_period
+        self.event = threading.Event()
+        """Set once a preemption signal has arrived."""
+        self.signal: signal.Signals | None = None
+        """The signal that arrived first (None before)."""
+        self.deadline: float | None = None
+        """``time.monotonic()`` at which the process exits (None before the signal)."""
+        self._previous: dict[signal.Signals, _Handler] = {}
+        self._subscribers: dict[int, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self._exiting = False
+        self._exited = threading.Event()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._thread = threading.Thread(target=self._watch, name="aiosnap-preemption", daemon=True)
+        self._thread.start()
+        self.add_signals(signals)
+        atexit.register(self._at_exit)
+
+    @property
+    def signals(self) -> list[signal.Signals]:
+        return list(self._previous)
+
+    @property
+    def requested(self) -> bool:
+        """True once a preemption signal has arrived."""
+        return self.event.is_set()
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the process exits (None before the signal)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def add_signals(self, signals: Sequence[signal.Signals]) -> None:
+        """Handle ``signals`` too (main thread)."""
+        for signum in signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def subscribe(self, on_preempted: Callable[[], None]) -> int:
+        """Call ``on_preempted()`` (on the watcher thread; it must not block) when the
+        signal comes, or at once if it came already; returns a key for :meth:`unsubscribe`."""
+        with self._lock:
+            key = id(on_preempted)
+            self._subscribers[key] = on_preempted
+            came = self.event.is_set()
+        if came:
+            self._tell(on_preempted)
+        return key
+
+    def unsubscribe(self, key: int) -> None:
+        with self._lock:
+            self._subscribers.pop(key, None)
+
+    # -- the signal ----------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The handler (main thread, between two bytecodes of whatever it was running):
+        only a byte to the watcher, or, once the exit is due, the exit itself."""
+        if self._exiting:
+            self._deliver(signal.Signals(signum), frame)
+            return
+        with contextlib.suppress(OSError):  # the pipe is full: the watcher has been told already
+            os.write(self._write_fd, bytes([signum]))
+
+    def _watch(self) -> None:
+        """The watcher thread: the first signal starts the grace period (later ones find
+        the pipe unread, or full: they change nothing); at its end, the exit."""
+        try:
+            data = os.read(self._read_fd, 1)
+        except OSError:
+            return
+        if not data:
+            return
+        signum = signal.Signals(data[0])
+        self._begin(signum)
+        assert self.deadline is not None
+        if self._exited.wait(max(0.0, self.deadline - time.monotonic())):
+            return  # the interpreter exited first (see _at_exit)
+        log.warning("aiosnap: the grace period of %.0f s is over: exiting as %s would", self.grace_period, signum.name)
+        self._exit_from_watcher(signum)
+
+    def _begin(self, signum: signal.Signals) -> None:
+        self.signal = signum
+        self.deadline = time.monotonic() + self.grace_period
+        log.warning(
+            "aiosnap: %s: preempted. Saves in flight are being finished (or kept on the spool disk); "
+            "ckpt.preempted is now True: take a last save and stop. The process exits as %s would have "
+            "in at most %.0f s (preemption.grace_period).",
+            signum.name, signum.name, self.grace_period,
+        )  # fmt: skip
+        self.event.set()
+        with self._lock:
+            subscribers = list(self._subscribers.values())
+        for subscriber in subscribers:
+            self._tell(subscriber)
+
+    @staticmethod
+    def _tell(subscriber: Callable[[], None]) -> None:
+        try:
+            subscriber()
+        except Exception as exc:  # one checkpointer's trouble must not keep the others from hearing
+            log.warning("aiosnap: a checkpointer could not react to the preemption: %r", exc)
+
+    # -- the exit ------------------------------------------------------------------------
+
+    def _exit_from_watcher(self, signum: signal.Signals) -> None:
+        """Watcher thread: have the main thread deliver the signal again; if it does not
+        within :data:`EXIT_FALLBACK_S`, end the process here."""
+        self._exiting = True
+        os.kill(os.getpid(), signum)  # our handler, on the main thread: see _on_signal
+        if self._exited.wait(EXIT_FALLBACK_S):
+            return
+        if self._previous.get(signum) == signal.SIG_IGN:
+            return  # it would have been ignored
+        log.error("aiosnap: the main thread did not take the signal in %.0f s; exiting", EXIT_FALLBACK_S)
+        logging.shutdown()
+        os._exit(128 + int(signum))
+
+    def _at_exit(self) -> None:
+        """The interpreter exits normally after a preemption (the trainer's main returned,
+        its checkpointers closed): exit as the signal would have, now. Main thread."""
+        if self.event.is_set() and self.signal is not None and not self._exited.is_set():
+            self._deliver(self.signal, None)
+
+    def _deliver(self, signum: signal.Signals, frame: FrameType | None) -> None:
+        """Main thread: put back the dispositions aiosnap replaced, and act on ``signum`` as
+        the one before aiosnap's would have (kill, call it, or ignore)."""
+        self._exited.set()
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        for other, handler in self._previous.items():
+            signal.signal(other, handler if handler is not None else signal.SIG_DFL)
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(int(signum), frame)
+            return
+        logging.shutdown()  # what was logged reaches its files before the default action ends us
+        signal.raise_signal(signum)
+
+
+_process: Preemption | None = None
+_process_lock = threading.Lock()
+
+
+def watch(signal_names: Sequence[str], grace_period: float) -> Preemption:
+    """The process's :class:`Preemption`, handling ``signal_names`` (made, or extended, on
+    the main thread; ``grace_period``: the shortest asked for wins). Raises
+    :class:`~aiosnap.errors.ConfigError` on another thread unless the main thread already
+    handles those signals."""
+    global _process
+    signals = [signal.Signals[name] for name in signal_names]
+    on_main = threading.current_thread() is threading.main_thread()
+    with _process_lock:
+        if not on_main and (_process is None or not set(signals) <= set(_process.signals)):
+            raise ConfigError(
+                f"preemption.enabled: Python installs signal handlers only on the main thread, and this "
+                f"checkpointer is made on thread {threading.current_thread().name!r}; make it (or one "
+                f"checkpointer with the same preemption settings) on the main thread first"
+            )
+        if _process is None:
+            _process = Preemption(signals, grace_period)
+        else:
+            if on_main:
+                _process.add_signals(signals)
+            _process.grace_period = min(_process.grace_period, grace_period)
+        return _process
