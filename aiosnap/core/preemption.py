@@ -133,27 +133,34 @@ class Preemption:
         if not data:
             return
         signum = signal.Signals(data[0])
-        self._begin(signum)
+        if not self._begin(signum):
+            log.warning("aiosnap: %s: no checkpointer is open, nothing to finish: exiting now", signum.name)
+            self._exit_from_watcher(signum)
+            return
         assert self.deadline is not None
         if self._exited.wait(max(0.0, self.deadline - time.monotonic())):
             return  # the interpreter exited first (see _at_exit)
         log.warning("aiosnap: the grace period of %.0f s is over: exiting as %s would", self.grace_period, signum.name)
         self._exit_from_watcher(signum)
 
-    def _begin(self, signum: signal.Signals) -> None:
+    def _begin(self, signum: signal.Signals) -> bool:
+        """The preemption starts: False when no checkpointer listens (nothing to finish)."""
         self.signal = signum
         self.deadline = time.monotonic() + self.grace_period
+        with self._lock:  # a checkpointer subscribing now is either in this list or told by subscribe()
+            subscribers = list(self._subscribers.values())
+            self.event.set()
+        if not subscribers:
+            return False
         log.warning(
             "aiosnap: %s: preempted. Saves in flight are being finished (or kept on the spool disk); "
             "ckpt.preempted is now True: take a last save and stop. The process exits as %s would have "
             "in at most %.0f s (preemption.grace_period).",
             signum.name, signum.name, self.grace_period,
         )  # fmt: skip
-        self.event.set()
-        with self._lock:
-            subscribers = list(self._subscribers.values())
         for subscriber in subscribers:
             self._tell(subscriber)
+        return True
 
     @staticmethod
     def _tell(subscriber: Callable[[], None]) -> None:

@@ -1,0 +1,144 @@
+"""Preemption: a real SIGTERM sent to a real training process (tests/preempt_child.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from aiosnap import Config, ConfigError, SyncCheckpointer
+from tests.preempt_child import state
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Child:
+    """The child trainer, its output read line by line."""
+
+    def __init__(self, *args: str, executor: str = "thread") -> None:
+        env = {**os.environ, "AIOSNAP_UPLOAD__EXECUTOR": executor}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.preempt_child", *args], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+
+    def wait_for(self, prefix: str, timeout: float = 60) -> str:
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.strip())
+            if line.startswith(prefix):
+                return line.strip()
+        self.process.kill()
+        raise AssertionError(f"no {prefix!r} from the child: {self.lines} {self.process.communicate()[1][-3000:]}")
+
+    def end(self, timeout: float = 60) -> tuple[int, str, str]:
+        try:
+            out, err = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            out, err = self.process.communicate()
+            raise AssertionError(f"the child did not exit: {err[-3000:]}") from None
+        self.lines += out.splitlines()
+        return self.process.returncode, "\n".join(self.lines), err
+
+
+def _committed(root: Path) -> list[int]:
+    config = Config(storage={"url": str(root)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config) as ckpt:
+        return ckpt.steps()
+
+
+def _loads(root: Path, step: int) -> bool:
+    config = Config(storage={"url": str(root)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config) as ckpt:
+        restored = ckpt.load(step=step)
+    expected = state(step)
+    return all(torch.equal(restored[k], v) for k, v in expected.items())
+
+
+def test_sigterm_mid_upload_finishes_the_save_takes_a_last_one_and_exits_as_sigterm(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    child = Child("in-flight", str(root))
+    child.wait_for("UPLOADING")
+    child.process.send_signal(signal.SIGTERM)
+    code, out, err = child.end()
+    assert code == -signal.SIGTERM, (code, out, err[-3000:])
+    assert "PREEMPTED upload done=False" in out and "CLOSED" in out
+    assert "SIGTERM: preempted" in err
+    assert _committed(root) == [1, 2]
+    assert _loads(root, 1) and _loads(root, 2)
+
+
+def test_a_save_that_cannot_finish_in_the_grace_period_is_resumed_from_the_spool(tmp_path: Path) -> None:
+    root, spool = tmp_path / "ckpt", tmp_path / "spool"
+    child = Child("stuck", str(root), str(spool))
+    child.wait_for("UPLOADING")
+    began = time.monotonic()
+    child.process.send_signal(signal.SIGTERM)
+    code, out, err = child.end()
+    assert code == -signal.SIGTERM, (code, out, err[-3000:])
+    assert time.monotonic() - began >= 1.5  # it waited for the grace period (2 s), not longer than end()'s 60
+    assert "NOT REACHED" not in out and "grace period of 2 s is over" in err
+    assert _committed(root) == []  # nothing landed: the storage held every write
+    config = Config(storage={"url": str(root)}, spool={"dir": str(spool)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [1], ckpt.resume_report
+        assert ckpt.steps() == [1]
+    assert _loads(root, 1)
+
+
+def test_sigterm_with_no_save_in_flight_lets_the_trainer_take_a_last_save(tmp_path: Path) -> None:
+    """With the upload process, which gets the signal too (a SLURM job's processes all do):
+    it ignores it, and the last save goes through it."""
+    root = tmp_path / "ckpt"
+    child = Child("idle", str(root), executor="process")
+    helper = int(child.wait_for("HELPER").split()[1])
+    child.wait_for("READY")
+    os.kill(helper, signal.SIGTERM)
+    child.process.send_signal(signal.SIGTERM)
+    code, out, err = child.end()
+    assert code == -signal.SIGTERM, (code, out, err[-3000:])
+    assert _committed(root) == [5] and _loads(root, 5)
+
+
+def test_a_handler_installed_before_is_what_runs_at_the_exit(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    child = Child("chained", str(root))
+    child.wait_for("READY")
+    child.process.send_signal(signal.SIGTERM)
+    code, out, err = child.end()
+    assert code == 7 and "PREVIOUS HANDLER" in out, (code, out, err[-3000:])
+    assert _committed(root) == [5]
+
+
+def test_off_by_default_and_refused_off_the_main_thread(tmp_path: Path) -> None:
+    config = Config(storage={"url": str(tmp_path / "ckpt")}, events={"log": False})
+    assert not config.preemption.enabled
+    with SyncCheckpointer(config) as ckpt:
+        assert not ckpt.preempted and ckpt.preemption is None
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    enabled = config.model_copy(update={"preemption": config.preemption.model_copy(update={"enabled": True})})
+    failures: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            SyncCheckpointer(enabled).close()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=make, name="trainer-2")
+    thread.start()
+    thread.join(60)
+    assert len(failures) == 1 and isinstance(failures[0], ConfigError), failures
+    assert "main thread" in str(failures[0]) and "'trainer-2'" in str(failures[0])
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
