@@ -112,6 +112,7 @@ class _SaveJob:
     emit: ScopeEmitter
     preflight: asyncio.Future[Preflight]
     outcome: asyncio.Future[TransferOutcome]
+    progress: ProgressTracker
     task: asyncio.Task[None] | None = None
     capture: asyncio.Task[None] | None = None
     session: SpoolSession | None = None
@@ -123,7 +124,6 @@ class _SaveJob:
     later saves; its own saves end with it)."""
     aborted: bool = False
     """Given up before capture ended: it can no longer commit, and holds no step."""
-    progress: ProgressTracker | None = None
 
 
 class Engine:
@@ -265,10 +265,9 @@ class Engine:
         job = _SaveJob(
             plan, order, started, storage, keep_last, loop.create_future(), durable,
             self.events.scope("save", plan.step, storage.url, plan.save_id), loop.create_future(),
-            loop.create_future(),
+            loop.create_future(), progress or ProgressTracker(plan.step, plan.total_bytes, started),
         )  # fmt: skip
         job.transfer = transfer
-        job.progress = progress if progress is not None else ProgressTracker(plan.step, plan.total_bytes, started)
         job.progress.stage("capturing")
         self.board.add(job.progress)
         self._jobs[plan.save_id] = job
@@ -339,9 +338,8 @@ class Engine:
         assert self._pending is not None
         self._jobs.pop(job.plan.save_id, None)
         self._pending.release()
-        if job.progress is not None:
-            self.board.discard(job.progress)
-            job.progress.stage("cancelled")  # (a save that ended otherwise stays as it ended)
+        self.board.discard(job.progress)
+        job.progress.stage("cancelled")  # (a save that ended otherwise stays as it ended)
         if not job.captured.done():
             job.captured.cancel()
         if not job.durable.done():
@@ -420,8 +418,7 @@ class Engine:
         job.blocked = time.perf_counter() - job.started
         job.stages["capture"] = capture_done - capture_started
         job.captured.set_result(job.blocked)
-        if job.progress is not None:
-            job.progress.stage("uploading")
+        job.progress.stage("uploading")
         job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
         if job.session is not None and job.session.spooled:
             job.stages["spool"] = job.session.spool_seconds
@@ -431,8 +428,7 @@ class Engine:
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert job.transfer is not None
         self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
-        if job.progress is not None:
-            job.progress.captured(chunk.nbytes, spooled=isinstance(chunk, FileChunk))
+        job.progress.captured(chunk.nbytes, spooled=isinstance(chunk, FileChunk))
         job.transfer.staged(chunk)
         if self._securing and isinstance(chunk, SlabChunk):
             self._secure(job, chunk)
@@ -461,7 +457,7 @@ class Engine:
         async def write() -> None:
             try:
                 data = self.arena.view(chunk.slab, chunk.nbytes)
-                if await session.secure(job.plan.chunks[chunk.index], data) and job.progress is not None:
+                if await session.secure(job.plan.chunks[chunk.index], data):
                     job.progress.spooled(chunk.nbytes)
             except Exception as exc:  # the save itself goes on
                 log.warning("aiosnap: keeping chunk %d of step %d on the spool: %r", chunk.index, job.plan.step, exc)
@@ -504,8 +500,7 @@ class Engine:
             stage_seconds={**job.stages, **outcome.stage_seconds},
             spool_high_water=None if self.spool is None else self.spool.budget.high_water,
         )
-        if job.progress is not None:
-            job.progress.stage("committed")
+        job.progress.stage("committed")
         job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
         if not job.captured.done():
             job.captured.set_result(result.blocked_s)
@@ -516,8 +511,7 @@ class Engine:
         whoever waits for the handle, else by the next save() or close()."""
         step = job.plan.step
         cancelled = isinstance(failure, asyncio.CancelledError)
-        if job.progress is not None:
-            job.progress.stage("cancelled" if cancelled else "failed")
+        job.progress.stage("cancelled" if cancelled else "failed")
         job.emit("exception", exception=failure)
         if not job.captured.done():
             if cancelled:
@@ -556,11 +550,10 @@ class Engine:
         job = self._jobs.get(save_id)
         if job is None:
             return
-        if job.progress is not None:
-            if pieces is not None:
-                job.progress.landed(index, job.plan.chunks[index].nbytes)
-            else:
-                job.progress.dropped(index)
+        if pieces is not None:
+            job.progress.landed(index, job.plan.chunks[index].nbytes)
+        else:
+            job.progress.dropped(index)
         if job.session is not None and (chunk is not None or pieces is not None):
             task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
             job.journalling.add(task)
@@ -568,14 +561,14 @@ class Engine:
 
     def sent(self, save_id: str, index: int, nbytes: int) -> None:
         job = self._jobs.get(save_id)
-        if job is not None and job.progress is not None and 0 <= index < len(job.plan.chunks):
+        if job is not None and 0 <= index < len(job.plan.chunks):
             job.progress.sending(index, nbytes, job.plan.chunks[index].nbytes)
 
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         job = self._jobs.get(save_id)
         if job is not None:
             job.stages[stage] = seconds
-            if stage == "upload" and job.progress is not None:
+            if stage == "upload":
                 job.progress.stage("committing")
             job.emit("end", stage=stage, nbytes=nbytes, seconds=seconds)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import mmap
+
+import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.core.arena import Arena
@@ -87,3 +91,45 @@ async def test_a_held_slab_is_not_lent_again_until_every_hold_ends() -> None:
     finally:
         pool.close()
         arena.close()
+
+
+async def test_pinning_registers_one_growing_extent_as_slabs_are_first_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registration arithmetic, with CUDA's runtime replaced by a recorder (this machine
+    may have no GPU; tests/test_gpu.py pins for real): extents start where the last one
+    ended, on page boundaries, and cover the slabs written, not the budget."""
+    calls: list[tuple[str, int, int]] = []
+
+    class Runtime:
+        def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+            calls.append(("register", address, size))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            calls.append(("unregister", address, 0))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    arena = Arena(64 * 1024 + 64, 8, shared=False)  # slabs that are not whole pages
+    pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
+    base = pool.tensor(0).data_ptr()
+    try:
+        pool.ready(0)
+        assert calls == []  # not pinned: nothing to register
+        pool.pin()
+        slabs = [await pool.acquire() for _ in range(3)]
+        for slab in slabs:
+            pool.ready_for(pool.tensor(slab)[10:])
+        pool.ready(1)  # already covered
+        extents = [(address - base, size) for kind, address, size in calls]
+        assert [kind for kind, _, _ in calls] == ["register"] * 3
+        assert extents[0][0] == 0
+        for (start, size), (following, _) in itertools.pairwise(extents):
+            assert following == start + size
+        assert all(start % mmap.PAGESIZE == 0 and size % mmap.PAGESIZE == 0 for start, size in extents)
+        end = extents[-1][0] + extents[-1][1]
+        assert 3 * arena.slab_bytes <= end < 3 * arena.slab_bytes + mmap.PAGESIZE < arena.size
+    finally:
+        pool.close()
+        arena.close()
+    assert sorted(a for kind, a, _ in calls if kind == "unregister") == sorted(base + s for s, _ in extents)
