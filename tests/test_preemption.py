@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from aiosnap import Config, ConfigError, SyncCheckpointer
+from tests.dist_launch import ok, run_ranks
 from tests.preempt_child import state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,6 +107,17 @@ def test_sigterm_with_no_save_in_flight_lets_the_trainer_take_a_last_save(tmp_pa
     code, out, err = child.preempt_after("READY")
     assert code == -signal.SIGTERM, (code, out, err[-3000:])
     assert _committed(root) == [5] and _loads(root, 5)
+
+
+def test_ranks_agree_on_their_signals_take_one_last_save_together_and_exit_as_sigterm(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    results = run_ranks("preempted", 2, tmp_path / "job", root=str(root))
+    assert [r.get("status") for r in results] == [-signal.SIGTERM, -signal.SIGTERM], results
+    for result in ok(results, tmp_path / "job"):
+        assert result == {"last": 4, "preempted": True, "steps": [4]}
+    config = Config(storage={"url": str(root)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config, world_size=1) as ckpt:
+        assert ckpt.steps() == [4] and ckpt.load(skip_rank_local=True)["step"] == 4
 
 
 def test_a_handler_installed_before_is_what_runs_at_the_exit(tmp_path: Path) -> None:
