@@ -19,8 +19,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -402,6 +403,8 @@ class Engine:
         if job.outcome.done():  # refused by the transfer side before anything was copied
             return
         job.session = self._spool_session(plan, job.storage, job.keep_last)
+        if self._securing:  # a save started after a preemption (the trainer's last one)
+            self._keep_resumable(job)
         capture_started = time.perf_counter()
         await capture_chunks(
             plan, pool, self._executor, self._copier, job.order,
@@ -438,7 +441,8 @@ class Engine:
         in flight go on; with a spool, every chunk they hold in RAM, and every one staged
         from now on, is written to the spool disk as well, so that a save the grace period
         is too short for is resumed by the next process. (Multi-rank saves are not resumed
-        from a spool: their ranks only try to finish.)"""
+        from a spool: their ranks only try to finish.) Every such save is journalled, even
+        one with nothing left in RAM (its commit under way)."""
         if self._securing:
             return
         self._securing = True
@@ -446,6 +450,13 @@ class Engine:
             job = self._jobs.get(save_id)
             if job is not None and isinstance(chunk, SlabChunk):
                 self._secure(job, chunk)
+        for job in list(self._jobs.values()):
+            self._keep_resumable(job)
+
+    def _keep_resumable(self, job: _SaveJob) -> None:
+        """Preempted: journal ``job`` whatever it holds in RAM (see SpoolSession.keep_resumable)."""
+        if job.session is not None and job.plan.spec.distributed is None and not job.aborted:
+            self._journalling(job, job.session.keep_resumable())
 
     def _secure(self, job: _SaveJob, chunk: SlabChunk) -> None:
         """Write ``chunk`` (in RAM) to the save's spool folder, holding its slab meanwhile."""
@@ -464,7 +475,12 @@ class Engine:
             finally:
                 pool.unhold(chunk.slab)
 
-        task = asyncio.get_running_loop().create_task(write())
+        self._journalling(job, write())
+
+    @staticmethod
+    def _journalling(job: _SaveJob, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (spool and journal writes) as a task the end of ``job`` waits for."""
+        task = asyncio.get_running_loop().create_task(work)
         job.journalling.add(task)
         task.add_done_callback(job.journalling.discard)
 
@@ -555,9 +571,7 @@ class Engine:
         else:
             job.progress.dropped(index)
         if job.session is not None and (chunk is not None or pieces is not None):
-            task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
-            job.journalling.add(task)
-            task.add_done_callback(job.journalling.discard)
+            self._journalling(job, job.session.done_with(index, pieces))
 
     def sent(self, save_id: str, index: int, nbytes: int) -> None:
         job = self._jobs.get(save_id)
@@ -598,9 +612,7 @@ class Engine:
             if job.outcome.done():
                 continue
             if "upload" in job.stages:  # its commit may have begun, or landed
-                task = asyncio.get_running_loop().create_task(self._read_back(job, error))
-                job.journalling.add(task)
-                task.add_done_callback(job.journalling.discard)
+                self._journalling(job, self._read_back(job, error))
             else:
                 self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
 

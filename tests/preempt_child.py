@@ -8,17 +8,18 @@ argv: scenario root [spool]. Scenarios:
   ``ckpt.preempted``, let the storage go on, take a last save (step 2), close and return;
 - ``stuck``: save step 1 to a storage that holds every write (it never lands), print
   UPLOADING, then wait for the handle as a trainer that knows nothing of preemption would;
+- ``committing``: as ``stuck``, but the storage holds only the manifest's write: every
+  chunk lands, and COMMITTING is printed once the save is committing;
 - ``idle``: print READY, train until ``ckpt.preempted`` (no save in flight), take a last
-  save (step 5), close, return; in process mode it prints HELPER <pid> first;
-- ``chained``: ``idle`` with a SIGTERM handler installed before the checkpointer's (it
-  prints PREVIOUS HANDLER and exits with status 7).
+  save (step 5), close, return; in process mode it prints HELPER <pid> first.
+
+(How the process ends after a handler installed before aiosnap's, one from C, in a forked
+child: tests/signal_child.py.)
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import sys
 import time
 from typing import Any
@@ -50,25 +51,19 @@ def main(scenario: str, root: str, spool: str | None) -> None:
         "storage": {"url": root},
         "ram_budget": "16MiB",
         "upload": {"chunk_size": "512KiB", "concurrency": 1},
-        "preemption": {"enabled": True, "grace_period": 2.0 if scenario == "stuck" else 20.0},
+        "preemption": {"enabled": True, "grace_period": 2.0 if scenario in ("stuck", "committing") else 20.0},
         "events": {"log": False},
     }
     if spool is not None:
         settings["spool"] = {"dir": spool, "mode": "overflow"}
     config = Config(**settings)
-    if scenario == "chained":
-
-        def previous(signum: int, frame: object) -> None:
-            print("PREVIOUS HANDLER", flush=True)
-            os._exit(7)
-
-        signal.signal(signal.SIGTERM, previous)
     storage: Any = None
-    if scenario in ("in-flight", "stuck"):
+    if scenario in ("in-flight", "stuck", "committing"):
         storage = FaultyStorage(LocalStorage(root))
-        storage.hold_when = lambda name: name.endswith(".bin")
+        held = "manifest.json" if scenario == "committing" else ".bin"
+        storage.hold_when = lambda name: name.endswith(held)
     with SyncCheckpointer(config, storage=storage) as ckpt:
-        if scenario in ("idle", "chained"):
+        if scenario == "idle":
             if config.upload.executor == "process":
                 print(f"HELPER {ckpt._engine.transfer.pid}", flush=True)  # type: ignore[union-attr]
             print("READY", flush=True)
@@ -77,7 +72,13 @@ def main(scenario: str, root: str, spool: str | None) -> None:
             return
         handle = ckpt.save(state(1), step=1)
         print("UPLOADING", flush=True)
-        if scenario == "stuck":
+        if scenario == "committing":
+            began = time.monotonic()
+            while handle.progress().stage != "committing":
+                assert time.monotonic() - began < DEADLINE_S, handle.progress()
+                time.sleep(0.005)
+            print("COMMITTING", flush=True)
+        if scenario in ("stuck", "committing"):
             handle.wait()
             print("NOT REACHED", flush=True)
             return

@@ -1,4 +1,5 @@
-"""Preemption: a real SIGTERM sent to a real training process (tests/preempt_child.py)."""
+"""Preemption: a real SIGTERM sent to a real training process (tests/preempt_child.py), and
+how a process with aiosnap's handlers ends (tests/signal_child.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from aiosnap import Config, ConfigError, SyncCheckpointer
 from tests.dist_launch import ok, run_ranks
@@ -83,19 +85,30 @@ def test_sigterm_mid_upload_finishes_the_save_takes_a_last_one_and_exits_as_sigt
     assert _loads(root, 1) and _loads(root, 2)
 
 
-def test_a_save_that_cannot_finish_in_the_grace_period_is_resumed_from_the_spool(tmp_path: Path) -> None:
-    root, spool = tmp_path / "ckpt", tmp_path / "spool"
+def test_saves_the_grace_period_is_too_short_for_are_resumed_from_the_spool(tmp_path: Path) -> None:
+    """Two trainers at once (each waits out its 2 s grace period): one whose save has not
+    landed a byte (every chunk is in RAM: written to the spool), one whose chunks have all
+    landed and whose manifest write is under way (nothing in RAM: journalled all the same)."""
     began = time.monotonic()
-    code, out, err = Child("stuck", str(root), str(spool)).preempt_after("UPLOADING")
-    assert code == -signal.SIGTERM, (code, out, err[-3000:])
-    assert time.monotonic() - began >= 2  # it waited for the grace period (2 s)
-    assert "NOT REACHED" not in out and "grace period of 2 s is over" in err
-    assert _committed(root) == []  # nothing landed: the storage held every write
-    config = Config(storage={"url": str(root)}, spool={"dir": str(spool)}, events={"log": False, "stderr": False})
-    with SyncCheckpointer(config) as ckpt:
-        assert ckpt.resume_report.resumed == [1], ckpt.resume_report
-        assert ckpt.steps() == [1]
-    assert _loads(root, 1)
+    children = {
+        scenario: (Child(scenario, str(tmp_path / scenario / "ckpt"), str(tmp_path / scenario / "spool")), prefix)
+        for scenario, prefix in (("stuck", "UPLOADING"), ("committing", "COMMITTING"))
+    }
+    for child, prefix in children.values():
+        child.wait_for(prefix)
+        child.process.send_signal(signal.SIGTERM)
+    for scenario, (child, _) in children.items():
+        code, out, err = child.end()
+        assert code == -signal.SIGTERM, (scenario, code, out, err[-3000:])
+        assert "NOT REACHED" not in out and "grace period of 2 s is over" in err, (scenario, err[-3000:])
+        root, spool = tmp_path / scenario / "ckpt", tmp_path / scenario / "spool"
+        assert _committed(root) == []  # the storage held the writes: the data, or the manifest
+        config = Config(storage={"url": str(root)}, spool={"dir": str(spool)}, events={"log": False, "stderr": False})
+        with SyncCheckpointer(config) as ckpt:
+            assert ckpt.resume_report.resumed == [1], (scenario, ckpt.resume_report)
+            assert ckpt.steps() == [1]
+        assert _loads(root, 1)
+    assert time.monotonic() - began >= 2  # they waited for the grace period
 
 
 def test_sigterm_with_no_save_in_flight_lets_the_trainer_take_a_last_save(tmp_path: Path) -> None:
@@ -120,11 +133,36 @@ def test_ranks_agree_on_their_signals_take_one_last_save_together_and_exit_as_si
         assert ckpt.steps() == [4] and ckpt.load(skip_rank_local=True)["step"] == 4
 
 
-def test_a_handler_installed_before_is_what_runs_at_the_exit(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    code, out, err = Child("chained", str(root)).preempt_after("READY")
-    assert code == 7 and "PREVIOUS HANDLER" in out, (code, out, err[-3000:])
-    assert _committed(root) == [5]
+def _signal_child(scenario: str) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.signal_child", scenario], cwd=REPO, capture_output=True, text=True, timeout=60
+    )  # fmt: skip
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_a_forked_child_is_not_the_preempted_process() -> None:
+    """multiprocessing's fork children (a Pool's workers, DataLoader's) die of a SIGTERM as
+    before, without preempting their parent; a child of a preempted process exits normally."""
+    code, out, err = _signal_child("fork")
+    assert out.splitlines() == ["TERMINATED -15", "POOL [1, 2]", "PREEMPTED False", "FORKED 0"], (out, err)
+    assert code == -signal.SIGTERM, (code, err)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "status"),
+    [("sigint", -signal.SIGINT), ("sysexit", 7), ("raises", 1), ("native", 15), ("native-grace", 15)],
+)
+def test_the_process_ends_as_the_handler_from_before_would_have_ended_it(scenario: str, status: int) -> None:
+    """At the interpreter's exit (or at the grace period's end): Python's SIGINT handler
+    (KeyboardInterrupt: killed by SIGINT), one that calls sys.exit(7), one that raises, one
+    installed from C (libc's _exit(15)). The other atexit functions run first, once each."""
+    code, out, err = _signal_child(scenario)
+    assert code == status, (code, out, err)
+    assert "RETURNING" in out and "Exception ignored" not in err, (out, err)
+    if scenario != "native-grace":
+        assert out.count("ATEXIT before") == 1 and out.count("ATEXIT after") == 1, out
+    if scenario == "raises":
+        assert "RuntimeError: raised by the handler from before" in err, err
 
 
 def test_off_by_default_and_refused_off_the_main_thread(tmp_path: Path) -> None:

@@ -79,6 +79,7 @@ class SpoolSession:
         self._held = 0  # disk budget of files kept until finish()
         self._capture_over = False
         self._captured_journalled = False
+        self._resumable = False
         self.secured = 0
         """Chunks held in RAM that were written to the spool too (on preemption)."""
         spool.active.add(plan.save_id)
@@ -158,7 +159,9 @@ class SpoolSession:
                 raise OSError("the spool journal of this save could not be written earlier")
             try:
                 if self._journal is None:
-                    self._journal = JournalWriter(self.spool.save_dir(self.plan.save_id) / JOURNAL)
+                    folder = self.spool.save_dir(self.plan.save_id)  # made by the first spill, if any
+                    await asyncio.to_thread(folder.mkdir, exist_ok=True)
+                    self._journal = JournalWriter(folder / JOURNAL)
                     landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
                     await self._journal.append(self._begin(), *landed, record)
                 else:
@@ -181,11 +184,21 @@ class SpoolSession:
 
     async def captured(self) -> None:
         """Capture is complete: if anything went to the spool, journal it (before save()
-        returns, so that a crash from here on loses nothing that is on disk)."""
+        returns, so that a crash from here on loses nothing that is on disk; after a
+        preemption, in any case: see :meth:`keep_resumable`)."""
         self._capture_over = True
-        if self._journal is None:
+        if self._journal is None and not self._resumable:
             return
         await self._journal_captured()
+
+    async def keep_resumable(self) -> None:
+        """Preemption: journal this save even if nothing of it is on the spool (every chunk
+        landed already, say, and its commit is under way), so that the next process commits
+        it if this one is killed first: now if capture is over, else once it is (the chunks
+        still in RAM are written by :meth:`secure`)."""
+        self._resumable = True
+        if self._capture_over:
+            await self._journal_captured()
 
     async def _journal_captured(self) -> None:
         if self._captured_journalled:
