@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
-from .core.console import SaveLineHandler
+from .core.console import SaveLineHandler, save_line
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .core.failures import FailureLedger
@@ -183,8 +183,8 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
         if not callable(handler):
             raise TypeError(f"event_handlers: {handler!r} is not callable")
     handlers: list[EventHandler] = []
-    if config.events.log:
-        handlers.append(LoggingHandler())
+    if config.events.log:  # (what the line per save says is not said twice: see LoggingHandler)
+        handlers.append(LoggingHandler(said_on_stderr=save_line if config.events.stderr else None))
     if config.events.stderr:
         handlers.append(SaveLineHandler())
     if config.events.jsonl is not None:

@@ -163,7 +163,8 @@ class EventsConfig(_Section):
     passed to the checkpointer in code."""
 
     log: bool = True
-    """Send events to the standard logger ``aiosnap.core.events`` (INFO; failures at WARNING)."""
+    """Send events to the standard logger ``aiosnap.core.events`` (INFO; failures at WARNING;
+    while logging is not set up, not the failures that ``stderr`` below reports already)."""
     jsonl: Path | None = None
     """Append every event as one JSON line to this file."""
     stderr: bool = True

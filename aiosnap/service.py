@@ -431,7 +431,7 @@ class Engine:
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert job.transfer is not None
         self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
-        job.progress.captured(chunk.nbytes, spooled=isinstance(chunk, FileChunk))
+        job.progress.captured(job.plan.chunks[chunk.index].payload, spooled=isinstance(chunk, FileChunk))
         job.transfer.staged(chunk)
         if self._securing and isinstance(chunk, SlabChunk):
             self._secure(job, chunk)
@@ -469,7 +469,7 @@ class Engine:
             try:
                 data = self.arena.view(chunk.slab, chunk.nbytes)
                 if await session.secure(job.plan.chunks[chunk.index], data):
-                    job.progress.spooled(chunk.nbytes)
+                    job.progress.spooled(job.plan.chunks[chunk.index].payload)
             except Exception as exc:  # the save itself goes on
                 log.warning("aiosnap: keeping chunk %d of step %d on the spool: %r", chunk.index, job.plan.step, exc)
             finally:
@@ -567,7 +567,7 @@ class Engine:
         if job is None:
             return
         if pieces is not None:
-            job.progress.landed(index, job.plan.chunks[index].nbytes)
+            job.progress.landed(index, job.plan.chunks[index].payload)
         else:
             job.progress.dropped(index)
         if job.session is not None and (chunk is not None or pieces is not None):
@@ -576,7 +576,7 @@ class Engine:
     def sent(self, save_id: str, index: int, nbytes: int) -> None:
         job = self._jobs.get(save_id)
         if job is not None and 0 <= index < len(job.plan.chunks):
-            job.progress.sending(index, nbytes, job.plan.chunks[index].nbytes)
+            job.progress.sending(index, nbytes, job.plan.chunks[index].payload)
 
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         job = self._jobs.get(save_id)

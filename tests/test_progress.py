@@ -3,8 +3,10 @@ state larger than the RAM budget, the live display and the ``aiosnap resume`` ba
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,9 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.cli import bytes_bar
 from aiosnap.core.console import LiveDisplay
-from aiosnap.core.progress import ProgressBoard, ProgressTracker, SaveProgress
+from aiosnap.core.progress import ProgressBoard, ProgressTracker, SaveProgress, report_sent
+from aiosnap.interop.singlefile import ArchiveStorage
+from aiosnap.storage.local import LocalStorage
 from rich.console import Console
 from rich.progress import TransferSpeedColumn
 from tests.conftest import FaultyStorage, s3_config
@@ -81,6 +85,84 @@ def test_a_line_per_save_on_stderr_and_a_failed_save_shows_failed(
     assert committed[0].startswith("aiosnap: step 1 committed: 2.0 MiB in ")
     assert committed[0].endswith(f"MiB/s) to {faulty.url}")
     assert any(line.startswith("aiosnap: step 2 failed: OSError: [Errno 28] No space left") for line in lines), lines
+
+
+@pytest.mark.thread_only
+def test_a_failed_save_is_one_line_on_stderr_with_the_default_settings(
+    root: Path, faulty: FaultyStorage, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logging not set up (as in a plain script: pytest's own handlers cut off here): the
+    failure is said once, by the line per save, not again through Python's last resort;
+    an error message of whitespace only still gives its line."""
+    monkeypatch.setattr(logging.getLogger("aiosnap.core.events"), "propagate", False)
+    faulty.fail_when = lambda name: name.endswith(".bin")
+    faulty.error = OSError(28, "No space left on device")
+    with SyncCheckpointer(Config(storage={"url": str(root)}, ram_budget="8MiB"), storage=faulty) as ckpt:
+        with pytest.raises(OSError, match="No space"):
+            ckpt.save({"w": torch.randn(10)}, step=1).wait()
+        faulty.error = RuntimeError(" \n ")
+        with pytest.raises(RuntimeError):
+            ckpt.save({"w": torch.randn(10)}, step=2).wait()
+        ckpt.flush_events()
+    lines = capfd.readouterr().err.splitlines()
+    assert [line for line in lines if "step 1" in line] == [
+        f"aiosnap: step 1 failed: OSError: [Errno 28] No space left on device ({faulty.url}; "
+        "the latest committed step is unchanged)"
+    ], lines
+    assert [line for line in lines if "step 2" in line] == [
+        f"aiosnap: step 2 failed: RuntimeError:  ({faulty.url}; the latest committed step is unchanged)"
+    ], lines
+    assert not [line for line in lines if "handler" in line], lines
+
+
+class _HalfThenFails(LocalStorage):
+    """Local storage whose write of chunk 0 sends half of it, then fails once the test has
+    seen that half (``seen``)."""
+
+    seen = threading.Event()
+
+    async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+        if name.endswith("/0.bin"):
+            report_sent(memoryview(data).nbytes // 2)
+            await asyncio.to_thread(self.seen.wait, 30)
+            raise OSError(5, "I/O error")
+        await super().write(name, data, if_absent=if_absent)
+
+
+@pytest.mark.thread_only
+def test_byte_counts_only_grow_and_count_the_states_bytes(root: Path, tmp_path: Path) -> None:
+    """Odd-sized tensors (padding between them in a data object; a single file's zip
+    headers): captured and uploaded reach the state's bytes exactly, never more; and a
+    chunk half sent when its save fails keeps its half counted."""
+    state = {f"t{i}": torch.randn(1000 + 7 * i) for i in range(40)}
+    state["big"] = torch.randn(300_001)
+    config = Config(
+        storage={"url": str(root)}, ram_budget="4MiB", upload={"chunk_size": "256KiB", "concurrency": 1},
+        events={"log": False, "stderr": False},
+    )  # fmt: skip
+    with SyncCheckpointer(config) as ckpt:
+        single = ckpt.at(str(tmp_path / "one.ckpt"), storage=ArchiveStorage(str(tmp_path / "one.ckpt")))
+        for where in (ckpt, single):
+            handle = where.save(state, step=1)
+            seen = _watch(handle)
+            result = handle.wait()
+            assert all(p.captured_bytes <= p.total_bytes and p.uploaded_bytes <= p.total_bytes for p in seen), seen
+            last = seen[-1]
+            assert last.captured_bytes == last.staged_bytes == last.uploaded_bytes == last.total_bytes == result.nbytes
+    storage = _HalfThenFails(str(tmp_path / "failing"))
+    _HalfThenFails.seen.clear()
+    config = config.model_copy(update={"storage": config.storage.model_copy(update={"url": storage.url})})
+    with SyncCheckpointer(config, storage=storage) as ckpt:
+        handle = ckpt.save({"w": torch.randn(2 * 65536)}, step=1)  # two chunks of 256 KiB
+        deadline = time.monotonic() + 30
+        while handle.progress().uploaded_bytes < 128 * 1024:
+            assert time.monotonic() < deadline, handle.progress()
+            time.sleep(0.002)
+        most = handle.progress().uploaded_bytes
+        _HalfThenFails.seen.set()
+        with pytest.raises(OSError, match="I/O error"):
+            handle.wait()
+    assert handle.progress().stage == "failed" and handle.progress().uploaded_bytes >= most
 
 
 @pytest.mark.thread_only

@@ -51,7 +51,7 @@ def save_line(event: Event) -> str | None:
     if event.op == "save":
         if event.error_type == "CancelledError":
             return f"aiosnap: step {event.step} cancelled{rank}; nothing of it was committed ({event.url})"
-        error = (event.error or "").strip().splitlines()[0] if event.error else ""
+        error = next(iter((event.error or "").strip().splitlines()), "")
         if len(error) > _ERROR_CHARS:
             error = error[:_ERROR_CHARS] + "..."
         return (

@@ -93,7 +93,8 @@ class Preemption:
         self._atexit_slot = atexit._ncallbacks() - 1
         register_shutdown = getattr(threading, "_register_atexit", None)  # CPython's, since 3.9
         if register_shutdown is not None:
-            register_shutdown(self._run_at_exit_first)
+            with contextlib.suppress(RuntimeError):  # the interpreter is exiting already
+                register_shutdown(self._run_at_exit_first)
 
     @property
     def signals(self) -> list[signal.Signals]:
@@ -222,7 +223,7 @@ class Preemption:
         if os.getpid() != self._pid or self._exited.is_set() or self.signal is None:
             return
         signum = self.signal
-        previous = self._restore()
+        previous = self._restore(signum)
         if signum in self._native:  # a handler from C acts (if it returns, the exit goes on)
             self._finish_exit()
             signal.raise_signal(signum)
@@ -265,19 +266,19 @@ class Preemption:
     def _deliver(self, signum: signal.Signals, frame: FrameType | None) -> None:
         """Main thread: put back the dispositions aiosnap replaced, and act on ``signum`` as
         the one before aiosnap's would have (kill, call it, or ignore)."""
-        previous = self._restore()
-        if signum in self._native or previous in (signal.SIG_DFL, None):
+        previous = self._restore(signum)
+        if signum in self._native or previous == signal.SIG_DFL:
             logging.shutdown()  # what was logged reaches its files before the default action ends us
             signal.raise_signal(signum)
         elif callable(previous):
             previous(int(signum), frame)
 
-    def _restore(self) -> _Handler:
+    def _restore(self, signum: signal.Signals) -> _Handler:
         """Put back the dispositions aiosnap replaced (main thread); returns the one of
-        :attr:`signal` from before (SIG_DFL when Python saw none)."""
+        ``signum`` from before (SIG_DFL when Python saw none)."""
         self._exited.set()
         self._put_back()
-        previous = self._previous.get(self.signal) if self.signal is not None else None
+        previous = self._previous.get(signum)
         return signal.SIG_DFL if previous is None else previous
 
     def _put_back(self) -> None:

@@ -37,8 +37,10 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class SaveProgress:
-    """One save's progress at one moment. Byte counts only grow; ``captured_bytes`` reaches
-    ``total_bytes`` when ``save()`` returns, ``uploaded_bytes`` before the commit."""
+    """One save's progress at one moment. Byte counts are of the state's bytes (not of the
+    padding and headers its data objects add), never exceed ``total_bytes`` and only grow;
+    ``captured_bytes`` reaches ``total_bytes`` when ``save()`` returns, ``uploaded_bytes``
+    once every chunk has landed, before the commit."""
 
     step: int
     stage: Stage
@@ -52,7 +54,8 @@ class SaveProgress:
     """Bytes written to the local-disk spool (spilled during capture, or written there to
     survive a preemption)."""
     uploaded_bytes: int
-    """In storage (chunks landed, and the requests of chunks still on their way)."""
+    """In storage (chunks landed, and the requests of chunks still on their way; those of a
+    chunk given up when its save failed stay counted)."""
     elapsed_s: float
     """Seconds since ``save()`` was called (until the save ended, once it has)."""
     upload_rate: float | None
@@ -83,7 +86,8 @@ class SaveProgress:
 
 class ProgressTracker:
     """The progress of one save: updated by the loop thread, read by any thread (a lock
-    keeps each snapshot consistent; updates are a few additions)."""
+    keeps each snapshot consistent; updates are a few additions). Callers count a chunk by
+    the state's bytes in it (:attr:`~aiosnap.trainer.chunks.Chunk.payload`)."""
 
     def __init__(self, step: int, total_bytes: int, started: float | None = None) -> None:
         self.step = step
@@ -96,6 +100,7 @@ class ProgressTracker:
         self._spooled = 0
         self._landed = 0
         self._sending: dict[int, int] = {}  # chunk -> bytes of it sent, not landed yet
+        self._given_up = 0  # bytes sent of chunks dropped before they landed
         self._first_captured: float | None = None
         self._uploading_at: float | None = None
         self._first_sent: float | None = None
@@ -143,9 +148,10 @@ class ProgressTracker:
             self._sent_now()
 
     def dropped(self, chunk: int) -> None:
-        """Chunk ``chunk`` will not be uploaded (its save is over)."""
+        """Chunk ``chunk`` will not be uploaded (its save is over); what of it was sent
+        stays counted (counts only grow)."""
         with self._lock:
-            self._sending.pop(chunk, None)
+            self._given_up += self._sending.pop(chunk, 0)
 
     def _sent_now(self) -> None:
         now = time.perf_counter()
@@ -157,7 +163,8 @@ class ProgressTracker:
         """The progress now (any thread)."""
         with self._lock:
             now = self._ended if self._ended is not None else time.perf_counter()
-            uploaded = min(self.total_bytes, self._landed + sum(self._sending.values()))
+            total = self.total_bytes
+            uploaded = min(total, self._landed + self._given_up + sum(self._sending.values()))
             rate = None
             if self._first_sent is not None and self._last_sent is not None:
                 window = (now if self._ended is None else self._last_sent) - self._upload_began(self._first_sent)
@@ -165,10 +172,10 @@ class ProgressTracker:
             return SaveProgress(
                 step=self.step,
                 stage=self._stage,
-                total_bytes=self.total_bytes,
-                captured_bytes=self._captured,
-                staged_bytes=self._staged,
-                spooled_bytes=self._spooled,
+                total_bytes=total,
+                captured_bytes=min(total, self._captured),
+                staged_bytes=min(total, self._staged),
+                spooled_bytes=min(total, self._spooled),
                 uploaded_bytes=uploaded,
                 elapsed_s=now - self._started,
                 upload_rate=rate,
