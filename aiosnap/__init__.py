@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
     from .core.events import Event, JsonlHandler, LoggingHandler
+    from .core.progress import SaveProgress
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
@@ -53,6 +54,7 @@ _LAZY = {
     "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
     "RNGState": "core.rng",
+    "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
 }
 
@@ -92,6 +94,7 @@ __all__ = [
     "RankTimeoutError",
     "RanksDisagreeError",
     "SaveHandle",
+    "SaveProgress",
     "SaveResult",
     "ShardedState",
     "SpoolBusyError",

@@ -21,10 +21,13 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import Config
+from .core.console import SaveLineHandler, save_line
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .core.failures import FailureLedger
 from .core.loop import LoopThread
+from .core.preemption import Preemption
+from .core.progress import ProgressTracker, SaveProgress
 from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .format.manifest import Manifest
@@ -35,6 +38,7 @@ from .load.apply import apply_state, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
+from .runtime.attachments import Attachments
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .storage.base import Storage
 from .trainer.chunks import SavePlan
@@ -57,11 +61,16 @@ class SaveHandle:
     reported: neither the next ``save()`` nor ``close()`` raises it again)."""
 
     def __init__(
-        self, step: int, durable: concurrent.futures.Future[SaveResult], failures: FailureLedger | None = None
+        self,
+        step: int,
+        durable: concurrent.futures.Future[SaveResult],
+        failures: FailureLedger | None = None,
+        progress: ProgressTracker | None = None,
     ) -> None:
         self.step = step
         self._durable = durable
         self._failures = failures
+        self._progress = progress if progress is not None else ProgressTracker(step, 0)
         self._pid = os.getpid()
 
     def _check_process(self) -> None:
@@ -82,6 +91,12 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save has committed or failed."""
         return self._durable.done()
+
+    def progress(self) -> SaveProgress:
+        """How far the save has got now: bytes captured, staged in RAM, spooled, uploaded,
+        of its total; its stage; the upload rate. Cheap, never blocks, any thread; a
+        snapshot, so compare two of them to see it move."""
+        return self._progress.snapshot()
 
     @property
     def future(self) -> concurrent.futures.Future[SaveResult]:
@@ -168,8 +183,10 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
         if not callable(handler):
             raise TypeError(f"event_handlers: {handler!r} is not callable")
     handlers: list[EventHandler] = []
-    if config.events.log:
-        handlers.append(LoggingHandler())
+    if config.events.log:  # (what the line per save says is not said twice: see LoggingHandler)
+        handlers.append(LoggingHandler(said_on_stderr=save_line if config.events.stderr else None))
+    if config.events.stderr:
+        handlers.append(SaveLineHandler())
     if config.events.jsonl is not None:
         try:
             handlers.append(JsonlHandler(config.events.jsonl))
@@ -229,6 +246,8 @@ class _Core:
             self._engine = Engine(self.config, storage, ram_budget, events, spool)
             undo.callback(lambda: self._loop.run(self._engine.shutdown()))
             self._loop.run(self._engine.start())
+            self._attachments = Attachments(self.config, self._engine, self._loop)
+            undo.callback(self._attachments.close)
             if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()
@@ -282,6 +301,19 @@ class _Core:
     def loop_kind(self) -> str:
         """``uvloop`` or ``asyncio``: the background loop actually running."""
         return self._loop.kind
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal has arrived (``preemption.enabled``): take a last
+        save and stop; the process then exits as the signal would have (see
+        :mod:`aiosnap.core.preemption`). Always False when preemption is not enabled."""
+        return self._attachments.preempted
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """The process's preemption handling (its ``event``, ``signal``,
+        ``seconds_left()``), or None when ``preemption.enabled`` is off."""
+        return self._attachments.preemption
 
     @property
     def ram_high_water(self) -> int:
@@ -413,6 +445,7 @@ class _Core:
     def _end_close(self, raise_failure: bool) -> None:
         if self._owner is not None:  # a view: the owner's loop and engine stay
             return
+        self._attachments.close()
         self._loop.stop()
         self._engine.events.close()
         self._job.close()
@@ -478,8 +511,11 @@ class Checkpointer(_Core):
         resolves when the step is committed (every rank's data landed) on every rank."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata, rank_local)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = await self._call(
+                self._engine.save(plan, order, started, self._storage, self._keep_last, progress)
+            )
         except asyncio.CancelledError as exc:
             self._abort_on_interrupt(plan.save_id)
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
@@ -487,7 +523,7 @@ class Checkpointer(_Core):
         except BaseException as exc:
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
             raise
-        return SaveHandle(step, durable, self._engine.failures)
+        return SaveHandle(step, durable, self._engine.failures, progress)
 
     async def load(
         self,
@@ -617,13 +653,14 @@ class SyncCheckpointer(_Core):
         Same waiting, failure and multi-rank rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
         plan, order = self._plan(state, step, metadata, rank_local)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last, progress))
         except BaseException as exc:
             self._abort_on_interrupt(plan.save_id)
             self._leave_distributed_save(plan, exc)
             raise
-        return SyncSaveHandle(step, durable, self._engine.failures)
+        return SyncSaveHandle(step, durable, self._engine.failures, progress)
 
     def load(
         self,

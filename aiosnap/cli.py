@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich import filesize
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .catalog.garbage import collect_garbage
 from .catalog.maintenance import list_steps, verify_step
@@ -95,20 +97,38 @@ def _emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, default=str))
 
 
+class AverageRateColumn(ProgressColumn):
+    """Bytes per second since the task started. Rich's own speed column estimates from the
+    updates of the last 30 s alone, which shows many times the real rate when bytes are
+    reported in bursts (several files finishing together)."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed
+        if not elapsed or not task.completed:
+            return Text("?", style="progress.data.speed")
+        return Text(f"{filesize.decimal(int(task.completed / elapsed))}/s", style="progress.data.speed")
+
+
+def bytes_bar(console: Console, get_time: Callable[[], float] | None = None) -> Progress:
+    """The commands' progress bar of bytes (``get_time``: its clock, for tests)."""
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        AverageRateColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        get_time=get_time,
+    )
+
+
 def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
     """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
     console = Console(stderr=True)
     if not enabled or not console.is_terminal:
         return None, lambda n: None
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+    bar = bytes_bar(console)
     task = bar.add_task(what, total=total)
     return bar, lambda n: bar.advance(task, n)
 
@@ -292,15 +312,21 @@ def resume_command(
     settings = load_config(config)
     if settings.spool.effective_mode == "off":
         raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
-    settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": False})})
+    settings = settings.model_copy(
+        update={
+            "spool": settings.spool.model_copy(update={"resume": False}),
+            "events": settings.events.model_copy(update={"stderr": False}),  # this command reports itself
+        }
+    )
     from .checkpointer import SyncCheckpointer  # torch: only the commands that need it import it
 
     with SyncCheckpointer(settings) as ckpt:
         bar, advance = _progress(None, "uploading spooled chunks", not as_json)
+        done_before = 0  # bytes of the roots resumed before this one
 
-        def landed(nbytes: int, total: int) -> None:
+        def landed(nbytes: int, total: int) -> None:  # total: this root's
             if bar is not None:
-                bar.update(bar.task_ids[0], total=total)
+                bar.update(bar.task_ids[0], total=done_before + total)
             advance(nbytes)
 
         targets = [ckpt, *(ckpt.at(root) for root in roots or [])]
@@ -308,6 +334,7 @@ def resume_command(
         with bar if bar is not None else contextlib.nullcontext():
             for target in targets:
                 reports.append(target.resume_spool(landed if bar is not None else None))
+                done_before = 0 if bar is None else int(bar.tasks[0].completed)
         everywhere = set.intersection(*({save_id for save_id, _ in r.skipped} for r in reports))
         report = ResumeReport(
             resumed=[step for r in reports for step in r.resumed],

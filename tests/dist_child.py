@@ -391,6 +391,31 @@ def events_in_subgroup(rank: int, world: int, work: str, params: dict[str, Any])
     }
 
 
+def preempted(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Each rank gets its own SIGTERM (sent to itself, at a different step on each rank, as
+    ranks notice a cluster's signal at different moments), the ranks agree on it every four
+    steps over the job's group, and all take one last save at the same step."""
+    import signal
+
+    import aiosnap
+
+    settings = {**config(params["root"]), "preemption": {"enabled": True, "grace_period": 30}}
+    state = {"w": torch.full((1000,), float(rank)), "step": 0}
+    with aiosnap.SyncCheckpointer(settings) as ckpt:
+        for step in range(100):
+            state["step"] = step
+            if step == 1 + rank:
+                os.kill(os.getpid(), signal.SIGTERM)  # the cluster's signal reaches this rank
+            if step % 4 == 0:  # the docs' agreement (docs/guides/preemption.md, multi-rank)
+                flag = torch.tensor([1 if ckpt.preempted else 0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item():
+                    ckpt.save(state, step=step, rank_local=["w"]).wait(timeout=40)
+                    return {"last": step, "preempted": ckpt.preempted, "steps": ckpt.steps()}
+            time.sleep(0.01)  # one training step
+    raise AssertionError("never preempted")
+
+
 def main() -> None:
     scenario, rank, world, port, work, raw = sys.argv[1:7]
     params = json.loads(raw)

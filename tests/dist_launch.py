@@ -27,7 +27,8 @@ def free_port() -> int:
 
 def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **params: Any) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` ranks; each rank's result (``{"ok": ...}`` or
-    ``{"error": type, "message": ...}``; ``{"exit": code}`` for a rank that wrote none)."""
+    ``{"error": type, "message": ...}``, with the rank's exit status as ``"status"``;
+    ``{"exit": code}`` for a rank that wrote none)."""
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("result-*.json"):
         old.unlink()
@@ -56,7 +57,10 @@ def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **para
     results = []
     for rank, (proc, _) in enumerate(procs):
         path = work / f"result-{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"exit": proc.returncode})
+        if path.exists():
+            results.append({**json.loads(path.read_text()), "status": proc.returncode})
+        else:
+            results.append({"exit": proc.returncode})
     return results
 
 

@@ -36,6 +36,7 @@ def test_public_names_are_locked() -> None:
         "RankTimeoutError",
         "RanksDisagreeError",
         "SaveHandle",
+        "SaveProgress",
         "SaveResult",
         "ShardedState",
         "SpoolBusyError",

@@ -127,16 +127,30 @@ class Event:
 
 class LoggingHandler:
     """Writes each event to a standard logger (``aiosnap.core.events``): exceptions at WARNING,
-    the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``."""
+    the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``.
 
-    def __init__(self, logger: str = "aiosnap.core.events", level: int = logging.INFO) -> None:
+    ``said_on_stderr(event)``, when given, tells the events another handler writes to
+    stderr already (the line per save): while logging is not set up (no handler would take
+    the record, so Python's last resort would print it on stderr too), those are not
+    logged, and an operator sees one line per event, not two."""
+
+    def __init__(
+        self,
+        logger: str = "aiosnap.core.events",
+        level: int = logging.INFO,
+        said_on_stderr: Callable[[Event], object] | None = None,
+    ) -> None:
         self.logger = logging.getLogger(logger)
         self.level = level
+        self._said_on_stderr = said_on_stderr
 
     def __call__(self, event: Event) -> None:
         level = logging.WARNING if event.kind == "exception" else self.level
-        if self.logger.isEnabledFor(level):
-            self.logger.log(level, "%s", event.describe(), extra={"aiosnap_event": event.to_dict()})
+        if not self.logger.isEnabledFor(level):
+            return
+        if self._said_on_stderr is not None and not self.logger.hasHandlers() and self._said_on_stderr(event):
+            return
+        self.logger.log(level, "%s", event.describe(), extra={"aiosnap_event": event.to_dict()})
 
 
 class JsonlHandler:

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..config import S3Config
 from ..core.checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32c_of
 from ..core.names import check_object_name
+from ..core.progress import report_sent
 from ..errors import StorageError, StorageUnavailableError, first_error
 from .base import BytesLike, ObjectInfo, ScatterTarget, Storage, check_spool_file
 
@@ -318,7 +319,9 @@ class S3Storage(Storage):
         if self._slots is None:
             self._slots = _OrderedSlots(self.config.max_requests)
         async with self._slots.slot((order, start)):
-            return await self._request(what, source, start, end, checksum, request), crc
+            response = await self._request(what, source, start, end, checksum, request)
+        report_sent(end - start)  # (progress of the write: once per request that succeeded)
+        return response, crc
 
     async def _request(
         self, what: str, source: _Source, start: int, end: int, checksum: str, request: dict[str, Any]

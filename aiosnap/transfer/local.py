@@ -5,13 +5,15 @@ thread``) or the upload process's own (``process``, driven by :mod:`.helper`); t
 code either way. It knows a save as its :class:`~aiosnap.format.spec.SaveSpec` and the
 chunks the trainer side stages (descriptors), and tells the trainer side what happened
 through a :class:`~aiosnap.handoff.contract.TransferListener`: the root's latest step (preflight),
-each chunk it is done with, each stage, the outcome. The commit protocol is in
+the bytes of each chunk as they reach storage, each chunk it is done with, each stage, the
+outcome. The commit protocol is in
 :mod:`.commit`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -20,6 +22,7 @@ from ..catalog.steps import apply_retention
 from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
+from ..core.progress import counting_sent
 from ..errors import first_error
 from ..format.manifest import Checksums, build_manifest
 from ..format.spec import SaveSpec
@@ -312,7 +315,8 @@ class _Upload:
                 return
             clock.began()
             chunk = self.spec.chunks[staged.index]
-            pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
+            with counting_sent(functools.partial(self.owner.listener.sent, self.save_id, staged.index)):
+                pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
             for piece, crc in zip(chunk.pieces, pieces, strict=True):
                 crcs[(chunk.object_name, piece.dst_offset)] = crc
             clock.landed()
