@@ -72,6 +72,8 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
     another writer committed the step first. A re-save (``replace``) replaces the step's
     manifest, then removes the attempt folder the old one named (a failure there is only
     logged: the save has committed)."""
+    if manifest.has_unverified_ranges():  # only manifests translated from foreign formats have them
+        raise ValueError(f"step {manifest.step}: a manifest with byte ranges that carry no crc32c is never committed")
     name = manifest_name(manifest.step)
     document = manifest.to_json()
     if not replace:
