@@ -77,7 +77,7 @@ class ByteRange(_Frozen):
     object: str
     offset: int = Field(ge=0, lt=_MAX_INT)
     nbytes: int = Field(gt=0, lt=_MAX_INT)
-    crc32c: int | None = Field(ge=0, lt=2**32)
+    crc32c: int | None = Field(default=None, ge=0, lt=2**32)
 
 
 class DataObject(_Frozen):
@@ -126,7 +126,10 @@ class ShardRecord:
         ])  # fmt: skip
 
     def stored(self) -> StoredShard:
-        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c) for r in self.ranges])
+        """As the manifest keeps it (a rank's shard of a save: every range has its crc32c)."""
+        if any(r.crc32c is None for r in self.ranges):
+            raise ValueError("a stored shard's byte ranges all carry a crc32c")
+        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c or 0) for r in self.ranges])
 
 
 class EntryRecord(_Frozen):

@@ -152,9 +152,7 @@ class Consolidator:
         data = await self.cache.get_all(wanted)
         await complete_before_cancel(asyncio.to_thread(_copy_all, plans, data))
 
-    def _plan(
-        self, index: int, start: int, end: int, dest: memoryview
-    ) -> _Plan:
+    def _plan(self, index: int, start: int, end: int, dest: memoryview) -> _Plan:
         """What filling bytes ``[start, end)`` of entry ``index`` takes: the window (a
         tensor of the exported dtype covering whole elements, and where the bytes wanted
         lie in it), the stored ranges to read and the copies to make."""
@@ -206,9 +204,9 @@ class Consolidator:
             for start, part_shape in box_pieces(first, shape, local_strides, a // itemsize, b // itemsize):
                 at = first + sum(i * st for i, st in zip(start, local_strides, strict=True))
                 dest = sum((o + i) * st for o, i, st in zip(offsets, start, global_strides, strict=True)) - e0
-                copies.append(
-                    _Copy((r.object, r.offset), stored, at - a // itemsize, part_shape, local_strides, dest, global_strides)
-                )
+                key = (r.object, r.offset)
+                skip = at - a // itemsize
+                copies.append(_Copy(key, stored, skip, part_shape, local_strides, dest, global_strides))
 
 
 def _copy_all(plans: list[_Plan], data: dict[_Key, bytearray]) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "ExportOptions",
     "ExportPlan",
     "ExportReport",
+    "budgets_for",
     "check_destination",
     "export_manifest",
     "plan_export",
@@ -141,7 +142,7 @@ async def check_destination(dest: Storage, folder: str, files: Sequence[str], ov
     if not clashes:
         return []
     if not overwrite:
-        raise FileExistsError(f"{dest.url}/{prefix}: holds {clashes[0]!r} already (pass overwrite=True to replace it)")
+        raise FileExistsError(f"{dest.url}/{prefix}: holds {clashes[0]!r} already (overwrite=True, or --overwrite, replaces it)")
     old: list[str] = []
     if INDEX_FILE in present:
         try:
@@ -152,7 +153,7 @@ async def check_destination(dest: Storage, folder: str, files: Sequence[str], ov
     return [name for name in old if name not in files]
 
 
-def _budgets(ram_budget: int, part_bytes: int) -> tuple[ByteBudget, int]:
+def budgets_for(ram_budget: int, part_bytes: int) -> tuple[ByteBudget, int]:
     """The parts' share of the RAM budget (half, at least one part) and the cache's."""
     parts = max(ram_budget // 2, part_bytes)
     return ByteBudget(parts, "export ram_budget"), max(ram_budget - parts, 0)
@@ -173,7 +174,7 @@ async def export_manifest(
     files = [shard.file for shard in plan.shards]
     stale = await check_destination(dest, folder, files, options.overwrite)
     part_bytes = max((dest.part_size_for(s.size) for s in plan.shards), default=1)
-    budget, cache_bytes = _budgets(options.ram_budget, part_bytes)
+    budget, cache_bytes = budgets_for(options.ram_budget, part_bytes)
     cache = RangeCache(source, f"{source.url} step {manifest.step}", cache_bytes)
     filler = Consolidator(source, manifest, cache, plan.out_dtypes)
     async with source.reading():

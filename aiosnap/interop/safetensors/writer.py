@@ -124,7 +124,8 @@ class ShardUploads:
         for placed in shard.tensors:
             lo, hi = max(part.start, placed.offset), min(part.end, placed.end)
             if lo < hi:
-                segments.append((placed.tensor, lo - placed.offset, hi - placed.offset, buffer[lo - part.start : hi - part.start]))
+                dest = buffer[lo - part.start : hi - part.start]
+                segments.append((placed.tensor, lo - placed.offset, hi - placed.offset, dest))
         if segments:
             await fill(segments)
 
