@@ -150,10 +150,23 @@ def test_load_straight_from_a_folder_in_place_and_converted(
     assert set(partial["model"]) == {"0.weight", "0.bias"}
 
 
-def test_the_command_line(saved: tuple[Path, torch.nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line(
+    saved: tuple[Path, torch.nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root, net = saved
     out = tmp_path / "cli"
-    args = ["export", str(root), str(out), "--paths", "model/*", "--max-shard-size", "30KB", "--dtype", "fp16", "--json"]
+    args = [
+        "export",
+        str(root),
+        str(out),
+        "--paths",
+        "model/*",
+        "--max-shard-size",
+        "30KB",
+        "--dtype",
+        "fp16",
+        "--json",
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["files"][-1] == INDEX_FILE

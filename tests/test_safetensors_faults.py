@@ -67,7 +67,8 @@ def test_a_killed_export_leaves_only_hidden_temporary_files(tmp_path: Path) -> N
         from tests.conftest import FaultyStorage
         from tests.test_safetensors_faults import _export
         from aiosnap.storage.local import LocalStorage
-        _export(__import__("pathlib").Path({str(tmp_path / "ckpt")!r}), FaultyStorage(LocalStorage({str(out)!r}), delay=0.3))
+        slow = FaultyStorage(LocalStorage({str(out)!r}), delay=0.3)
+        _export(__import__("pathlib").Path({str(tmp_path / "ckpt")!r}), slow)
     """)
     proc = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
     try:

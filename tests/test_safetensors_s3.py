@@ -105,7 +105,9 @@ def test_resets_mid_body_are_retried(tmp_path: Path, proxy: Any, s3_bucket: str,
 
 
 @pytest.mark.moto_only
-def test_a_failed_export_leaves_nothing_behind(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any) -> None:
+def test_a_failed_export_leaves_nothing_behind(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any
+) -> None:
     """Completing the second shard fails after the first shard completed: the first shard
     is removed again, the open upload aborted, no index written."""
     _save(tmp_path / "ckpt")

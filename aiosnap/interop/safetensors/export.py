@@ -142,7 +142,9 @@ async def check_destination(dest: Storage, folder: str, files: Sequence[str], ov
     if not clashes:
         return []
     if not overwrite:
-        raise FileExistsError(f"{dest.url}/{prefix}: holds {clashes[0]!r} already (overwrite=True, or --overwrite, replaces it)")
+        raise FileExistsError(
+            f"{dest.url}/{prefix}: holds {clashes[0]!r} already (overwrite=True, or --overwrite, replaces it)"
+        )
     old: list[str] = []
     if INDEX_FILE in present:
         try:

@@ -142,9 +142,14 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def plan_shards(tensors: Sequence[ExportTensor], max_shard_size: int, metadata: Mapping[str, str]) -> list[Shard]:
+def plan_shards(
+    tensors: Sequence[ExportTensor], max_shard_size: int, metadata: Mapping[str, str], *, aligned: bool = True
+) -> list[Shard]:
     """Group ``tensors`` (in order) into files of at most ``max_shard_size`` data bytes and
-    lay each file out; ``metadata`` (``format: pt`` first) goes into every header."""
+    lay each file out; ``metadata`` (``format: pt`` first) goes into every header. With
+    ``aligned`` larger elements go first in each file (every tensor at a multiple of its
+    element size); without, the order given is kept (a live export writes bytes in the order
+    the save captures them; the safetensors library reads unaligned tensors as well)."""
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     groups: list[list[ExportTensor]] = []
@@ -158,7 +163,7 @@ def plan_shards(tensors: Sequence[ExportTensor], max_shard_size: int, metadata: 
     header_metadata = {"format": "pt", **metadata}
     shards = []
     for index, group in enumerate(groups or [[]], start=1):
-        ordered = sorted(group, key=lambda t: -t.itemsize)  # stable: larger elements first
+        ordered = sorted(group, key=lambda t: -t.itemsize) if aligned else group  # stable: larger first
         header = build_header([(t.name, t.dtype, t.shape) for t in ordered], header_metadata)
         shard = Shard(shard_file_name(index, max(1, len(groups))), header)
         offset = len(header)
