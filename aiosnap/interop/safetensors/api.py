@@ -295,11 +295,12 @@ def _export_ranks(
 
 
 def _my_parts(parts: list[Any], rank: int, world: int) -> list[Any]:
-    """Rank ``rank``'s contiguous stretch of ``parts`` (split by bytes, in file order)."""
+    """Rank ``rank``'s contiguous stretch of ``parts`` (split by bytes, in file order: a part
+    goes to the rank whose share holds its middle byte)."""
     total = sum(p.nbytes for p in parts)
     mine, position = [], 0
     for part in parts:
-        if min(world - 1, position * world // max(total, 1)) == rank:
+        if min(world - 1, (2 * position + part.nbytes) * world // max(2 * total, 1)) == rank:
             mine.append(part)
         position += part.nbytes
     return mine
