@@ -15,8 +15,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import dist_child  # noqa: E402
-from dist_child import config, dtensors, expected_of  # noqa: E402
+import dist_child
+from dist_child import config, dtensors, expected_of
 
 
 def _counting(inner: Any) -> Any:
@@ -89,6 +89,7 @@ def export_failure(rank: int, world: int, work: str, params: dict[str, Any]) -> 
     with aiosnap.SyncCheckpointer(config(root)) as ckpt:
         ckpt.save({"model": dtensors(params["layouts"])}, step=1).wait(timeout=40)
     if rank == 1:
+
         async def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
             raise OSError(28, "No space left on device")
 
