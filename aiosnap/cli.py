@@ -413,7 +413,7 @@ def bench_command(
     which: Annotated[
         str,
         typer.Argument(
-            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
+            help="local | s3 | spool | lightning | load | interference | distributed | safetensors; options go to it"
         ),
     ] = "local",
 ) -> None:
