@@ -50,7 +50,8 @@ def run_job(world: int, module: str = "aiosnap.bench.distributed_rank", **params
         for proc in procs:
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
-                raise RuntimeError(f"a rank of {module} {params.get('tool')} {params.get('mode')} failed:\n{err[-3000:]}")
+                what = f"{module} {params.get('tool', '')} {params.get('mode', '')}".strip()
+                raise RuntimeError(f"a rank of {what} failed:\n{err[-3000:]}")
             figures.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
