@@ -125,16 +125,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     floor = nbytes / (args.cap_mb_s * 1e6)
-    seconds = figures
+    s = figures
     report = {
         "ranks": args.ranks,
         "exported_bytes": nbytes,
         "cap_mb_s": args.cap_mb_s,
         "seconds": figures,
         "ratios": {
-            "s3_durable_over_floor": round(seconds["aiosnap_s3_s"] / floor, 2),
-            "local_aiosnap_over_dcp_write_and_consolidate": round(seconds["aiosnap_local_s"] / seconds["dcp_local_s"], 2),
-            "import_aiosnap_over_dcp_reader": round(seconds["aiosnap_import_s"] / seconds["dcp_import_s"], 2),
+            "s3_durable_over_floor": round(s["aiosnap_s3_s"] / floor, 2),
+            "local_aiosnap_over_dcp_write_and_consolidate": round(s["aiosnap_local_s"] / s["dcp_local_s"], 2),
+            "import_aiosnap_over_dcp_reader": round(s["aiosnap_import_s"] / s["dcp_import_s"], 2),
         },
     }
     print(json.dumps(report, indent=2))
