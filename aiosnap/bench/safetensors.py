@@ -21,7 +21,6 @@ import <= DCP's reader.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -67,9 +66,9 @@ def _rank(params: dict[str, Any]) -> dict[str, Any]:
     timed("aiosnap_s3_s", lambda: export(f"{work}/aiosnap", f"s3://{params['bucket']}/hf", config=config,
                                          paths=["model/*"]))  # fmt: skip
 
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -84,20 +83,6 @@ def _rank(params: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         timed("dcp_import_s", lambda: dcp_load(targets, storage_reader=HuggingFaceStorageReader(f"{work}/hf_aiosnap")))
     return figures
-
-
-def _rank_main() -> None:
-    import torch.distributed as dist
-
-    params = json.loads(sys.argv[1])
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{params['port']}", rank=params["rank"], world_size=params["world"],
-        timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
-    try:
-        print(json.dumps(_rank(params)), flush=True)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,7 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
-        _rank_main()
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # one rank of the job
+        from .distributed_rank import main as rank_main
+
+        rank_main(_rank)
     else:
         main()

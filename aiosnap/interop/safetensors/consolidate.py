@@ -29,7 +29,7 @@ from ...core.aio import complete_before_cancel
 from ...core.tensorio import bytes_view
 from ...errors import CorruptCheckpointError
 from ...format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
-from ...format.tiling import overlap
+from ...format.tiling import overlap, row_major_strides
 from ...load.decode import torch_dtype
 from ...load.fetch_runs import Range, plan_runs, read_run
 from ...load.reshard import box_pieces
@@ -39,14 +39,6 @@ from .writer import Segment
 __all__ = ["Consolidator", "RangeCache"]
 
 _Key = tuple[str, int]
-
-
-def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.append(step)
-        step *= d
-    return stride[::-1]
 
 
 class RangeCache:
@@ -164,7 +156,7 @@ class Consolidator:
         aligned = start % size == 0 and end % size == 0
         window = torch.frombuffer(dest, dtype=out) if aligned else torch.empty(e1 - e0, dtype=out)
         shape = tuple(entry.shape)
-        strides = _strides(shape)
+        strides = row_major_strides(shape)
         needed: dict[_Key, ByteRange] = {}
         copies: list[_Copy] = []
         shards = entry.shard_records()
@@ -189,7 +181,7 @@ class Consolidator:
     ) -> None:
         itemsize = torch.empty(0, dtype=stored).element_size()
         offsets, shape = found
-        local_strides = _strides(tuple(shard.shape))
+        local_strides = row_major_strides(tuple(shard.shape))
         first = sum((o - s) * st for o, s, st in zip(offsets, shard.offsets, local_strides, strict=True))
         last = first + sum((n - 1) * st for n, st in zip(shape, local_strides, strict=True))
         position = 0

@@ -34,6 +34,7 @@ from typing import Any
 from ...core.names import MANIFEST_FILE, attempt_prefix, manifest_name, step_dir
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest
+from ...format.tiling import row_major_strides
 from ...storage.base import BytesLike, ObjectInfo, Storage
 from .header import ParsedHeader, header_length, parse_header
 from .layout import INDEX_FILE, MAX_INDEX_BYTES, SINGLE_FILE, check_shard_file, parse_index
@@ -47,14 +48,6 @@ RANGE_BYTES = 4 * 1024**2
 _FIRST_READ = 256 * 1024
 """Bytes read from the start of a file to find its header (most headers fit)."""
 _HEADER_READS = 8
-
-
-def _contiguous_stride(shape: Sequence[int]) -> list[int]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return stride[::-1]
 
 
 def _ranges(obj: str, start: int, nbytes: int) -> list[ByteRange]:
@@ -92,7 +85,7 @@ def translate(headers: dict[str, tuple[int, ParsedHeader]], prefix: str, where: 
             entries.append(
                 EntryRecord(
                     path=prefix + t.name, kind="tensor", dtype=t.aiosnap_dtype, shape=list(t.shape),
-                    stride=_contiguous_stride(t.shape), device="cpu", nbytes=t.nbytes,
+                    stride=row_major_strides(t.shape), device="cpu", nbytes=t.nbytes,
                     ranges=_ranges(obj, header.data_start + t.begin, t.nbytes),
                 )
             )  # fmt: skip
