@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import SyncCheckpointer
+from aiosnap import AiosnapError, SyncCheckpointer
 from aiosnap.cli import main
 from aiosnap.interop.safetensors.api import export, open_safetensors
 from aiosnap.interop.safetensors.layout import INDEX_FILE, hf_name
@@ -112,6 +112,9 @@ def test_an_existing_export_is_replaced_only_when_asked(saved: tuple[Path, torch
         export(str(root), str(out), paths=["model/*"])
     assert sorted(p.name for p in out.iterdir()) == before
     export(str(root), str(out), paths=["model/*"], overwrite=True)  # one shard now: the old ones go
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors", INDEX_FILE]
+    with pytest.raises(AiosnapError, match="overlap"):  # never written where it is read from
+        export(str(out), str(out), overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors", INDEX_FILE]
 
 

@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 
 from ...catalog.steps import committed_steps, manifest_of
 from ...config import Config, load_config, parse_size
-from ...errors import CheckpointNotFoundError, RankFailedError
+from ...errors import AiosnapError, CheckpointNotFoundError, RankFailedError
 from ...format.manifest import Manifest
 from ...storage.base import PartRecord, Storage
-from ...storage.registry import storage_from_url
+from ...storage.registry import roots_overlap, storage_from_url
 from ..singlefile import storage_for
 from .consolidate import Consolidator, RangeCache
 from .export import (
@@ -230,6 +230,11 @@ def _export_ranks(
     async def begin() -> tuple[list[str], list[str]]:
         target = storage_from_url(dest, settings)
         try:
+            source = storage_for(src, settings)
+            overlapping = roots_overlap(source, target)
+            await source.close()
+            if overlapping:
+                raise AiosnapError(f"{dest} and {src} overlap: export to a folder outside the source")
             stale = await check_destination(target, "", files, options.overwrite)
             return await uploads_for(target, plan).start(), stale
         finally:

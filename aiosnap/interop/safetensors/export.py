@@ -24,9 +24,11 @@ from fnmatch import fnmatchcase
 import torch
 
 from ...core.budget import ByteBudget
+from ...errors import AiosnapError
 from ...format.manifest import Manifest
 from ...load.decode import torch_dtype
 from ...storage.base import Storage
+from ...storage.registry import roots_overlap
 from .consolidate import Consolidator, RangeCache
 from .header import CODE_OF_AIOSNAP
 from .layout import INDEX_FILE, ExportTensor, NameRule, Shard, map_names, parse_index, plan_shards
@@ -172,6 +174,8 @@ async def export_manifest(
 ) -> ExportReport:
     """Export ``manifest`` (read from ``source``) to ``folder`` of ``dest`` in this process."""
     started = time.perf_counter()
+    if roots_overlap(source, dest):  # writing where the bytes are read from: never
+        raise AiosnapError(f"{dest.url} and {source.url} overlap: export to a folder outside the source")
     plan = plan_export(manifest, options)
     files = [shard.file for shard in plan.shards]
     stale = await check_destination(dest, folder, files, options.overwrite)
