@@ -117,3 +117,16 @@ def test_a_live_export_to_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s
     assert torch.equal(found["big.table"], state["big"]["table"])
     assert torch.equal(found["2.weight"], net.state_dict()["2.weight"])
     assert s3_client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_chunks_that_went_through_the_spool_are_exported_too(tmp_path: Path) -> None:
+    net = _model()
+    root = tmp_path / "ckpt"
+    config = _config(root, spool={"dir": str(tmp_path / "spool"), "mode": "always"})
+    with SyncCheckpointer(config) as ckpt:
+        result = ckpt.save({"model": net}, step=1, also_as="safetensors").wait()
+        folder = root / live_export_folder(1, ckpt.manifest().save_id)
+    assert result.spooled_chunks > 0
+    tensors = _exported(folder)
+    for name, value in net.state_dict().items():
+        assert torch.equal(tensors[name], value), name
