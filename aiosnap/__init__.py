@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
+    from .interop.safetensors.api import export, open_safetensors
+    from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -54,6 +56,9 @@ _LAZY = {
     "Manifest": "format.manifest",
     "RNGState": "core.rng",
     "ShardedState": "distributed.stateful",
+    "SafetensorsExport": "interop.safetensors.live",
+    "export": "interop.safetensors.api",
+    "open_safetensors": "interop.safetensors.api",
 }
 
 
@@ -91,6 +96,7 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
+    "SafetensorsExport",
     "SaveHandle",
     "SaveResult",
     "ShardedState",
@@ -105,5 +111,7 @@ __all__ = [
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
+    "export",
     "load_config",
+    "open_safetensors",
 ]
