@@ -118,6 +118,8 @@ class LocalStorage(Storage):
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         async with aiofiles.open(self._path(name), "rb") as f:
+            if limit is not None:  # read(n) allocates n bytes first: never more than the file holds
+                limit = min(limit, os.fstat(f.fileno()).st_size)
             return await f.read(-1 if limit is None else limit + 1)
 
     async def size(self, name: str) -> int:

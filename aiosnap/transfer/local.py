@@ -279,7 +279,7 @@ class _Upload:
         clock = _StageClock()
         try:
             if self.spec.also is not None:
-                self.live = LiveExport(self.storage, self.spec)
+                self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
                 await self.live.start()
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._workers):

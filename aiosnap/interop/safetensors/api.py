@@ -6,48 +6,36 @@ Sources are told apart by content (:func:`open_source`): an aiosnap root or sing
 destination is a local folder or ``s3://bucket/prefix``.
 
 From a job of several ranks (``process_group``, or torch.distributed's default group when
-it is initialised), every rank calls :func:`export` with the same arguments: rank 0 checks
-the destination and starts one upload per shard, the upload tokens go to every rank, each
-rank fills and uploads its own contiguous stretch of the parts (reading the stored ranges
-that hold them: with the same sharding as the save, mostly its own), the part records come
-back to rank 0, which completes every shard and writes the index last. A failure on any
-rank aborts the export everywhere. The collectives run on the caller's thread, on the
-group given (gloo, or any group that moves Python objects); the I/O between them on an
-event loop of this thread. Runs on the caller's thread.
+it is initialised), every rank calls :func:`export` with the same arguments; rank 0 picks
+the step and save, claims the destination and starts the uploads, every rank uploads its
+own stretch of the parts, rank 0 completes them (see :mod:`.ranks`). Runs on the caller's
+thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ...catalog.steps import committed_steps, manifest_of
 from ...config import Config, load_config, parse_size
-from ...errors import AiosnapError, CheckpointNotFoundError, RankFailedError
+from ...errors import CheckpointNotFoundError
 from ...format.manifest import Manifest
-from ...storage.base import PartRecord, Storage
-from ...storage.registry import roots_overlap, storage_from_url
+from ...storage.base import Storage
+from ...storage.registry import storage_from_url
 from ..singlefile import storage_for
-from .consolidate import Consolidator, RangeCache
-from .export import (
-    ExportOptions,
-    ExportReport,
-    budgets_for,
-    check_destination,
-    export_manifest,
-    plan_export,
-    uploads_for,
-)
-from .layout import INDEX_FILE, NameRule
+from .export import ExportOptions, ExportReport, export_manifest
+from .layout import NameRule
+from .ranks import export_ranks
 from .reader import STEP, SafetensorsFolder
 from .to_aiosnap import import_manifest
 
 __all__ = ["export", "open_source", "open_safetensors"]
 
-T = TypeVar("T")
 ConfigLike = Config | str | Path | None
 
 
@@ -85,12 +73,30 @@ async def open_source(
         if step not in (None, STEP):
             raise CheckpointNotFoundError(f"{url}: a safetensors folder holds one checkpoint (step {STEP}), not {step}")
     except CheckpointNotFoundError as exc:
-        await storage.close()
-        raise CheckpointNotFoundError(f"{url}: neither an aiosnap checkpoint nor a safetensors folder ({exc})") from exc
+        try:
+            other = await _other_format(storage, url)
+        finally:
+            await storage.close()
+        raise CheckpointNotFoundError(
+            f"{url}: neither an aiosnap checkpoint nor a safetensors folder ({other or exc})"
+        ) from exc
     except BaseException:
         await storage.close()
         raise
     return folder, manifest
+
+
+async def _other_format(storage: Storage, url: str) -> str | None:
+    """What ``url`` is when it is a format the export does not read yet, in words."""
+    later = "converting it is not done yet: load it into the model and save it with aiosnap, then export that"
+    if os.path.isfile(url):
+        return f"a file that is not an aiosnap checkpoint (a torch.save file?): {later}"
+    try:
+        if ".metadata" in await storage.list_children(""):
+            return f"a torch.distributed.checkpoint (DCP) folder: {later}"
+    except Exception:
+        return None
+    return None
 
 
 def export(
@@ -138,7 +144,11 @@ def export(
         raise ValueError(f"to={to!r}: choose 'safetensors' or 'aiosnap'")
     if world == 1:
         return asyncio.run(_export_one(src, dest, settings, step, prefix, options, progress))
-    return _export_ranks(src, dest, settings, step, prefix, options, group, rank, world, progress)
+
+    async def open_at(at: int | None) -> tuple[Storage, Manifest]:
+        return await open_source(src, settings, step=at, prefix=prefix)
+
+    return export_ranks(open_at, src, dest, settings, step, options, group, rank, world, progress)
 
 
 def _group(process_group: Any | None) -> tuple[Any, int, int]:
@@ -179,133 +189,3 @@ async def _import(src: str, dest: str, settings: Config, step: int | None, prefi
         target.url, tuple(o.name for o in imported.objects), len(imported.entries), imported.total_bytes,
         imported.total_bytes, time.perf_counter() - started,
     )  # fmt: skip
-
-
-# -- several ranks ----------------------------------------------------------------------
-
-
-def _agreed(group: Any, rank: int, value: Any, failure: BaseException | None) -> list[Any]:
-    """Every rank's (value or failure), gathered on every rank (caller's thread)."""
-    import torch.distributed as dist
-
-    mine = {"ok": value} if failure is None else {"error": type(failure).__name__, "message": str(failure)[:2000]}
-    found: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, mine, group=group)
-    return found
-
-
-def _raise_failures(found: list[Any], rank: int, failure: BaseException | None, what: str) -> None:
-    if failure is not None:
-        raise failure
-    failed = [(r, f) for r, f in enumerate(found) if "error" in f]
-    if failed:
-        r, f = failed[0]
-        raise RankFailedError(f"export: {what} failed on rank {r}: {f['error']}: {f['message']}")
-
-
-def _run(work: Callable[[], Coroutine[Any, Any, T]]) -> tuple[T | None, BaseException | None]:
-    try:
-        return asyncio.run(work()), None
-    except Exception as exc:  # told to the other ranks, then raised here
-        return None, exc
-
-
-def _export_ranks(
-    src: str, dest: str, settings: Config, step: int | None, prefix: str, options: ExportOptions,
-    group: Any, rank: int, world: int, progress: Callable[[int], None] | None,
-) -> ExportReport:  # fmt: skip
-    started = time.perf_counter()
-
-    async def read_plan() -> Any:
-        source, manifest = await open_source(src, settings, step=step, prefix=prefix)
-        await source.close()
-        return manifest, plan_export(manifest, options)
-
-    planned, failure = _run(read_plan)
-    _raise_failures(_agreed(group, rank, None, failure), rank, failure, "reading the source")
-    assert planned is not None
-    plan = planned[1]
-    files = [shard.file for shard in plan.shards]
-
-    async def begin() -> tuple[list[str], list[str]]:
-        target = storage_from_url(dest, settings)
-        try:
-            source = storage_for(src, settings)
-            overlapping = roots_overlap(source, target)
-            await source.close()
-            if overlapping:
-                raise AiosnapError(f"{dest} and {src} overlap: export to a folder outside the source")
-            stale = await check_destination(target, "", files, options.overwrite)
-            return await uploads_for(target, plan).start(), stale
-        finally:
-            await target.close()
-
-    started_uploads, failure = _run(begin) if rank == 0 else (None, None)
-    found = _agreed(group, rank, started_uploads, failure)
-    _raise_failures(found, rank, failure, "starting the uploads")
-    tokens, stale = found[0]["ok"]
-
-    async def write() -> tuple[list[tuple[int, PartRecord]], int]:
-        source, source_manifest = await open_source(src, settings, step=step, prefix=prefix)
-        target = storage_from_url(dest, settings)
-        try:
-            uploads = uploads_for(target, plan)
-            uploads.adopt(tokens)
-            mine = _my_parts(uploads.parts(), rank, world)
-            part_bytes = max((p.nbytes for p in mine), default=1)
-            budget, cache_bytes = budgets_for(options.ram_budget, part_bytes)
-            cache = RangeCache(source, f"{source.url} step {source_manifest.step}", cache_bytes)
-            filler = Consolidator(source, source_manifest, cache, plan.out_dtypes)
-            async with source.reading():
-                records = await uploads.write(
-                    mine, filler.fill, concurrency=options.concurrency, budget=budget, progress=progress
-                )  # fmt: skip
-            return records, cache.bytes_read
-        finally:
-            await target.close()
-            await source.close()
-
-    written, failure = _run(write)
-    found = _agreed(group, rank, written, failure)
-    records = [record for f in found if "ok" in f for record in f["ok"][0]]
-    failed = failure is not None or any("error" in f for f in found)
-
-    async def end() -> None:
-        target = storage_from_url(dest, settings)
-        uploads = uploads_for(target, plan)
-        uploads.adopt(tokens)
-        try:
-            if failed:
-                await uploads.abort()
-                return
-            try:
-                await uploads.finish(records)
-            except BaseException:
-                await asyncio.shield(uploads.abort())
-                raise
-            for name in stale:
-                await target.delete(name)
-        finally:
-            await target.close()
-
-    _, end_failure = _run(end) if rank == 0 else (None, None)
-    _raise_failures(found, rank, failure, "writing parts")
-    found = _agreed(group, rank, None, end_failure)
-    _raise_failures(found, rank, end_failure, "completing the shards")
-    read = written[1] if written is not None else 0
-    return ExportReport(
-        dest, (*files, INDEX_FILE), len(plan.tensors), sum(t.nbytes for t in plan.tensors), read,
-        time.perf_counter() - started,
-    )  # fmt: skip
-
-
-def _my_parts(parts: list[Any], rank: int, world: int) -> list[Any]:
-    """Rank ``rank``'s contiguous stretch of ``parts`` (split by bytes, in file order: a part
-    goes to the rank whose share holds its middle byte)."""
-    total = sum(p.nbytes for p in parts)
-    mine, position = [], 0
-    for part in parts:
-        if min(world - 1, (2 * position + part.nbytes) * world // max(2 * total, 1)) == rank:
-            mine.append(part)
-        position += part.nbytes
-    return mine

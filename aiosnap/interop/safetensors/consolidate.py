@@ -9,18 +9,17 @@ stored shards, and the stored ranges that hold the intersection are read (neighb
 one object with one request), verified (when the source records a crc32c) and copied into
 place, converting the dtype when the export asks for another one.
 
-Each stored range is read once while it is needed: verified ranges are kept in a cache of
-bounded size (least recently used go first), so the parts of a file, filled in order, find
-the ranges the part before them read (a 64 MiB range feeds eight 8 MiB parts; a row-sharded
-tensor's shards feed the parts in turn). Runs on the event loop that calls it; the copies
-run in worker threads.
+The stored ranges come from a :class:`~.rangecache.RangeCache`, which charges every byte
+to the RAM budget: read once while needed, verified, kept while the budget allows (the
+parts of a file, filled in order, find the ranges the part before them read), or streamed
+when larger than the budget allows. Runs on the event loop that calls it; the copies run
+in worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,79 +27,17 @@ import torch
 from ...core.aio import complete_before_cancel
 from ...core.tensorio import bytes_view
 from ...errors import CorruptCheckpointError
-from ...format.manifest import ByteRange, EntryRecord, Manifest, ShardRecord
+from ...format.manifest import EntryRecord, Manifest, ShardRecord
 from ...format.tiling import overlap, row_major_strides
 from ...load.decode import torch_dtype
-from ...load.fetch_runs import Range, plan_runs, read_run
 from ...load.reshard import box_pieces
 from ...storage.base import Storage
+from .rangecache import RangeCache, Want
 from .writer import Segment
 
 __all__ = ["Consolidator", "RangeCache"]
 
 _Key = tuple[str, int]
-
-
-class RangeCache:
-    """Verified stored ranges by (object, offset), at most ``limit`` bytes of them kept
-    (a range in use is kept by its users; one larger than ``limit`` is read all the same).
-    Loop thread."""
-
-    def __init__(self, storage: Storage, where: str, limit: int) -> None:
-        self.storage = storage
-        self.where = where
-        self.limit = limit
-        self._kept: OrderedDict[_Key, bytearray] = OrderedDict()
-        self._reading: dict[_Key, asyncio.Future[bytearray]] = {}
-        self._bytes = 0
-        self.bytes_read = 0
-
-    async def get_all(self, wanted: list[tuple[str, ByteRange]]) -> dict[_Key, bytearray]:
-        """The bytes of every range (path, range) of ``wanted``; the missing ones are read
-        with as few requests as neighbouring ranges allow, each range verified."""
-        found: dict[_Key, bytearray] = {}
-        waits: dict[_Key, asyncio.Future[bytearray]] = {}
-        missing: list[Range] = []
-        mine: dict[_Key, asyncio.Future[bytearray]] = {}
-        for path, r in wanted:
-            key = (r.object, r.offset)
-            if key in found or key in waits or key in mine:
-                continue
-            if key in self._kept:
-                self._kept.move_to_end(key)
-                found[key] = self._kept[key]
-            elif key in self._reading:
-                waits[key] = self._reading[key]
-            else:
-                buffer = bytearray(r.nbytes)
-                found[key] = buffer
-                missing.append(Range(path, r, memoryview(buffer)))
-                mine[key] = self._reading[key] = asyncio.get_running_loop().create_future()
-        try:
-            for run in plan_runs(missing):
-                await read_run(self.storage, self.where, run)
-                self.bytes_read += run.end - run.start
-        except BaseException as exc:
-            for key, future in mine.items():
-                self._reading.pop(key, None)
-                if not future.done():
-                    future.set_exception(exc)
-                    future.exception()  # seen by those waiting, if any
-            raise
-        for key, future in mine.items():
-            self._reading.pop(key, None)
-            future.set_result(found[key])
-            self._keep(key, found[key])
-        for key, future in waits.items():
-            found[key] = await future
-        return found
-
-    def _keep(self, key: _Key, data: bytearray) -> None:
-        self._kept[key] = data
-        self._bytes += len(data)
-        while self._bytes > self.limit and len(self._kept) > 1:
-            _, old = self._kept.popitem(last=False)
-            self._bytes -= len(old)
 
 
 @dataclass(frozen=True)
@@ -118,9 +55,9 @@ class _Copy:
     dest_strides: list[int]
 
 
-_Plan = tuple[tuple[torch.Tensor, memoryview, int, int, bool], list[ByteRange], list[_Copy]]
+_Plan = tuple[tuple[torch.Tensor, memoryview, int, int, bool], list[Want], list[_Copy]]
 """(window, dest, where dest's bytes start and end in the window, whether the window is
-dest itself), the stored ranges to read, the copies to make."""
+dest itself), the stretches of stored ranges to read, the copies to make."""
 
 
 class Consolidator:
@@ -137,12 +74,16 @@ class Consolidator:
         self.out_dtypes = out_dtypes or {}
 
     async def fill(self, segments: list[Segment]) -> None:
-        """Put each segment's bytes (an entry, by ``tensor.source``) into its buffer."""
-        plans = [self._plan(tensor.source, start, end, dest) for tensor, start, end, dest in segments]
-        wanted = [(self.manifest.entries[tensor.source].path, r) for (tensor, *_), (_, needed, _) in
-                  zip(segments, plans, strict=True) for r in needed]  # fmt: skip
-        data = await self.cache.get_all(wanted)
-        await complete_before_cancel(asyncio.to_thread(_copy_all, plans, data))
+        """Put each segment's bytes (an entry, by ``tensor.source``) into its buffer, in
+        batches of at most a quarter of the cache's budget (so that the source bytes each
+        batch reads fit in it, whatever the part size)."""
+        for batch in _batches(segments, max(self.cache.budget.capacity // 4 // 64 * 64, 64)):
+            plans = [self._plan(tensor.source, start, end, dest) for tensor, start, end, dest in batch]
+            held = await self.cache.get([want for _, wants, _ in plans for want in wants])
+            try:
+                await complete_before_cancel(asyncio.to_thread(_copy_all, plans, held.data))
+            finally:
+                self.cache.release(held)
 
     def _plan(self, index: int, start: int, end: int, dest: memoryview) -> _Plan:
         """What filling bytes ``[start, end)`` of entry ``index`` takes: the window (a
@@ -157,7 +98,7 @@ class Consolidator:
         window = torch.frombuffer(dest, dtype=out) if aligned else torch.empty(e1 - e0, dtype=out)
         shape = tuple(entry.shape)
         strides = row_major_strides(shape)
-        needed: dict[_Key, ByteRange] = {}
+        needed: dict[_Key, Want] = {}
         copies: list[_Copy] = []
         shards = entry.shard_records()
         for first, box_shape in box_pieces(0, shape, strides, e0, e1) if shape else [((), ())]:
@@ -176,7 +117,7 @@ class Consolidator:
         found: tuple[tuple[int, ...], tuple[int, ...]],
         global_strides: list[int],
         e0: int,
-        needed: dict[_Key, ByteRange],
+        needed: dict[_Key, Want],
         copies: list[_Copy],
     ) -> None:
         itemsize = torch.empty(0, dtype=stored).element_size()
@@ -192,22 +133,45 @@ class Consolidator:
                 continue
             if a % itemsize or b % itemsize:
                 raise CorruptCheckpointError(f"{entry.path}: a stored byte range splits an element; cannot export it")
-            needed[(r.object, r.offset)] = r
+            key = (r.object, r.offset)
             for start, part_shape in box_pieces(first, shape, local_strides, a // itemsize, b // itemsize):
                 at = first + sum(i * st for i, st in zip(start, local_strides, strict=True))
                 dest = sum((o + i) * st for o, i, st in zip(offsets, start, global_strides, strict=True)) - e0
-                key = (r.object, r.offset)
                 skip = at - a // itemsize
+                extent = 1 + sum((n - 1) * st for n, st in zip(part_shape, local_strides, strict=True))
+                lo, hi = skip * itemsize, (skip + extent) * itemsize  # the bytes of the range it reads
+                old = needed.get(key)
+                needed[key] = Want(entry.path, r, lo, hi) if old is None else Want(
+                    entry.path, r, min(old.lo, lo), max(old.hi, hi))  # fmt: skip
                 copies.append(_Copy(key, stored, skip, part_shape, local_strides, dest, global_strides))
 
 
-def _copy_all(plans: list[_Plan], data: dict[_Key, bytearray]) -> None:
-    """Worker thread: make every planned copy, then put unaligned windows' bytes in place."""
+def _batches(segments: list[Segment], limit: int) -> list[list[Segment]]:
+    """``segments`` cut into batches of at most ``limit`` bytes (a longer segment is split)."""
+    batches: list[list[Segment]] = [[]]
+    room = limit
+    for tensor, start, end, dest in segments:
+        while start < end:
+            if room == 0:
+                batches.append([])
+                room = limit
+            take = min(end - start, room)
+            batches[-1].append((tensor, start, start + take, dest[:take]))
+            dest = dest[take:]
+            start += take
+            room -= take
+    return [b for b in batches if b]
+
+
+def _copy_all(plans: list[_Plan], data: dict[_Key, tuple[bytearray, int]]) -> None:
+    """Worker thread: make every planned copy (from each range's bytes, which start at
+    some byte of the range), then put unaligned windows' bytes in place."""
     with torch.no_grad():
         for (window, dest, lo, hi, direct), _, copies in plans:
             for c in copies:
-                source = torch.frombuffer(data[c.key], dtype=c.dtype)
-                view = source.as_strided(c.shape, c.strides, c.skip)
+                held, base = data[c.key]
+                source = torch.frombuffer(held, dtype=c.dtype)
+                view = source.as_strided(c.shape, c.strides, c.skip - base // source.element_size())
                 window.as_strided(c.shape, c.dest_strides, c.dest_offset).copy_(view)
             if not direct:
                 dest[:] = bytes_view(window)[lo:hi]

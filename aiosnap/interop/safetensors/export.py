@@ -9,13 +9,13 @@ every tensor by default; pickled objects and plain values are never exported), n
 verified) and uploaded by :mod:`.writer`, within ``ram_budget`` (half for parts being
 filled, half for the ranges they read). Runs on whichever event loop calls it.
 
-The destination must not hold an export already (an index, or a file the export would
-write) unless ``overwrite``: then the old index goes first (the folder stops being a model
-rather than mixing two), and the old shards the new export did not replace go last.
+The destination is claimed for the export's duration and must not hold an export already
+unless ``overwrite``, which deletes the old one first (see :mod:`.destination`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +30,9 @@ from ...load.decode import torch_dtype
 from ...storage.base import Storage
 from ...storage.registry import roots_overlap
 from .consolidate import Consolidator, RangeCache
+from .destination import claim_folder
 from .header import CODE_OF_AIOSNAP
-from .layout import INDEX_FILE, ExportTensor, NameRule, Shard, map_names, parse_index, plan_shards
+from .layout import INDEX_FILE, ExportTensor, NameRule, Shard, map_names, plan_shards
 from .writer import ShardUploads, write_shards
 
 __all__ = [
@@ -40,7 +41,6 @@ __all__ = [
     "ExportPlan",
     "ExportReport",
     "budgets_for",
-    "check_destination",
     "export_manifest",
     "plan_export",
     "uploads_for",
@@ -134,29 +134,6 @@ def plan_export(manifest: Manifest, options: ExportOptions) -> ExportPlan:
     return ExportPlan(tensors, plan_shards(tensors, options.max_shard_size, options.metadata), out_dtypes)
 
 
-async def check_destination(dest: Storage, folder: str, files: Sequence[str], overwrite: bool) -> list[str]:
-    """Refuse a destination holding an export (unless ``overwrite``); with ``overwrite``,
-    remove its index now and return the files it named (removed after the new export, if
-    not replaced by it)."""
-    prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
-    present = set(await dest.list_children(folder.strip("/")))
-    clashes = sorted(present & {INDEX_FILE, *files})
-    if not clashes:
-        return []
-    if not overwrite:
-        raise FileExistsError(
-            f"{dest.url}/{prefix}: holds {clashes[0]!r} already (overwrite=True, or --overwrite, replaces it)"
-        )
-    old: list[str] = []
-    if INDEX_FILE in present:
-        try:
-            old = sorted(set(parse_index(await dest.read(prefix + INDEX_FILE), f"{dest.url}/{prefix}").values()))
-        except Exception:  # an unreadable old index: its files are left as they are
-            old = []
-        await dest.delete(prefix + INDEX_FILE)
-    return [name for name in old if name not in files]
-
-
 def budgets_for(ram_budget: int, part_bytes: int) -> tuple[ByteBudget, int]:
     """The parts' share of the RAM budget (half, at least one part) and the cache's."""
     parts = max(ram_budget // 2, part_bytes)
@@ -178,17 +155,19 @@ async def export_manifest(
         raise AiosnapError(f"{dest.url} and {source.url} overlap: export to a folder outside the source")
     plan = plan_export(manifest, options)
     files = [shard.file for shard in plan.shards]
-    stale = await check_destination(dest, folder, files, options.overwrite)
     part_bytes = max((dest.part_size_for(s.size) for s in plan.shards), default=1)
     budget, cache_bytes = budgets_for(options.ram_budget, part_bytes)
     cache = RangeCache(source, f"{source.url} step {manifest.step}", cache_bytes)
     filler = Consolidator(source, manifest, cache, plan.out_dtypes)
-    async with source.reading():
-        await write_shards(
-            dest, plan.shards, filler.fill, folder=folder, concurrency=options.concurrency, budget=budget,
-            progress=progress,
-        )  # fmt: skip
-    await _remove_stale(dest, folder, stale)
+    claim = await claim_folder(dest, folder, files, overwrite=options.overwrite)
+    try:
+        async with source.reading():
+            await write_shards(
+                dest, plan.shards, filler.fill, folder=folder, concurrency=options.concurrency, budget=budget,
+                progress=progress, claim=claim,
+            )  # fmt: skip
+    finally:
+        await asyncio.shield(claim.release())
     return ExportReport(
         dest.url if not folder else f"{dest.url}/{folder.strip('/')}",
         (*files, INDEX_FILE),
@@ -197,12 +176,6 @@ async def export_manifest(
         cache.bytes_read,
         time.perf_counter() - started,
     )
-
-
-async def _remove_stale(dest: Storage, folder: str, stale: Sequence[str]) -> None:
-    prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
-    for name in stale:
-        await dest.delete(prefix + name)
 
 
 def uploads_for(dest: Storage, plan: ExportPlan, folder: str = "") -> ShardUploads:

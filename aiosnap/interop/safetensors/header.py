@@ -8,9 +8,11 @@ to the end of the header, with no holes and no overlaps.
 
 :func:`parse_header` checks all of it before anything is allocated for a tensor: ``N``
 against the file's size (so a hostile length cannot make a reader allocate more than the
-file holds), JSON that is one object with no duplicate key, known dtypes, shapes of at most
-64 non-negative dimensions, sizes that match dtype x shape, offsets in range that tile the
-data section exactly. Every problem is a :class:`~aiosnap.errors.CorruptCheckpointError`
+file holds), JSON that is one object with no duplicate key, read one member at a time so
+that a hostile JSON cannot make parsing allocate more than a few times the header's size,
+UTF-8 names (no lone surrogates), known dtypes, shapes of at most 64 dimensions each below
+2**63 whose row-major strides fit in 64 bits, sizes that match dtype x shape, offsets in
+range that tile the data section exactly. Every problem is a :class:`~aiosnap.errors.CorruptCheckpointError`
 naming the file. Pure code, no torch, no I/O; runs on whichever thread calls.
 """
 
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CorruptCheckpointError
+from ...storage.base import BytesLike
+from .jsonwalk import expect_end, read_small_value, read_string, skip_space, walk_object
 
 __all__ = [
     "AIOSNAP_OF_CODE",
@@ -43,7 +48,16 @@ MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
 """The header is padded with spaces so that the data starts at a multiple of this."""
 MAX_DIMS = 64
+MAX_SPEC_CHARS = 4096
+"""Longest description of one tensor (``{"dtype": ..., "shape": [...], ...}``) read."""
 _LENGTH = struct.Struct("<Q")
+_MAX_INT = 2**63
+_INT = r"(?:0|[1-9][0-9]{0,30})"
+_COMPACT_SPEC = re.compile(
+    rf'\{{"dtype":"([A-Z0-9_]{{1,16}})","shape":\[((?:{_INT}(?:,{_INT}){{0,63}})?)\],"data_offsets":\[({_INT}),({_INT})\]\}}'
+)
+"""A tensor's description as the library (and :func:`build_header`) writes it: parsed by
+this pattern alone (the same values ``json`` would give), anything else by the JSON parser."""
 
 CODE_OF_AIOSNAP: dict[str, str] = {
     "bool": "BOOL",
@@ -65,7 +79,7 @@ ITEMSIZE: dict[str, int] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeaderTensor:
     """One tensor of a header: ``begin``/``end`` are offsets in the data section."""
 
@@ -126,69 +140,96 @@ def header_length(first: bytes, file_size: int, where: str) -> int:
     return int(length)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in found:
-            raise ValueError(f"key {key!r:.80} appears twice")
-        found[key] = value
-    return found
-
-
 def _strict_int(value: Any) -> bool:
     return type(value) is int
 
 
 def _tensor(name: str, spec: Any, data_size: int) -> HeaderTensor:
     label = f"tensor {name!r:.120}"
+    if not name:
+        raise ValueError("a tensor has an empty name")
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"{label}: expected exactly dtype, shape and data_offsets")
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(code, str) or code not in ITEMSIZE:
         raise ValueError(f"{label}: unknown dtype {code!r:.40}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_strict_int(d) and d >= 0 for d in shape):
-        raise ValueError(f"{label}: shape must be at most {MAX_DIMS} non-negative integers")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(_strict_int(d) and 0 <= d < _MAX_INT for d in shape)
+    ):
+        raise ValueError(f"{label}: shape must be at most {MAX_DIMS} integers from 0 to 2**63 - 1")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_strict_int(o) for o in offsets)):
         raise ValueError(f"{label}: data_offsets must be two integers")
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
         raise ValueError(f"{label}: data_offsets {[begin, end]} lie outside the {data_size}-byte data section")
-    nbytes = ITEMSIZE[code]
-    for d in shape:  # stops as soon as the product is out of reach: a huge shape is refused
-        nbytes *= d
-        if nbytes > data_size:
-            raise ValueError(f"{label}: shape {shape!s:.120} of {code} holds more bytes than the file has")
+    itemsize = ITEMSIZE[code]
+    span = itemsize  # the bytes a row-major layout spans, a dimension of 0 counted as 1 (as strides are)
+    for d in shape:
+        span *= max(d, 1)
+        if span >= _MAX_INT:
+            raise ValueError(f"{label}: shape {shape!s:.120} of {code} is too large to address")
+    nbytes = math.prod(shape) * itemsize
     if nbytes != end - begin:
         raise ValueError(f"{label}: shape {shape} of {code} is {nbytes} bytes, its data_offsets span {end - begin}")
     return HeaderTensor(name, code, tuple(shape), begin, end)
 
 
-def parse_header(data: bytes, file_size: int, where: str) -> ParsedHeader:
+def parse_header(data: BytesLike, file_size: int, where: str) -> ParsedHeader:
     """The checked header of a file of ``file_size`` bytes whose first ``8 + N`` bytes are
-    ``data`` (see the module docstring); :class:`CorruptCheckpointError` naming ``where``."""
-    length = header_length(data[: _LENGTH.size], file_size, where)
-    if len(data) < _LENGTH.size + length:
-        raise CorruptCheckpointError(f"{where}: the header is cut short ({len(data) - _LENGTH.size} of {length} bytes)")
-    body = data[_LENGTH.size : _LENGTH.size + length]
+    ``data`` (see the module docstring); :class:`CorruptCheckpointError` naming ``where``.
+
+    The JSON is walked one member at a time (:mod:`.jsonwalk`): each tensor's description
+    is parsed within :data:`MAX_SPEC_CHARS` characters and kept as a small record, so what
+    parsing allocates is bounded by the header's size (a few times it), whatever its JSON."""
+    view = memoryview(data).cast("B")
+    length = header_length(bytes(view[: _LENGTH.size]), file_size, where)
+    if len(view) < _LENGTH.size + length:
+        raise CorruptCheckpointError(f"{where}: the header is cut short ({len(view) - _LENGTH.size} of {length} bytes)")
     data_start = _LENGTH.size + length
     data_size = file_size - data_start
+    tensors: list[HeaderTensor] = []
+    metadata: dict[str, str] = {}
+
+    def member(key: str, pos: int) -> int:
+        if key == "__metadata__":
+            return _metadata(text, pos, metadata)
+        compact = _COMPACT_SPEC.match(text, pos)
+        if compact is not None:  # what writers write: read without building a JSON object
+            code, dims, begin, end = compact.groups()
+            spec = {"dtype": code, "shape": [int(d) for d in dims.split(",")] if dims else [],
+                    "data_offsets": [int(begin), int(end)]}  # fmt: skip
+            tensors.append(_tensor(key, spec, data_size))
+            return compact.end()
+        spec, after = read_small_value(text, pos, MAX_SPEC_CHARS)
+        tensors.append(_tensor(key, spec, data_size))
+        return after
+
     try:
-        if body[:1] != b"{":
+        if bytes(view[_LENGTH.size : _LENGTH.size + 1]) != b"{":
             raise ValueError("the header is not a JSON object")
-        document = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
-        if not isinstance(document, dict):
-            raise ValueError("the header is not a JSON object")
-        metadata = document.pop("__metadata__", {})
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise ValueError("__metadata__ must map strings to strings")
-        tensors = [_tensor(name, spec, data_size) for name, spec in document.items()]
-        if any(not t.name for t in tensors):
-            raise ValueError("a tensor has an empty name")
+        text = str(view[_LENGTH.size : data_start], "utf-8")
+        expect_end(text, walk_object(text, 0, member))
         _check_tiling(tensors, data_size)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptCheckpointError(f"{where}: invalid safetensors header: {exc}") from None
     tensors.sort(key=lambda t: (t.begin, t.end))
     return ParsedHeader(tensors, metadata, data_start)
+
+
+def _metadata(text: str, pos: int, into: dict[str, str]) -> int:
+    """Read ``__metadata__`` (an object of strings) at ``pos`` into ``into``."""
+
+    def member(key: str, at: int) -> int:
+        if not text.startswith('"', skip_space(text, at)):
+            raise ValueError("__metadata__ must map strings to strings")
+        into[key], end = read_string(text, at)
+        return end
+
+    if not text.startswith("{", skip_space(text, pos)):
+        raise ValueError("__metadata__ must map strings to strings")
+    return walk_object(text, pos, member)
 
 
 def _check_tiling(tensors: list[HeaderTensor], data_size: int) -> None:

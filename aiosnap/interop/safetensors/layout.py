@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CorruptCheckpointError
+from ...storage.base import BytesLike
 from .header import ITEMSIZE, build_header
+from .jsonwalk import expect_end, read_small_value, read_string, walk_object
 
 __all__ = [
     "INDEX_FILE",
@@ -54,8 +56,10 @@ __all__ = [
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 """The name of an unsharded model (read; exports always write shards and an index)."""
-MAX_INDEX_BYTES = 64 * 1024**2
-"""An index larger than this is refused unread."""
+MAX_INDEX_BYTES = 32 * 1024**2
+"""An index larger than this is refused unread (one of 10^5 tensors is about 10 MB)."""
+_MAX_INDEX_MEMBER = 64 * 1024
+"""Largest value of an index member other than the weight map (``metadata``)."""
 _SHARD_FILE = re.compile(r"[A-Za-z0-9._-]{1,200}\.safetensors")
 
 NameRule = Callable[[str], "str | None"] | Mapping[str, str]
@@ -189,23 +193,41 @@ def check_shard_file(name: Any, where: str) -> str:
     return name
 
 
-def parse_index(data: bytes, where: str) -> dict[str, str]:
+def parse_index(data: BytesLike, where: str) -> dict[str, str]:
     """The weight map (tensor name -> file name) of an index file, checked: one JSON object
-    whose ``weight_map`` maps non-empty names to plain ``*.safetensors`` file names."""
+    whose ``weight_map`` maps non-empty names to plain ``*.safetensors`` file names; its
+    other members (``metadata``) small values. Walked one member at a time
+    (:mod:`.jsonwalk`), so what it allocates is bounded by the file's size whatever its JSON."""
     if len(data) > MAX_INDEX_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too large for a safetensors index")
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from None
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CorruptCheckpointError(f"{where}: no weight_map (an object of tensor names to file names)")
-    for name, file in weight_map.items():
+    weight_map: dict[str, str] = {}
+    files: dict[str, str] = {}  # one string per file name, however many tensors name it
+    found: list[bool] = []
+
+    def entry(name: str, pos: int) -> int:
         if not name:
-            raise CorruptCheckpointError(f"{where}: weight_map names an empty tensor name")
-        check_shard_file(file, where)
-    return dict(weight_map)
+            raise ValueError("weight_map names an empty tensor name")
+        file, end = read_string(text, pos)
+        known = files.get(file)
+        if known is None:
+            known = files[file] = check_shard_file(file, where)
+        weight_map[name] = known
+        return end
+
+    def member(key: str, pos: int) -> int:
+        if key == "weight_map":
+            found.append(True)
+            return walk_object(text, pos, entry)
+        return read_small_value(text, pos, _MAX_INDEX_MEMBER)[1]
+
+    try:
+        text = str(data, "utf-8")
+        expect_end(text, walk_object(text, 0, member))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: not a safetensors index: {exc}") from None
+    if not found or not weight_map:
+        raise CorruptCheckpointError(f"{where}: no weight_map (an object of tensor names to file names)")
+    return weight_map
 
 
 def part_ranges(size: int, part_size: int) -> list[tuple[int, int]]:

@@ -13,8 +13,11 @@ written in parts (one multipart upload on S3). As each captured chunk is uploade
 bytes of its exported pieces are copied, before the chunk's slab goes back, into the
 buffers of the parts they belong to (header bytes are put there when a part's buffer is
 made); a part whose every byte has arrived is uploaded and its buffer dropped. So parts go
-out while the save uploads, and the memory held is the parts still being filled: about
-``upload.concurrency`` chunks' worth (chunks are captured and uploaded in plan order).
+out while the save uploads. The part buffers are bounded: past ``memory`` bytes (a quarter
+of ``ram_budget``, at least two parts) a chunk's upload waits for part uploads to finish,
+holding its slab, so a slow destination slows the save through its own RAM budget instead
+of piling up parts; the parts still being filled are about ``upload.concurrency`` chunks'
+worth more (chunks are captured and uploaded in plan order).
 A failure of the export fails the save (before its commit); the uploads are aborted.
 
 Not done: a multi-rank save, a single-file checkpoint, and dtype conversion (the transfer
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from ...config import parse_size
+from ...core.aio import complete_before_cancel
 from ...core.names import attempt_prefix
 from ...format.spec import AlsoSpec, SaveSpec
 from ...storage.base import PartRecord, Storage
@@ -128,7 +132,9 @@ class _Filling:
 class LiveExport:
     """One save's live export on the transfer side (its loop; copies on worker threads)."""
 
-    def __init__(self, storage: Storage, spec: SaveSpec, *, part_concurrency: int = 8) -> None:
+    def __init__(
+        self, storage: Storage, spec: SaveSpec, *, part_concurrency: int = 8, memory: int = 256 * 1024**2
+    ) -> None:
         self.spec = spec
         self.shards = plan_live(spec)
         self.uploads = ShardUploads(storage, self.shards, live_export_folder(spec.step, spec.save_id))
@@ -147,6 +153,13 @@ class LiveExport:
         self.finished = False
         self._lock = threading.Lock()
         self._limit = asyncio.Semaphore(part_concurrency)
+        largest = max((item.part.nbytes for item in self.filling), default=1)
+        self.memory = max(memory, 2 * largest)
+        """Bytes of part buffers past which a chunk's take waits for uploads to finish."""
+        self.held = 0
+        """Bytes of part buffers now (being filled, or waiting for or in their upload)."""
+        self.high_water = 0
+        self._freed = asyncio.Event()
 
     async def start(self) -> None:
         """Start the shards' uploads; parts that hold only header bytes go at once."""
@@ -154,11 +167,23 @@ class LiveExport:
         self._send([item for item in self.filling if item.missing == 0])
 
     async def take(self, index: int, data: memoryview) -> None:
-        """Chunk ``index`` of the save, whose bytes are ``data`` (its slab, still held)."""
+        """Chunk ``index`` of the save, whose bytes are ``data`` (its slab, still held:
+        the copy finishes even when the caller is cancelled, before the slab goes back)."""
         self._raise_failure()
         if any(p.entry in self.places for p in self.spec.chunks[index].pieces):
-            done = await asyncio.to_thread(self._copy, index, data)
+            done = await complete_before_cancel(asyncio.to_thread(self._copy, index, data))
             self._send(done)
+            await self._back_pressure()
+
+    async def _back_pressure(self) -> None:
+        """Wait while the part buffers exceed :attr:`memory` and uploads are under way
+        (they free some): the save's upload, and through its RAM budget its capture, waits
+        with it. With no upload under way the buffers are parts still being filled, which
+        only later chunks complete: waiting would never end."""
+        while self.held > self.memory and self.sending:
+            self._freed.clear()
+            await self._freed.wait()
+            self._raise_failure()
 
     async def take_file(self, index: int, path: str) -> None:
         """Chunk ``index`` of the save, spooled in the file ``path``."""
@@ -174,7 +199,8 @@ class LiveExport:
                     view.release()
 
         self._raise_failure()
-        self._send(await asyncio.to_thread(copy))
+        self._send(await complete_before_cancel(asyncio.to_thread(copy)))
+        await self._back_pressure()
 
     def _copy(self, index: int, data: memoryview) -> list[_Filling]:
         """Worker thread: copy chunk ``index``'s exported pieces into their parts; the parts
@@ -192,8 +218,7 @@ class LiveExport:
                 k = bisect.bisect_right(self.starts[shard], at) - 1
                 item = self.filling[self.first[shard] + k]
                 take = min(end, item.part.end) - at
-                with self._lock:
-                    buffer = item.buffer_now()
+                buffer = self._buffer(item)
                 buffer[at - item.part.start : at - item.part.start + take] = data[read : read + take]
                 with self._lock:
                     item.missing -= take
@@ -212,18 +237,35 @@ class LiveExport:
     async def _upload(self, item: _Filling) -> None:
         async with self._limit:
             shard = self.shards[item.part.shard]
-            buffer = memoryview(item.buffer_now())
+            buffer = memoryview(self._buffer(item))
             token = self.uploads.tokens[item.part.shard]
             assert token is not None
             name = self.uploads.name(shard.file)
             record = await self.uploads.storage.upload_part(name, token, item.part.number, item.part.start, buffer)
         self.records.append((item.part.shard, record))
-        item.buffer = None  # uploaded: its memory goes
+        self._drop(item)
+
+    def _buffer(self, item: _Filling) -> bytearray:
+        """``item``'s buffer, made (and counted) at its first use (any thread)."""
+        with self._lock:
+            if item.buffer is None:
+                self.held += item.part.nbytes
+                self.high_water = max(self.high_water, self.held)
+            return item.buffer_now()
+
+    def _drop(self, item: _Filling) -> None:
+        """Loop thread: ``item``'s buffer goes (uploaded, or the export stopped)."""
+        with self._lock:
+            if item.buffer is not None:
+                item.buffer = None
+                self.held -= item.part.nbytes
+        self._freed.set()
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self.sending.discard(task)
         if not task.cancelled() and task.exception() is not None and self.failure is None:
             self.failure = task.exception()
+        self._freed.set()
 
     def _raise_failure(self) -> None:
         if self.failure is not None:

@@ -10,7 +10,10 @@ partial loads, staging slabs, the RAM budget; and any converter that takes a Man
 Storage reads it.
 
 The files are found from ``model.safetensors.index.json`` (its weight map), else
-``model.safetensors``, else every ``*.safetensors`` file of the folder. Each file's header
+``model.safetensors``, else the folder's one ``*.safetensors`` file. Several files with no
+index are refused, as is one named ``*-0000k-of-0000n`` with n > 1: an index is written
+last, so a folder of shards without one is an export that did not finish (or whose
+replacement was cut short), never a model; Hugging Face's loaders refuse it too. Each file's header
 is read with one ranged read of its first bytes (a second one only for headers larger than
 that) and checked as untrusted input (:func:`~.header.parse_header`; the index too,
 :func:`~.layout.parse_index`); the weight map must agree with the headers. safetensors
@@ -28,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from ...catalog.steps import trust_translated
 from ...core.names import MANIFEST_FILE, attempt_prefix, manifest_name, step_dir
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest
@@ -48,18 +53,32 @@ RANGE_BYTES = 4 * 1024**2
 _FIRST_READ = 256 * 1024
 """Bytes read from the start of a file to find its header (most headers fit)."""
 _HEADER_READS = 8
+_SHARD_OF = re.compile(r".*-[0-9]+-of-([0-9]+)\.safetensors")
+
+
+_RANGE_FIELDS = set(ByteRange.model_fields)
+_ENTRY_FIELDS = set(EntryRecord.model_fields)
+"""Every field is set: one set shared by all the records a translation builds (each
+record's own would cost 700 bytes a tensor; a frozen record never changes it)."""
 
 
 def _ranges(obj: str, start: int, nbytes: int) -> list[ByteRange]:
     return [
-        ByteRange(object=obj, offset=start + at, nbytes=min(RANGE_BYTES, nbytes - at), crc32c=None)
+        ByteRange.model_construct(
+            _RANGE_FIELDS, object=obj, offset=start + at, nbytes=min(RANGE_BYTES, nbytes - at), crc32c=None
+        )
         for at in range(0, nbytes, RANGE_BYTES)
     ]
 
 
 def translate(headers: dict[str, tuple[int, ParsedHeader]], prefix: str, where: str) -> Manifest:
     """The manifest of a folder whose files (name -> (size, checked header)) are
-    ``headers``: entries at ``prefix + name``, in file order."""
+    ``headers``: entries at ``prefix + name``, in file order.
+
+    Built without pydantic's validation (``model_construct``): every value comes from a
+    header :func:`~.header.parse_header` checked (names, dtypes, shapes below 2**63, ranges
+    that tile each file), which is what validating would check again, at a cost of about
+    a second per 10^4 tensors. Worker thread (large folders take a while)."""
     digest = hashlib.blake2b(digest_size=8)
     for file in sorted(headers):
         size, header = headers[file]
@@ -83,23 +102,20 @@ def translate(headers: dict[str, tuple[int, ParsedHeader]], prefix: str, where: 
             seen[t.name] = file
             items.append([t.name, {"t": "tensor", "id": len(entries)}])
             entries.append(
-                EntryRecord(
-                    path=prefix + t.name, kind="tensor", dtype=t.aiosnap_dtype, shape=list(t.shape),
+                EntryRecord.model_construct(
+                    _ENTRY_FIELDS, path=prefix + t.name, kind="tensor", dtype=t.aiosnap_dtype, shape=list(t.shape),
                     stride=row_major_strides(t.shape), device="cpu", nbytes=t.nbytes,
-                    ranges=_ranges(obj, header.data_start + t.begin, t.nbytes),
+                    ranges=_ranges(obj, header.data_start + t.begin, t.nbytes), shards=None,
                 )
             )  # fmt: skip
     tree: Any = {"t": "dict", "items": items}
     for key in reversed(keys):
         tree = {"t": "dict", "items": [[key, tree]]}
-    try:
-        return Manifest(
-            format_version=PLAIN_VERSION, step=STEP, save_id=save_id, created_at=0.0, world_size=1,
-            objects=[DataObject(name=f"{folder}/{file}", rank=0, nbytes=headers[file][0]) for file in sorted(headers)],
-            entries=entries, tree=tree, metadata={"source": "safetensors", "header_metadata": metadata},
-        )  # fmt: skip
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{where}: cannot be read as a checkpoint: {exc}") from None
+    return Manifest.model_construct(
+        format="aiosnap", format_version=PLAIN_VERSION, step=STEP, save_id=save_id, created_at=0.0, world_size=1,
+        objects=[DataObject(name=f"{folder}/{file}", rank=0, nbytes=headers[file][0]) for file in sorted(headers)],
+        entries=entries, tree=tree, metadata={"source": "safetensors", "header_metadata": metadata}, rank_local=None,
+    )  # fmt: skip
 
 
 class SafetensorsFolder(Storage):
@@ -133,7 +149,8 @@ class SafetensorsFolder(Storage):
             async with self._lock:
                 if self._manifest is None:
                     manifest = await self._translate()
-                    self._document = manifest.to_json()
+                    self._document = await asyncio.to_thread(manifest.to_json)
+                    trust_translated(STEP, self._document, manifest)
                     self._manifest = manifest
         return self._manifest
 
@@ -145,7 +162,7 @@ class SafetensorsFolder(Storage):
         except FileNotFoundError:
             data = None
         if data is not None:
-            weight_map = parse_index(data, where)
+            weight_map = await asyncio.to_thread(parse_index, data, where)
             return sorted(set(weight_map.values())), weight_map
         if await self.inner.exists(SINGLE_FILE):
             return [SINGLE_FILE], None
@@ -153,6 +170,12 @@ class SafetensorsFolder(Storage):
         files = [check_shard_file(n, self.url) for n in found if not n.startswith(".")]
         if not files:
             raise CheckpointNotFoundError(f"{self.url}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors file")
+        sharded = _SHARD_OF.fullmatch(files[0])
+        if len(files) > 1 or (sharded is not None and int(sharded.group(1)) > 1):
+            raise CheckpointNotFoundError(
+                f"{self.url}: {len(files)} shard file(s) ({files[0]}, ...) but no {INDEX_FILE}: an export that "
+                "did not finish (or was being replaced), not a model"
+            )
         return files, None
 
     async def _header(self, file: str) -> tuple[int, ParsedHeader]:
@@ -163,12 +186,16 @@ class SafetensorsFolder(Storage):
             raise CorruptCheckpointError(f"{where}: named by the index, but missing") from exc
         first = bytearray(min(size, _FIRST_READ))
         got = await self.inner.read_into(file, 0, memoryview(first))
-        length = header_length(bytes(first[:got]), size, where)  # checked against the size before reading more
+        length = header_length(bytes(first[: min(got, 8)]), size, where)  # checked against the size before reading more
+        head = memoryview(first)[:got]
         if 8 + length > got:
-            rest = bytearray(8 + length - got)
-            got += await self.inner.read_into(file, got, memoryview(rest))
-            first += rest
-        return size, parse_header(bytes(first[:got]), size, where)
+            whole = bytearray(8 + length)
+            whole[:got] = head
+            head.release()
+            got += await self.inner.read_into(file, got, memoryview(whole)[got:])
+            head = memoryview(whole)[:got]
+        parsed = await asyncio.to_thread(parse_header, head, size, where)
+        return size, parsed
 
     async def _translate(self) -> Manifest:
         files, weight_map = await self._files()
@@ -182,7 +209,7 @@ class SafetensorsFolder(Storage):
         headers = dict(zip(files, found, strict=True))
         if weight_map is not None:
             _check_weight_map(weight_map, headers, f"{self.url}/{INDEX_FILE}")
-        return translate(headers, self.prefix, self.url)
+        return await asyncio.to_thread(translate, headers, self.prefix, self.url)
 
     def _file(self, name: str) -> str:
         """The file behind object ``name`` of the translated manifest."""
@@ -197,7 +224,7 @@ class SafetensorsFolder(Storage):
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         if name == manifest_name(STEP):
             await self.manifest()
-            return self._document if limit is None else self._document[: limit + 1]
+            return self._document if limit is None or len(self._document) <= limit else self._document[: limit + 1]
         await self.manifest()
         return await self.inner.read(self._file(name), limit=limit)
 

@@ -4,9 +4,12 @@ The safetensors -> aiosnap direction of ``aiosnap export --to aiosnap``: every e
 (a whole tensor; a sharded one consolidated; a pickle as its bytes) are filled by a
 :class:`~.consolidate.Consolidator` into data objects of at most ``chunk_bytes``, each
 piece's crc32c computed as it is written (a source without checksums gets them here), and
-the manifest is committed last, only if the step is still absent: the same commit point as
-a save. Rank-local values are not imported (a translated folder has none). A failure
-removes the attempt's folder. Runs on whichever event loop calls it, holding at most
+the manifest, checked by the reader's own parser, is committed last by the commit point
+saves use (:func:`~aiosnap.catalog.commit.commit_manifest`: only if the step is still
+absent). Rank-local values are not imported (a translated folder has none). A failure
+removes the attempt's folder, unless the manifest's write had begun: then only once the
+step is read back as not this import's (an answer lost after the write landed is a
+commit; an undecidable one leaves the data to ``aiosnap gc``). Runs on whichever event loop calls it, holding at most
 ``concurrency`` data objects in memory.
 """
 
@@ -17,9 +20,11 @@ import secrets
 import time
 from typing import Any
 
+from ...catalog.commit import commit_manifest, whose_commit
+from ...catalog.steps import latest_committed
 from ...core.checksums import crc32c_of
 from ...core.names import attempt_prefix, manifest_name
-from ...errors import StateMismatchError, first_error
+from ...errors import StateMismatchError, StepOrderError, first_error
 from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest
 from ...storage.base import Storage
 from .consolidate import Consolidator, RangeCache
@@ -57,6 +62,12 @@ async def import_manifest(
         raise StateMismatchError(f"{source.url}: rank-local values cannot be imported into one root")
     if await dest.exists(manifest_name(step)):
         raise FileExistsError(f"{dest.url}: step {step} is there already")
+    latest = await latest_committed(dest)
+    if latest is not None and step < latest:
+        raise StepOrderError(
+            f"{dest.url}: step {step} is older than its latest step {latest}: load() would never return it "
+            "(import as a later step with dest_step=, or into another root)"
+        )
     save_id = secrets.token_hex(8)
     folder = f"{attempt_prefix(step, save_id)}/rank-0"
     chunks: list[list[tuple[int, int, int, int]]] = [[]]  # per chunk: (entry, entry offset, nbytes, chunk offset)
@@ -94,6 +105,7 @@ async def import_manifest(
             ranges[index].append(ByteRange(object=name, offset=offset, nbytes=nbytes, crc32c=crc))
 
     used = [(n, p) for n, p in enumerate(chunks) if p]
+    committing = False
     try:
         async with asyncio.TaskGroup() as group:
             for number, pieces in used:
@@ -110,9 +122,17 @@ async def import_manifest(
             ],
             tree=_whole_tree(manifest.tree), metadata=manifest.metadata,
         )  # fmt: skip
-        await dest.write(manifest_name(step), imported.to_json(), if_absent=True)
+        Manifest.from_json(imported.to_json(), where=f"{dest.url}/{manifest_name(step)}")  # as a reader will
+        committing = True
+        await commit_manifest(dest, imported, replace=False)
     except BaseException as failure:
-        await asyncio.shield(_remove(dest, attempt_prefix(step, save_id)))
+        verdict = "other"
+        if committing:  # the manifest may have landed however its write ended
+            verdict = await asyncio.shield(whose_commit(dest, step, save_id, write_interrupted=True))
+        if verdict == "ours" and isinstance(failure, Exception):
+            return imported  # committed after all (an answer lost on the way back)
+        if verdict == "other":
+            await asyncio.shield(_remove(dest, attempt_prefix(step, save_id)))
         if isinstance(failure, BaseExceptionGroup):
             raise (leaf := first_error(failure)) from leaf.__cause__
         raise

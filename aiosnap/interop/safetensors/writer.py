@@ -10,8 +10,9 @@ Parts are filled by the caller's ``fill`` (the header by the writer itself), at 
   only when completed; a file only when renamed);
 - the index, ``model.safetensors.index.json``, is written last, once every shard is whole:
   a folder with an index is complete;
-- a failure aborts every upload still open and removes the shards this export completed
-  (best effort), then raises the original error.
+- a failure aborts every upload still open and removes the shards this export completed,
+  or began to complete (a rename or CompleteMultipartUpload cut short by a cancel may have
+  landed), and the index if its write began (best effort), then raises the original error.
 
 The three phases (:meth:`ShardUploads.start`, :meth:`ShardUploads.write`,
 :meth:`ShardUploads.finish`) can run in different processes of one job: the tokens
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from ...core.aio import run_all
 from ...core.budget import ByteBudget
 from ...storage.base import PartRecord, Storage
+from .destination import Claim
 from .layout import INDEX_FILE, ExportTensor, Shard, index_document, part_ranges
 
 __all__ = ["Fill", "Part", "Segment", "ShardUploads", "write_shards"]
@@ -65,7 +67,10 @@ class ShardUploads:
         self.shards = list(shards)
         self.folder = folder.strip("/")
         self.tokens: list[str | None] = [None] * len(self.shards)
-        self.completed: list[bool] = [False] * len(self.shards)
+        self.completing: list[bool] = [False] * len(self.shards)
+        """Shards whose completion began: each may be whole under its name (even when the
+        call was cancelled or failed: a rename or CompleteMultipartUpload may have landed)."""
+        self.index_started = False
 
     def name(self, file: str) -> str:
         return f"{self.folder}/{file}" if self.folder else file
@@ -80,9 +85,14 @@ class ShardUploads:
         return found
 
     async def start(self) -> list[str]:
-        """Begin one upload per shard; their tokens, in shard order."""
-        for index, shard in enumerate(self.shards):
-            self.tokens[index] = await self.storage.start_upload(self.name(shard.file))
+        """Begin one upload per shard; their tokens, in shard order (a failure part way
+        aborts those begun)."""
+        try:
+            for index, shard in enumerate(self.shards):
+                self.tokens[index] = await self.storage.start_upload(self.name(shard.file))
+        except BaseException:
+            await asyncio.shield(self.abort())
+            raise
         return [t for t in self.tokens if t is not None]
 
     def adopt(self, tokens: Sequence[str]) -> None:
@@ -129,30 +139,39 @@ class ShardUploads:
         if segments:
             await fill(segments)
 
-    async def finish(self, records: Iterable[tuple[int, PartRecord]]) -> None:
-        """Complete every shard's upload from all its parts' records, then write the index."""
+    async def finish(self, records: Iterable[tuple[int, PartRecord]], claim: Claim | None = None) -> None:
+        """Complete every shard's upload from all its parts' records, then (``claim``
+        still held, when given) write the index."""
         by_shard: dict[int, list[PartRecord]] = {index: [] for index in range(len(self.shards))}
         for index, record in records:
             by_shard[index].append(record)
         for index, shard in enumerate(self.shards):
             token = self.tokens[index]
             assert token is not None
+            self.completing[index] = True  # before the call: it may land however it ends
             await self.storage.complete_upload(self.name(shard.file), token, by_shard[index])
-            self.completed[index] = True
+        if claim is not None:
+            await claim.check()
+        self.index_started = True
         await self.storage.write(self.name(INDEX_FILE), index_document(self.shards))
 
     async def abort(self) -> None:
-        """Abort the uploads still open and delete the shards completed (best effort: the
-        failure that got us here is what the caller must see)."""
-        for index, shard in enumerate(self.shards):
-            name, token = self.name(shard.file), self.tokens[index]
-            try:
-                if self.completed[index]:
-                    await self.storage.delete(name)
-                elif token is not None:
-                    await self.storage.abort_upload(name, token)
-            except Exception as exc:
-                log.warning("aiosnap: %s: could not remove %s of a failed export: %r", self.storage.url, name, exc)
+        """Remove every trace of this export (best effort: the failure that got us here is
+        what the caller must see): the index if its write began, then each shard whose
+        completion began, and every upload still open."""
+        names = [INDEX_FILE] if self.index_started else []
+        names += [shard.file for index, shard in enumerate(self.shards) if self.completing[index]]
+        for file in names:
+            await self._quietly(file, self.storage.delete(self.name(file)))
+        for shard, token in zip(self.shards, self.tokens, strict=True):
+            if token is not None:
+                await self._quietly(shard.file, self.storage.abort_upload(self.name(shard.file), token))
+
+    async def _quietly(self, file: str, work: Awaitable[None]) -> None:
+        try:
+            await work
+        except Exception as exc:
+            log.warning("aiosnap: %s: could not remove %s of a failed export: %r", self.storage.url, file, exc)
 
 
 async def write_shards(
@@ -164,14 +183,15 @@ async def write_shards(
     concurrency: int = 8,
     budget: ByteBudget,
     progress: Callable[[int], None] | None = None,
+    claim: Claim | None = None,
 ) -> None:
-    """Write ``shards`` (and their index, last) under ``folder`` of ``storage`` in one
-    process: see the module docstring."""
+    """Write ``shards`` (and their index, last, ``claim`` checked first when given) under
+    ``folder`` of ``storage`` in one process: see the module docstring."""
     uploads = ShardUploads(storage, shards, folder)
     try:
         await uploads.start()
         records = await uploads.write(uploads.parts(), fill, concurrency=concurrency, budget=budget, progress=progress)
-        await uploads.finish(records)
+        await uploads.finish(records, claim)
     except BaseException:
         await asyncio.shield(uploads.abort())
         raise
