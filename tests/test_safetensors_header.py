@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ import pytest
 import safetensors
 import torch
 from aiosnap import CorruptCheckpointError, SyncCheckpointer
+from aiosnap.format.manifest import Manifest
 from aiosnap.interop.safetensors.header import CODE_OF_AIOSNAP, build_header, parse_header
-from aiosnap.interop.safetensors.reader import SafetensorsFolder
+from aiosnap.interop.safetensors.reader import SafetensorsFolder, translate
 from aiosnap.storage.local import LocalStorage
 from safetensors.torch import load, save
 from tests.conftest import FaultyStorage
@@ -98,6 +100,23 @@ HOSTILE: dict[str, bytes] = {
     "metadata not strings": _file({"a": _f32([1], 0, 4)}, 4, metadata={"k": 1}),
     "metadata not an object": _file({"a": _f32([1], 0, 4)}, 4, metadata=["k"]),
     "empty name": _file({"": _f32([1], 0, 4)}, 4),
+    # a dimension of 0 once let any later one through (the product stayed 0): each is bounded now
+    "zero then a dimension past 2**64": _file({"a": _f32([0, 2**64 + 1], 0, 0)}, 0),
+    "strides past 2**63": _file({"a": _f32([0, 2**62, 2**62], 0, 0)}, 0),
+    "lone surrogate name": _file({}, 1, raw=b'{"\\ud800": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}'),
+    "lone surrogate in metadata": _file(
+        {"a": _f32([1], 0, 4)},
+        4,
+        raw=b'{"__metadata__": {"k": "\\udfff"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+    ),  # fmt: skip
+    "metadata of lists": _file({}, 0, raw=b'{"__metadata__": {"k": [' + b"[]," * 1000 + b"[]]}}"),
+    "metadata twice": _file({}, 0, raw=b'{"__metadata__": {}, "__metadata__": {}}'),
+    "a tensor description of megabytes": _file(
+        {}, 0, raw=b'{"a": {"dtype": "U8", "shape": [' + b"1," * 10**6 + b"1]}}"
+    ),
+    "text after the object": _file(
+        {"a": _f32([1], 0, 4)}, 4, raw=b'{"a": ' + json.dumps(_f32([1], 0, 4)).encode() + b"} {}"
+    ),  # fmt: skip
 }
 
 
@@ -106,6 +125,61 @@ def test_a_hostile_header_is_a_clear_error_naming_the_file(case: str) -> None:
     data = HOSTILE[case]
     with pytest.raises(CorruptCheckpointError, match="evil.safetensors"):
         parse_header(data, len(data), "evil.safetensors")
+
+
+def test_hostile_headers_fail_the_whole_load_path_with_a_typed_error(tmp_path: Path) -> None:
+    """Through open_safetensors' reader and a load, not only parse_header: what once passed
+    the parser and then failed deeper as a pydantic ValidationError or a UnicodeEncodeError."""
+    for number, case in enumerate(["zero then a dimension past 2**64", "strides past 2**63", "lone surrogate name",
+                                   "lone surrogate in metadata"]):  # fmt: skip
+        folder = tmp_path / str(number)
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(HOSTILE[case])
+        with (
+            SyncCheckpointer({"ram_budget": "1MiB"}, storage=SafetensorsFolder(LocalStorage(folder))) as ckpt,
+            pytest.raises(CorruptCheckpointError, match=r"model\.safetensors"),
+        ):
+            ckpt.load()
+
+
+def _peak_allocation(work: Any) -> int:
+    """Bytes allocated at the peak while ``work()`` runs (what tracemalloc sees: Python
+    objects, bytes and bytearrays, in any thread)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        work()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_what_a_header_costs_is_bounded_by_its_size(tmp_path: Path) -> None:
+    """A header of nested empty lists (``json.loads`` made ~20 bytes of objects of each
+    byte) is refused at its first wrong byte; a valid header of 5,000 zero-size tensors
+    (the most objects a header can describe per byte) costs a bounded multiple of its size
+    to translate, and a load takes the translated manifest as it is (not parsed again)."""
+    nested = b'{"__metadata__":{"k":[' + b"[]," * 100_000 + b"[]]}}"  # 300 KB
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "model.safetensors").write_bytes(struct.pack("<Q", len(nested)) + nested)
+    folder = SafetensorsFolder(LocalStorage(tmp_path / "nested"))
+
+    def refused() -> None:
+        with pytest.raises(CorruptCheckpointError, match="strings to strings"):
+            asyncio.run(folder.manifest())
+
+    assert _peak_allocation(refused) < 3 * len(nested)
+
+    many = {f"layers.{i}.bias": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(5000)}
+    body = json.dumps(many, separators=(",", ":")).encode()
+    (tmp_path / "many").mkdir()
+    (tmp_path / "many" / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body)
+    folder = SafetensorsFolder(LocalStorage(tmp_path / "many"))
+    peak = _peak_allocation(lambda: asyncio.run(folder.manifest()))
+    assert peak < 40 * len(body), (peak, len(body))  # was 125x: a pydantic validation of every entry
+    with SyncCheckpointer({"ram_budget": "1MiB"}, storage=folder) as ckpt:
+        assert ckpt.manifest() is asyncio.run(folder.manifest())
 
 
 def test_a_hostile_folder_fails_to_load_reading_no_more_than_it_holds(tmp_path: Path) -> None:
@@ -136,6 +210,11 @@ def test_a_valid_but_odd_header_loads(tmp_path: Path) -> None:
         assert torch.equal(state["model"][name], tensor)
 
 
+HEADER_VALUES = [2**64 + 1, 2**63 - 1, [0, 2**64 + 1], [0, 2**62, 2**62], [2**31] * 3, "\ud800", "F32", "BF16"]
+"""Values worth trying in a header beside the shared ones (huge and zero dimensions, lone surrogates)."""
+HEADER_NAMES = ["\ud800", "a\udfffb", "", "__metadata__", "é", "x" * 300, "w"]
+
+
 def _library_accepts(data: bytes) -> bool:
     try:
         safetensors.deserialize(data)
@@ -160,7 +239,11 @@ def test_mutated_headers_are_refused_or_describe_the_data_exactly(request: pytes
     named: list[bool] = []
     for case in range(cases):
         if case % 2:
-            body = json.dumps(mutate_document(document, rng)).encode()
+            mutated = mutate_document(document, rng, HEADER_VALUES)
+            if isinstance(mutated, dict) and mutated and rng.random() < 0.2:  # a tensor renamed
+                name = rng.choice(list(mutated))
+                mutated[rng.choice(HEADER_NAMES)] = mutated.pop(name)
+            body = json.dumps(mutated).encode()
             data = struct.pack("<Q", len(body)) + body + data_section
         else:
             data = mutate_bytes(base, rng)
@@ -176,6 +259,9 @@ def test_mutated_headers_are_refused_or_describe_the_data_exactly(request: pytes
             position = t.end
         assert parsed.data_start + position == len(data)
         assert _library_accepts(data), f"case {case}: aiosnap accepts a header the library refuses"
+        # what is accepted translates into a manifest the reader's own validator accepts
+        document_bytes = translate({"model.safetensors": (len(data), parsed)}, "model/", "fuzz").to_json()
+        Manifest.from_json(document_bytes, "fuzz")
     assert accepted > 0  # the unmutated parts of the space were reached too
     assert named and all(named)  # every refusal names the file
 
