@@ -4,18 +4,24 @@ the index HF tools read, the documented name rule, dtype conversion, every tenso
 
 from __future__ import annotations
 
+import asyncio
 import json
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from aiosnap import AiosnapError, SyncCheckpointer
+from aiosnap import AiosnapError, CheckpointNotFoundError, Config, SyncCheckpointer
 from aiosnap.cli import main
 from aiosnap.interop.safetensors.api import export, open_safetensors
 from aiosnap.interop.safetensors.layout import INDEX_FILE, hf_name
+from aiosnap.interop.safetensors.reader import SafetensorsFolder
+from aiosnap.interop.safetensors.to_aiosnap import import_manifest
+from aiosnap.storage.local import LocalStorage
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tests.conftest import FaultyStorage
 
 
 def _model() -> torch.nn.Module:
@@ -190,3 +196,66 @@ def test_a_single_file_checkpoint_exports_too(tmp_path: Path) -> None:
     export(str(target), str(tmp_path / "hf"))
     tensors, _ = _read_folder(tmp_path / "hf")
     assert torch.equal(tensors["0.weight"], net.state_dict()["0.weight"])
+
+
+def test_an_export_stays_within_its_ram_budget(tmp_path: Path) -> None:
+    """Stored ranges larger than the budget leaves for them (16 MiB each, 16 MiB of budget:
+    8 MiB for parts, 8 MiB for source ranges) are streamed through, never read whole into
+    memory beside the parts; every byte still arrives, verified."""
+    generator = torch.Generator().manual_seed(9)
+    state = {"model": {f"w{i}": torch.randn(4 * 1024, 1024, generator=generator) for i in range(2)}}
+    root = tmp_path / "ckpt"
+    config = {"storage": {"url": str(root)}, "upload": {"chunk_size": "16MiB"}, "ram_budget": "64MiB"}
+    with SyncCheckpointer(config) as c:
+        c.save(state, step=1).wait()
+        assert max(r.nbytes for _, r in c.manifest().all_ranges()) == 16 * 1024**2
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        export(str(root), str(tmp_path / "hf"), config=Config(ram_budget="16MiB"))
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    # the budget, plus the modules the export imports and small transients; each 16 MiB range read whole
+    # beside the parts (outside the budget) made it 40 MiB
+    assert peak < 24 * 1024**2, peak / 1024**2
+    tensors, _ = _read_folder(tmp_path / "hf")
+    assert all(torch.equal(tensors[name], value) for name, value in state["model"].items())
+
+
+def test_an_import_whose_commit_answer_is_lost_is_committed_and_whole(tmp_path: Path) -> None:
+    """The manifest lands, then its write raises (a retried conditional PUT answered 412, a
+    timeout after the body went): the import reads back whose the step is, finds it its
+    own, and keeps its data (it once deleted the data of the step it had just committed)."""
+    from safetensors.torch import save_file
+
+    source_dir = tmp_path / "hf"
+    source_dir.mkdir()
+    values = torch.arange(1000, dtype=torch.float32)
+    save_file({"w": values}, str(source_dir / "model.safetensors"))
+    for number, error in enumerate([FileExistsError("412 Precondition Failed"), TimeoutError("read timeout")]):
+        dest = FaultyStorage(LocalStorage(tmp_path / f"root{number}"), error=error)
+        dest.lose_answer_when = lambda name: name.endswith("manifest.json")
+
+        async def run(dest: FaultyStorage) -> None:
+            source = SafetensorsFolder(LocalStorage(source_dir))
+            await import_manifest(source, await source.manifest(), dest, step=0)
+
+        asyncio.run(run(dest))
+        with SyncCheckpointer({"storage": {"url": str(tmp_path / f"root{number}")}, "ram_budget": "1MiB"}) as ckpt:
+            assert ckpt.steps() == [0]
+            assert torch.equal(ckpt.load()["model"]["w"], values)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_formats_the_export_does_not_read_yet_are_named(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.ones(2)}}
+    torch.save(state, tmp_path / "plain.pt")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(CheckpointNotFoundError, match=r"torch\.save file\?.*not done yet"):
+        export(str(tmp_path / "plain.pt"), str(tmp_path / "out1"))
+    with pytest.raises(CheckpointNotFoundError, match=r"\(DCP\) folder.*not done yet"):
+        export(str(tmp_path / "dcp"), str(tmp_path / "out2"))

@@ -108,7 +108,7 @@ HOSTILE: dict[str, bytes] = {
         {"a": _f32([1], 0, 4)},
         4,
         raw=b'{"__metadata__": {"k": "\\udfff"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
-    ),  # fmt: skip
+    ),
     "metadata of lists": _file({}, 0, raw=b'{"__metadata__": {"k": [' + b"[]," * 1000 + b"[]]}}"),
     "metadata twice": _file({}, 0, raw=b'{"__metadata__": {}, "__metadata__": {}}'),
     "a tensor description of megabytes": _file(
@@ -116,7 +116,7 @@ HOSTILE: dict[str, bytes] = {
     ),
     "text after the object": _file(
         {"a": _f32([1], 0, 4)}, 4, raw=b'{"a": ' + json.dumps(_f32([1], 0, 4)).encode() + b"} {}"
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -89,7 +89,7 @@ async def open_source(
 async def _other_format(storage: Storage, url: str) -> str | None:
     """What ``url`` is when it is a format the export does not read yet, in words."""
     later = "converting it is not done yet: load it into the model and save it with aiosnap, then export that"
-    if os.path.isfile(url):
+    if await asyncio.to_thread(os.path.isfile, url):
         return f"a file that is not an aiosnap checkpoint (a torch.save file?): {later}"
     try:
         if ".metadata" in await storage.list_children(""):

@@ -134,10 +134,16 @@ def plan_export(manifest: Manifest, options: ExportOptions) -> ExportPlan:
     return ExportPlan(tensors, plan_shards(tensors, options.max_shard_size, options.metadata), out_dtypes)
 
 
+MIN_SOURCE_BYTES = 4 * 1024**2
+"""The least RAM an export gives the source ranges it reads (beside its parts)."""
+
+
 def budgets_for(ram_budget: int, part_bytes: int) -> tuple[ByteBudget, int]:
-    """The parts' share of the RAM budget (half, at least one part) and the cache's."""
+    """The parts' share of the RAM budget (half, at least one part) and the source ranges'
+    (the rest, at least :data:`MIN_SOURCE_BYTES`): a budget under one part plus that is
+    exceeded by the difference."""
     parts = max(ram_budget // 2, part_bytes)
-    return ByteBudget(parts, "export ram_budget"), max(ram_budget - parts, 0)
+    return ByteBudget(parts, "export ram_budget"), max(ram_budget - parts, MIN_SOURCE_BYTES)
 
 
 async def export_manifest(

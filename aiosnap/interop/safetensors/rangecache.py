@@ -5,11 +5,11 @@ A fill (the tensor bytes of one part of an output file) asks :meth:`RangeCache.g
 stored ranges it copies from, each with the stretch ``[lo, hi)`` of the range it needs.
 A range of at most half the budget is read whole, verified, and kept while the budget
 allows (least recently used go first), so the parts of a file, filled in order, find the
-ranges the part before them read. A larger range is *streamed*: read in windows of
-:attr:`RangeCache.window` bytes, its crc32c computed across all of them, only the stretch
-the fill needs kept (for a range that records no crc32c, only the windows that hold it are
-read); a 64 MiB range feeding eight 8 MiB parts under a 16 MiB budget is then read eight
-times, which is what a budget smaller than the source's ranges costs.
+ranges the part before them read. A larger range is *streamed*: the first time, read whole
+in windows of :attr:`RangeCache.window` bytes, its crc32c computed across all of them, only
+the stretch the fill needs kept; after that (and for a range that records no crc32c at
+all) only the stretch a fill needs is read. So a range larger than the budget allows costs
+about twice its bytes in reads, and every byte is verified once as it comes from storage.
 
 Every byte a fill holds or reads is reserved from :attr:`RangeCache.budget` before it is
 allocated: fills are admitted one at a time (an admission waits, holding nothing, while
@@ -86,6 +86,8 @@ class RangeCache:
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._admit = asyncio.Lock()
         self._hungry = False
+        self._verified: set[Key] = set()
+        """Streamed ranges already read whole once and verified."""
         self.bytes_read = 0
 
     def _choose(self, wants: Sequence[Want]) -> tuple[int, set[Key]]:
@@ -188,36 +190,40 @@ class RangeCache:
         """Bytes ``[lo, hi)`` of a range read in windows, the whole range verified."""
         r = want.where
         out = bytearray(want.hi - want.lo)
+        if r.crc32c is None or want.key in self._verified:  # nothing (more) to verify: read what is needed
+            await self._read_exactly(want, want.lo, memoryview(out))
+            return out
         window = bytearray(min(self.window, r.nbytes))
         crc = 0
         for at in range(0, r.nbytes, len(window)):
             n = min(len(window), r.nbytes - at)
-            if r.crc32c is None and (at + n <= want.lo or at >= want.hi):
-                continue  # nothing to verify, nothing needed here
             view = memoryview(window)[:n]
-            try:
-                got = await self.storage.read_into(r.object, r.offset + at, view)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(
-                    f"{self.where}: data object {r.object!r} of {want.path!r} is missing"
-                ) from exc
-            if got < n:
-                raise TruncatedObjectError(
-                    f"{self.where}: data object {r.object!r} is truncated: {want.path!r} needs {r.nbytes} bytes at "
-                    f"offset {r.offset}"
-                )
-            self.bytes_read += n
-            if r.crc32c is not None:
-                crc = await complete_before_cancel(asyncio.to_thread(crc32c_of, view, crc))
+            await self._read_exactly(want, at, view)
+            crc = await complete_before_cancel(asyncio.to_thread(crc32c_of, view, crc))
             lo, hi = max(at, want.lo), min(at + n, want.hi)
             if lo < hi:
                 out[lo - want.lo : hi - want.lo] = view[lo - at : hi - at]
-        if r.crc32c is not None and crc != r.crc32c:
+        if crc != r.crc32c:
             raise ChecksumMismatchError(
                 f"{self.where}: checksum mismatch in {want.path!r} (object {r.object!r}, offset {r.offset}): "
                 f"crc32c {crc:#010x}, manifest says {r.crc32c:#010x}"
             )
+        self._verified.add(want.key)
         return out
+
+    async def _read_exactly(self, want: Want, at: int, dest: memoryview) -> None:
+        """Bytes ``at`` onwards of ``want``'s range into ``dest``, all of them."""
+        r = want.where
+        try:
+            got = await self.storage.read_into(r.object, r.offset + at, dest)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{self.where}: data object {r.object!r} of {want.path!r} is missing") from exc
+        if got < len(dest):
+            raise TruncatedObjectError(
+                f"{self.where}: data object {r.object!r} is truncated: {want.path!r} needs {r.nbytes} bytes at "
+                f"offset {r.offset}"
+            )
+        self.bytes_read += len(dest)
 
     def release(self, held: Held) -> None:
         """Give back what :meth:`get` returned (its copies are done)."""
@@ -229,6 +235,7 @@ class RangeCache:
             if entry.users == 0 and (self._hungry or (entry.ready.done() and entry.ready.exception() is not None)):
                 self._drop(key)  # an admission waits for room: make it now
         held.pinned.clear()
+        held.data.clear()  # the bytes go now, not when the caller's variable does
         if held.private:
             self.budget.release(held.private)
             held.private = 0
