@@ -130,3 +130,45 @@ def test_chunks_that_went_through_the_spool_are_exported_too(tmp_path: Path) -> 
     tensors = _exported(folder)
     for name, value in net.state_dict().items():
         assert torch.equal(tensors[name], value), name
+
+
+@pytest.mark.thread_only
+def test_a_slow_destination_holds_back_the_save_not_its_memory(tmp_path: Path, monkeypatch: Any) -> None:
+    """Part uploads far slower than the capture: the parts waiting for their upload once
+    piled up (24 MiB of a 24 MiB export); now a chunk's upload waits for them, holding its
+    slab, so the part buffers stay near a quarter of ram_budget plus the parts being filled."""
+    import asyncio
+
+    from aiosnap.interop.safetensors import live
+
+    class SlowParts(FaultyStorage):
+        lock: asyncio.Lock | None = None
+
+        def part_size_for(self, size: int) -> int:
+            return 256 * 1024
+
+        async def upload_part(self, *args: Any) -> Any:
+            SlowParts.lock = SlowParts.lock or asyncio.Lock()
+            async with SlowParts.lock:  # one link, 25 MB/s
+                await asyncio.sleep(0.01)
+                return await super().upload_part(*args)
+
+    peak = [0]
+    real_copy = live.LiveExport._copy
+
+    def copy(self: Any, index: int, data: memoryview) -> Any:
+        done = real_copy(self, index, data)
+        peak[0] = max(peak[0], sum(len(i.buffer) for i in self.filling if i.buffer is not None))
+        return done
+
+    monkeypatch.setattr(live.LiveExport, "_copy", copy)
+    generator = torch.Generator().manual_seed(8)
+    state = {"model": {f"w{i}": torch.randn(512, 512, generator=generator) for i in range(24)}}  # 24 MiB
+    root = tmp_path / "ckpt"
+    config = {"storage": {"url": str(root)}, "upload": {"chunk_size": "1MiB", "concurrency": 4}, "ram_budget": "8MiB"}
+    with SyncCheckpointer(config, storage=SlowParts(LocalStorage(root))) as ckpt:
+        ckpt.save(state, step=1, also_as="safetensors").wait()
+        folder = root / live_export_folder(1, ckpt.manifest().save_id)
+    assert peak[0] <= 8 * 1024**2, peak[0] / 1024**2  # 2 MiB allowed waiting, about 5 chunks' worth being filled
+    tensors = _exported(folder)
+    assert all(torch.equal(tensors[name], value) for name, value in state["model"].items())

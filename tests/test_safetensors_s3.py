@@ -14,6 +14,7 @@ import pytest
 import torch
 from aiosnap import Config, StorageUnavailableError, SyncCheckpointer
 from aiosnap.interop.safetensors.api import export, open_safetensors
+from aiosnap.interop.safetensors.destination import CLAIM_FILE
 from aiosnap.interop.safetensors.export import ExportOptions, export_manifest
 from aiosnap.interop.safetensors.layout import INDEX_FILE
 from aiosnap.interop.safetensors.reader import SafetensorsFolder
@@ -138,10 +139,23 @@ def test_a_failed_export_leaves_nothing_behind(
     assert _open_uploads(s3_client, s3_bucket) == []
 
 
-def test_a_folder_on_s3_loads_through_open_safetensors(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+@pytest.mark.moto_only
+def test_what_a_killed_export_left_blocks_the_folder_then_goes(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any
+) -> None:
+    """A process killed mid-export leaves its claim and open multipart uploads: the next
+    export is refused while the claim is there; once it is removed, the export aborts the
+    dead one's uploads of export names (nothing else) and publishes."""
     state = _save(tmp_path / "ckpt")
     config = _config(s3_endpoint, s3_bucket)
-    export(str(tmp_path / "ckpt"), f"s3://{s3_bucket}/m", config=config)
-    with SyncCheckpointer(config, storage=open_safetensors(f"s3://{s3_bucket}/m", config)) as ckpt:
+    s3_client.put_object(Bucket=s3_bucket, Key=f"hf/{CLAIM_FILE}", Body=b'{"owner": "dead"}')
+    for key in ("hf/model-00001-of-00002.safetensors", "hf/model-00002-of-00002.safetensors", "hf/notes.bin"):
+        s3_client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    with pytest.raises(FileExistsError, match=f"delete {CLAIM_FILE}"):
+        export(str(tmp_path / "ckpt"), f"s3://{s3_bucket}/hf", config=config, max_shard_size="5MB")
+    s3_client.delete_object(Bucket=s3_bucket, Key=f"hf/{CLAIM_FILE}")
+    export(str(tmp_path / "ckpt"), f"s3://{s3_bucket}/hf", config=config, max_shard_size="5MB")
+    assert [u["Key"] for u in _open_uploads(s3_client, s3_bucket)] == ["hf/notes.bin"]
+    with SyncCheckpointer(config, storage=open_safetensors(f"s3://{s3_bucket}/hf", config)) as ckpt:
         loaded = ckpt.load()
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
