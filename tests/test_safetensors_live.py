@@ -84,6 +84,7 @@ def test_a_failing_export_fails_the_save_before_its_commit(tmp_path: Path) -> No
         assert torch.equal(ckpt.load()["model"]["0.weight"], net.state_dict()["0.weight"])
 
 
+@pytest.mark.thread_only  # refused on the caller's thread: the executor plays no part
 def test_what_a_live_export_cannot_do_is_refused_in_save(tmp_path: Path) -> None:
     with SyncCheckpointer(_config(tmp_path / "ckpt")) as ckpt:
         with pytest.raises(ValueError, match="no tensor"):
@@ -99,6 +100,7 @@ def test_what_a_live_export_cannot_do_is_refused_in_save(tmp_path: Path) -> None
         ckpt.save({"model": _model()}, step=1, also_as="safetensors")
 
 
+@pytest.mark.thread_only  # the upload process runs the same part uploads (the local test covers it)
 def test_a_live_export_to_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any) -> None:
     net = _model()
     generator = torch.Generator().manual_seed(1)
