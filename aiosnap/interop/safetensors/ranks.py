@@ -114,8 +114,8 @@ def export_ranks(
             await source.close()
 
     decided, failure = _run(decide) if rank == 0 else (None, None)
-    decision = _together(group, decided, failure, "beginning the export")[0]
     try:
+        decision = _together(group, decided, failure, "beginning the export")[0]
         written, failure = _run(lambda: _write(open_source, dest, settings, options, decision, rank, world, progress))
         records = [(int(shard), record) for item in _together(group, written, failure, "writing parts")
                    for shard, record in item[0]]  # fmt: skip
@@ -124,8 +124,8 @@ def export_ranks(
             failure = _run(lambda: _finish(dest, settings, decided_plan[0], decision, records))[1]
         _together(group, None, failure, "completing the shards")
     except BaseException:
-        if rank == 0:  # a rank failed or died, or this one was interrupted: nothing is published
-            _run(lambda: _abort(dest, settings, decided_plan[0], decision))
+        if decided is not None:  # rank 0, uploads begun; a rank failed or died, or this one was interrupted
+            _run(lambda: _abort(dest, settings, decided_plan[0], decided))
         raise
     assert written is not None
     _, read, plan = written

@@ -151,7 +151,11 @@ class ShardUploads:
             self.completing[index] = True  # before the call: it may land however it ends
             await self.storage.complete_upload(self.name(shard.file), token, by_shard[index])
         if claim is not None:
-            await claim.check()
+            try:
+                await claim.check()
+            except FileExistsError:
+                self.completing = [False] * len(self.shards)  # the names may be the new owner's now: leave them
+                raise
         self.index_started = True
         await self.storage.write(self.name(INDEX_FILE), index_document(self.shards))
 
