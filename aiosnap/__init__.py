@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
+    from .interop.safetensors.api import export, open_safetensors
+    from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -56,6 +58,9 @@ _LAZY = {
     "RNGState": "core.rng",
     "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
+    "SafetensorsExport": "interop.safetensors.live",
+    "export": "interop.safetensors.api",
+    "open_safetensors": "interop.safetensors.api",
 }
 
 
@@ -93,6 +98,7 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
+    "SafetensorsExport",
     "SaveHandle",
     "SaveProgress",
     "SaveResult",
@@ -108,5 +114,7 @@ __all__ = [
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
+    "export",
     "load_config",
+    "open_safetensors",
 ]

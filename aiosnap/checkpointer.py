@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .format.manifest import Manifest
 from .handoff.spooldir import Spool
+from .interop.safetensors.live import SafetensorsExport, also_spec, plan_live
 from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, plan_read
@@ -332,6 +334,7 @@ class _Core:
         step: int,
         metadata: dict[str, Any] | None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> tuple[SavePlan, CudaOrder | None]:
         """Runs on the caller's thread: take state dicts, flatten, (with several ranks)
         agree with the other ranks, lay out chunks. A rank that fails before the ranks agree
@@ -363,6 +366,9 @@ class _Core:
                 agree=agree,
                 memo=self._layouts,
             )
+            if also_as is not None:  # a live export (interop.safetensors.live), checked here
+                plan.spec = dataclasses.replace(plan.spec, also=also_spec(also_as))
+                plan_live(plan.spec)
         except BaseException:
             if agree is not None:
                 agree.abandon()
@@ -499,6 +505,7 @@ class Checkpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SaveHandle:
         """Capture ``state`` and return once every byte is captured (the state may then be
         mutated). ``await`` the handle for durability. Waits first while
@@ -508,9 +515,13 @@ class Checkpointer(_Core):
         With several ranks every rank calls it for the same step: replicated values are
         written once, DTensors as their shards, and ``rank_local`` path patterns (added to
         ``distributed.rank_local``) name values each rank saves for itself. The handle
-        resolves when the step is committed (every rank's data landed) on every rank."""
+        resolves when the step is committed (every rank's data landed) on every rank.
+
+        ``also_as="safetensors"`` (or a :class:`~aiosnap.interop.safetensors.live.SafetensorsExport`
+        naming the paths) also writes the Hugging Face layout of the state's tensors, from
+        the same capture, into ``<step>/<save id>/safetensors/``, committed with the step."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
         progress = ProgressTracker(step, plan.total_bytes, started)
         try:
             durable = await self._call(
@@ -648,11 +659,12 @@ class SyncCheckpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SyncSaveHandle:
         """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
-        Same waiting, failure and multi-rank rules as :meth:`Checkpointer.save`."""
+        Same waiting, failure, multi-rank and ``also_as`` rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
         progress = ProgressTracker(step, plan.total_bytes, started)
         try:
             durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last, progress))

@@ -1,6 +1,7 @@
 """The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``. URLs are storage
+Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``,
+``export`` (:mod:`aiosnap.interop.safetensors.cli`). URLs are storage
 roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
 (S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
 and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
@@ -37,6 +38,7 @@ from .catalog.steps import committed_steps, manifest_of, remove_steps_after
 from .config import Config, load_config
 from .errors import AiosnapError, CheckpointNotFoundError
 from .format.manifest import Manifest
+from .interop.safetensors.cli import register as register_export
 from .interop.singlefile import storage_for
 from .load.select import entries_under
 from .storage.base import Storage
@@ -438,7 +440,7 @@ def bench_command(
     which: Annotated[
         str,
         typer.Argument(
-            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
+            help="local | s3 | spool | lightning | load | interference | distributed | safetensors; options go to it"
         ),
     ] = "local",
 ) -> None:
@@ -448,6 +450,9 @@ def bench_command(
     if which not in BENCHMARKS:
         raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="WHICH")
     run(which, list(ctx.args))
+
+
+register_export(app)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
     "distributed": "aiosnap.bench.distributed",
+    "safetensors": "aiosnap.bench.safetensors",
 }
 """Benchmark name -> module."""
 

@@ -34,22 +34,24 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_job(world: int, **params: Any) -> dict[str, float]:
-    """Run one measurement on ``world`` ranks; each figure is the slowest rank's."""
+def run_job(world: int, module: str = "aiosnap.bench.distributed_rank", **params: Any) -> dict[str, float]:
+    """Run one measurement on ``world`` ranks (``python -m module PARAMS`` each); each
+    figure is the slowest rank's."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
     env["OMP_NUM_THREADS"] = "1"
     procs = []
     for rank in range(world):
         args = json.dumps({**params, "rank": rank, "world": world, "port": port})
-        command = [sys.executable, "-m", "aiosnap.bench.distributed_rank", args]
+        command = [sys.executable, "-m", module, args]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     figures: list[dict[str, float]] = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
-                raise RuntimeError(f"a rank of {params['tool']} {params['mode']} failed:\n{err[-3000:]}")
+                what = f"{module} {params.get('tool', '')} {params.get('mode', '')}".strip()
+                raise RuntimeError(f"a rank of {what} failed:\n{err[-3000:]}")
             figures.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,14 +91,15 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
         return {"load_s": time.perf_counter() - started}
 
 
-def main() -> None:
+def main(measure: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None:
+    """Join the gloo job ``sys.argv[1]`` describes, print ``measure(params)`` as one JSON line."""
     params = json.loads(sys.argv[1])
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{params['port']}", rank=params["rank"], world_size=params["world"],
         timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
     try:
-        print(json.dumps(run(params)), flush=True)
+        print(json.dumps(measure(params)), flush=True)
     finally:
         dist.destroy_process_group()
 

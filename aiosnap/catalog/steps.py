@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 
 from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
@@ -32,6 +33,7 @@ __all__ = [
     "remove_steps_after",
     "step_folders",
     "trust_committed",
+    "trust_translated",
 ]
 
 log = logging.getLogger("aiosnap")
@@ -75,6 +77,9 @@ async def _manifest_bytes(storage: Storage, step: int) -> bytes:
 
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
     where = f"{storage.url}/{manifest_name(step)}"
+    known = _TRUSTED.manifest(step, data)
+    if known is not None:
+        return known
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
@@ -93,6 +98,7 @@ class _TrustedManifests:
 
     def __init__(self) -> None:
         self._known: OrderedDict[tuple[int, bytes], str] = OrderedDict()
+        self._objects: weakref.WeakValueDictionary[tuple[int, bytes], Manifest] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -112,6 +118,17 @@ class _TrustedManifests:
         with self._lock:
             return self._known.get(key)
 
+    def keep_object(self, step: int, data: bytes, manifest: Manifest) -> None:
+        """``manifest`` is ``data`` parsed, for as long as someone else holds it."""
+        key = self._key(step, data)
+        with self._lock:
+            self._objects[key] = manifest
+
+    def manifest(self, step: int, data: bytes) -> Manifest | None:
+        key = self._key(step, data)
+        with self._lock:
+            return self._objects.get(key)
+
 
 _TRUSTED = _TrustedManifests()
 
@@ -120,6 +137,13 @@ def trust_committed(step: int, document: bytes, save_id: str) -> None:
     """This process just committed ``document`` (a manifest it built, which was validated
     as it was built): the same bytes read back need no second validation."""
     _TRUSTED.learn(step, document, save_id)
+
+
+def trust_translated(step: int, document: bytes, manifest: Manifest) -> None:
+    """``manifest`` (built by this process from a foreign format's checked metadata, and
+    kept alive by its builder) is ``document`` parsed: the same bytes read back give this
+    object, neither parsed nor validated again (a safetensors folder of 10^5 tensors)."""
+    _TRUSTED.keep_object(step, document, manifest)
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:

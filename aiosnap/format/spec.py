@@ -18,7 +18,7 @@ from pydantic import ConfigDict, TypeAdapter
 
 from ..core.gcpause import gc_paused
 
-__all__ = ["ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
+__all__ = ["AlsoSpec", "ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
 
 _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no coercion
 
@@ -107,6 +107,22 @@ class DistSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AlsoSpec:
+    """The save also writes the tensors at ``paths`` (glob patterns; None: all) in another
+    format, from the same capture, committed with the step: ``safetensors`` (Hugging Face
+    shards of at most ``max_shard_size`` tensor bytes, named by stripping ``strip``; see
+    :mod:`aiosnap.interop.safetensors.live`)."""
+
+    __pydantic_config__ = _STRICT
+
+    format: str
+    paths: tuple[str, ...] | None
+    strip: str
+    max_shard_size: int
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Everything about one save attempt except its bytes."""
 
@@ -122,6 +138,7 @@ class SaveSpec:
     chunks: tuple[ChunkSpec, ...]
     archive: ArchiveSpec | None = None
     distributed: DistSpec | None = None
+    also: AlsoSpec | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +171,7 @@ class SaveSpec:
             for c in self.chunks
         ]  # fmt: skip
         head = (self.step, self.save_id, self.rank, self.world_size, self.tree, self.metadata)
-        return _unpickle_save_spec, (head, columns, chunks, self.archive, self.distributed)
+        return _unpickle_save_spec, (head, columns, chunks, self.archive, self.distributed, self.also)
 
     @classmethod
     def from_document(cls, doc: Any) -> SaveSpec:
@@ -172,6 +189,7 @@ def _unpickle_save_spec(
     chunks: list[tuple[str, int, list[int], list[int], list[int]]],
     archive: ArchiveSpec | None,
     distributed: DistSpec | None,
+    also: AlsoSpec | None = None,
 ) -> SaveSpec:
     """The inverse of :meth:`SaveSpec.__reduce__` (in the upload process)."""
     step, save_id, rank, world_size, tree, metadata = head
@@ -181,4 +199,4 @@ def _unpickle_save_spec(
             ChunkSpec(name, nbytes, tuple(map(PieceSpec, entry_ids, sizes, offsets)))
             for name, nbytes, entry_ids, sizes, offsets in chunks
         )
-    return SaveSpec(step, save_id, rank, world_size, tree, metadata, entries, laid_out, archive, distributed)
+    return SaveSpec(step, save_id, rank, world_size, tree, metadata, entries, laid_out, archive, distributed, also)

@@ -72,14 +72,21 @@ def whole_target(entry: EntryRecord) -> ShardTarget:
 
 def shard_targets(manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]) -> dict[int, ShardTarget]:
     """Loop thread: entry id -> the caller's DTensor its bytes go to (a sharded entry or a
-    whole one, of the same global shape and dtype)."""
+    whole one, of the same global shape, and the same dtype or both floating point: the
+    copy into the DTensor's memory converts, a load of bfloat16 weights into float32 ones)."""
     found: dict[int, ShardTarget] = {}
     for index, target in tensor_targets(manifest.tree, targets, decode_key):
         entry = manifest.entries[index]
-        fits = list(target.shape) == entry.shape and str(target.dtype).removeprefix("torch.") == entry.dtype
+        dtype = str(target.dtype).removeprefix("torch.")
+        same_kind = dtype == entry.dtype or (dtype in _CONVERTIBLE and entry.dtype in _CONVERTIBLE)
+        fits = list(target.shape) == entry.shape and same_kind
         if fits and _is_dtensor(target):
             found[index] = dtensor_target(target)
     return found
+
+
+_CONVERTIBLE = {"float16", "bfloat16", "float32", "float64"}
+"""Dtypes a load into a DTensor converts between."""
 
 
 def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
