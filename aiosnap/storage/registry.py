@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from ..config import Config
+from ..config import URL_SCHEMES, Config
 from ..errors import ConfigError
 from .base import Storage
 
@@ -37,8 +37,10 @@ _SCHEMES: dict[str, Factory] = {}
 
 
 def register_scheme(scheme: str, factory: Factory) -> None:
-    """Serve ``scheme://`` URLs with ``factory`` (a custom backend's entry point)."""
+    """Serve ``scheme://`` URLs with ``factory`` (a custom backend's entry point); from
+    then on ``storage.url`` may use the scheme in a config."""
     _SCHEMES[scheme] = factory
+    URL_SCHEMES.add(scheme)
 
 
 def _local(url: str, path: str, config: Config) -> Storage:
