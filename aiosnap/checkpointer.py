@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .catalog.steps import latest_committed
 from .config import Config
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
@@ -217,6 +218,7 @@ class _Core:
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
+        self._loaded_step: int | None = None
         events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
@@ -258,6 +260,7 @@ class _Core:
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
+        view._loaded_step = None
         self._views = [v for v in self._views if not v._closed] + [view]
         return view
 
@@ -277,6 +280,22 @@ class _Core:
         whether they all did."""
         self._check_open()
         return self._engine.events.flush(timeout)
+
+    @property
+    def loaded_step(self) -> int | None:
+        """The step the latest successful ``load()`` or ``load_latest()`` of this checkpointer
+        restored (the step training resumed from); None before any."""
+        return self._loaded_step
+
+    def _looks_up_latest(self) -> bool:
+        """Whether this rank looks up the latest step for :meth:`_agreed_latest` (one rank
+        alone; rank 0 of several)."""
+        return self._job.group is None or self._job.needs_latest(None)
+
+    def _agreed_latest(self, latest: int | None) -> int | None:
+        """The latest committed step for every rank: this rank's own lookup alone, else rank
+        0's (collective: every rank calls it). Caller's thread."""
+        return latest if self._job.group is None else self._job.load_step(None, latest)
 
     @property
     def loop_kind(self) -> str:
@@ -527,7 +546,43 @@ class Checkpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded
+
+    async def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if the root holds one and
+        return that step; return None, leaving ``state`` as it is, when it holds none (the
+        first run). A training loop then goes on with the step after it::
+
+            done = await ckpt.load_latest(state)     # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+
+        With several ranks every rank calls it and all get the same step (rank 0's view of
+        the latest). Loading works as :meth:`load` with ``state`` (the keyword arguments
+        are its own); a latest step that cannot be loaded raises, it never falls back to an
+        older one. :attr:`loaded_step` keeps the step afterwards."""
+        self._check_open()
+        latest = await self._call(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None  # one rank reads "the latest" itself (a damaged one names the newest loadable)
+        await self.load(
+            state,
+            step=None if single else step,
+            allow_pickle=allow_pickle,
+            atomic=atomic,
+            skip_rank_local=skip_rank_local,
+        )
+        return self._loaded_step
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -647,7 +702,38 @@ class SyncCheckpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded
+
+    def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if there is one and return
+        that step, else None (``state`` untouched). See :meth:`Checkpointer.load_latest`::
+
+            done = ckpt.load_latest(state)           # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+        """
+        self._check_open()
+        latest = self._loop.run(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None
+        self.load(
+            state,
+            step=None if single else step,
+            allow_pickle=allow_pickle,
+            atomic=atomic,
+            skip_rank_local=skip_rank_local,
+        )
+        return self._loaded_step
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

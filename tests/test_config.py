@@ -284,7 +284,11 @@ def test_relative_paths_in_a_yaml_file_follow_the_file(tmp_path: Path, monkeypat
 
     path.write_text("storage: {url: s3://bucket/run}\nspool: {dir: /abs/spool}\nevents: {jsonl: ~/events.jsonl}\n")
     kept = load_config(path)  # URLs, absolute paths and ~ are left as they are
-    assert (kept.storage.url, kept.spool.dir, kept.events.jsonl) == ("s3://bucket/run", "/abs/spool", Path("~/events.jsonl"))
+    assert (kept.storage.url, kept.spool.dir, kept.events.jsonl) == (
+        "s3://bucket/run",
+        "/abs/spool",
+        Path("~/events.jsonl"),
+    )
     path.write_text("spool: {dir: ./spool}\n")
     monkeypatch.setenv("AIOSNAP_STORAGE__URL", "from-env")  # the environment and code: the working directory
     from_env = load_config(path)

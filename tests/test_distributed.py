@@ -349,7 +349,7 @@ def test_cli_info_and_verify_cover_shards_and_every_ranks_values(
     assert "rng/torch: checksum mismatch" in capsys.readouterr().err
 
 
-def test_the_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
+def test_the_distributed_example_runs_under_torchrun_twice_and_resumes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -357,6 +357,7 @@ def test_the_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
                "--root", str(tmp_path / "root"), "--steps", "12", "--every", "3"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("losses equal to an uninterrupted run: True") == 2
+    for steps in ("steps 0-12, resumed at step 6", "steps 12-24, resumed at step 18"):  # run 2 goes on from run 1
+        run = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env, check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert run.stdout.count(f"{steps}; losses equal to an uninterrupted run: True") == 2, run.stdout
