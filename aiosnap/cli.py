@@ -26,14 +26,16 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .catalog.garbage import collect_garbage
 from .catalog.maintenance import list_steps, verify_step
-from .catalog.steps import committed_steps, manifest_of, remove_steps_after
+from .catalog.steps import committed_steps, manifest_of, not_committed, remove_steps_after
 from .config import Config, load_config
-from .errors import AiosnapError, CheckpointNotFoundError
+from .core.units import format_bytes, format_rate
+from .errors import AiosnapError
 from .format.manifest import Manifest
 from .interop.singlefile import storage_for
 from .load.select import entries_under
@@ -47,12 +49,27 @@ __all__ = ["app", "main"]
 T = TypeVar("T")
 app = typer.Typer(
     name="aiosnap",
-    help="List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False, soft_wrap=True)
+
+
+class _Output:
+    """Standard output, as it is when a command prints: on a terminal, tables fit its width
+    (long entry paths fold onto a second line); redirected to a file or a pipe, lines are as
+    long as they need to be, so nothing is ever cut (``exp_avg`` and ``exp_avg_sq`` stay two
+    names)."""
+
+    def print(self, *objects: Any) -> None:
+        console = Console(highlight=False, soft_wrap=True)
+        if not console.is_terminal:
+            console = Console(highlight=False, soft_wrap=True, width=UNLIMITED_WIDTH)
+        console.print(*objects)
+
+
+UNLIMITED_WIDTH = 1 << 20
+out = _Output()
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML config (S3 endpoint, credentials, concurrency)")
@@ -83,16 +100,27 @@ def _when(epoch: float) -> str:
 
 
 def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return format_bytes(nbytes)
+
+
+def _table(*headers: str) -> Table:
+    """A plain table whose cells fold onto more lines rather than lose characters."""
+    table = Table(box=None, header_style="bold")
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
 
 
 def _emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, default=str))
+
+
+class _RateColumn(ProgressColumn):
+    """The transfer rate in the units every other figure uses (MiB/s, GiB/s)."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else format_rate(speed), style="progress.data.speed")
 
 
 def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
@@ -103,8 +131,8 @@ def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | N
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        DownloadColumn(binary_units=True),
+        _RateColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=True,
@@ -125,7 +153,7 @@ def list_command(
     if as_json:
         _emit_json([dataclasses.asdict(info) for info in steps])
     elif steps:
-        table = Table("step", "state", "time", "size", "world size", "save id", box=None, header_style="bold")
+        table = _table("step", "state", "time", "size", "world size", "save id")
         for info in steps:
             note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
             table.add_row(
@@ -163,11 +191,11 @@ def info_command(
     if manifest.metadata:
         out.print(f"metadata: {json.dumps(manifest.metadata)}")
     if by_key:
-        keys = Table("top-level key", "bytes", box=None, header_style="bold")
+        keys = _table("top-level key", "bytes")
         for key, nbytes in by_key.items():
             keys.add_row(key, _size(nbytes))
         out.print(keys)
-    table = Table("entry", "kind", "dtype", "shape", "bytes", "device", box=None, header_style="bold")
+    table = _table("entry", "kind", "dtype", "shape", "bytes", "device")
     for entry in manifest.entries:
         shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
         kind = f"sharded ({len(entry.shards)})" if entry.shards is not None else entry.kind
@@ -347,7 +375,7 @@ def rollback_command(
         if dry_run:
             steps = await committed_steps(storage)
             if to not in steps:
-                raise CheckpointNotFoundError(f"step {to} has no committed checkpoint in {storage.url}")
+                raise await not_committed(storage, to, " to roll back to")
             return [s for s in steps if s > to]
         return await remove_steps_after(storage, to)
 
@@ -405,39 +433,81 @@ def gc_command(
     out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
 
 
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)  # fmt: skip
 def bench_command(
     ctx: typer.Context,
     which: Annotated[
-        str,
-        typer.Argument(
-            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
-        ),
-    ] = "local",
+        str | None,
+        typer.Argument(help="the benchmark; its options follow (aiosnap bench NAME --help)", show_default=False),
+    ] = None,
 ) -> None:
-    """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""
-    from .bench import BENCHMARKS, run
+    """Run a benchmark and print its figures: ``aiosnap bench NAME [options]``, ``aiosnap bench
+    NAME --help`` for its options, ``aiosnap bench --help`` for the list."""
+    from .bench import BENCHMARKS, describe_benchmarks, run
 
+    if which is None or which in ("-h", "--help"):
+        print(
+            f"usage: aiosnap bench NAME [options]   (aiosnap bench NAME --help: its options)\n\n{describe_benchmarks()}"
+        )
+        return
     if which not in BENCHMARKS:
-        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="WHICH")
+        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="NAME")
     run(which, list(ctx.args))
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from . import __version__
+
+        try:
+            torch = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            torch = "no torch"
+        print(f"aiosnap {__version__} (Python {sys.version.split()[0]}, {torch})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="print the version and exit", is_eager=True, callback=_version)
+    ] = False,
+) -> None:
+    """List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks."""
+
+
+_CLICK_ERROR: type[Any] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+"""Click's error class: the click that typer runs on (its own copy in recent typer releases)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args  # scripts parse stdout: every error is a JSON document there too
     try:
-        app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
-    except SystemExit as done:
+        code = app(args=args, prog_name="aiosnap", standalone_mode=False)
+    except _CLICK_ERROR as exc:  # a usage error (exit status 2): the message, then JSON if asked
+        exc.show()
+        if as_json:
+            print(json.dumps({"error": exc.format_message(), "type": type(exc).__name__}))
+        return int(exc.exit_code)
+    except typer.Abort:
+        print("aiosnap: aborted", file=sys.stderr)
+        return 1
+    except SystemExit as done:  # a benchmark's own argument parser (its --help, its usage errors)
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except Exception as exc:  # one line, whatever failed (no traceback for an operator)
         known = isinstance(exc, (AiosnapError, OSError, NotImplementedError, ValueError))
         message = str(exc) if known else f"{type(exc).__name__}: {exc}"
         print(f"aiosnap: error: {message}", file=sys.stderr)
-        if "--json" in (argv if argv is not None else sys.argv[1:]):  # scripts parse stdout
+        if as_json:
             print(json.dumps({"error": message, "type": type(exc).__name__}))
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from .core.units import format_bytes
 from .errors import ConfigError
 
 __all__ = ["Config", "load_config"]
@@ -91,20 +92,8 @@ def _too_small(size: int, minimum: int, unit: str) -> str:
     512`` meant 512MiB, not 512 bytes)."""
     return (
         f"{size} bytes? did you mean {size}{unit}? (a size without a unit is in bytes; "
-        f"the minimum is {format_size(minimum)})"
+        f"the minimum is {format_bytes(minimum)})"
     )
-
-
-def format_size(nbytes: int) -> str:
-    """``65536`` -> ``"64 KiB"``: the binary units (KiB, MiB, GiB, TiB) every message uses."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            if unit == "B" or value == int(value):
-                return f"{value:.0f} {unit}"
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def at_least(minimum: int, unit: str = "MiB") -> BeforeValidator:
@@ -353,12 +342,12 @@ class Config(BaseSettings):
             budget = self.ram_budget
         if budget < MIN_RAM_BUDGET:
             raise ConfigError(
-                f"ram_budget: {self.ram_budget} of the available memory is {format_size(budget)}, "
-                f"below the minimum of {format_size(MIN_RAM_BUDGET)}"
+                f"ram_budget: {self.ram_budget} of the available memory is {format_bytes(budget)}, "
+                f"below the minimum of {format_bytes(MIN_RAM_BUDGET)}"
             )
         if budget > memory.total:
             raise ConfigError(
-                f"ram_budget: {format_size(budget)} exceeds this machine's memory ({format_size(memory.total)})"
+                f"ram_budget: {format_bytes(budget)} exceeds this machine's memory ({format_bytes(memory.total)})"
             )
         return budget
 

@@ -193,7 +193,8 @@ def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     finally:
         os.close(primary)
     assert proc.returncode == 0
-    assert b"verifying step 1" in on_terminal and b"MB" in on_terminal  # bytes and rate
+    assert b"verifying step 1" in on_terminal and b"MiB" in on_terminal  # bytes and rate, binary units
+    assert b"MB" not in on_terminal and b"/s" in on_terminal
     piped = aiosnap_process("verify", str(root))
     assert piped.returncode == 0 and piped.stderr == "" and "\x1b" not in piped.stdout
 
@@ -286,3 +287,68 @@ def test_commands_that_read_a_root_never_import_torch(command: list[str], filled
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:]
+
+
+def test_version_names_aiosnap_python_and_torch(aiosnap: Runner) -> None:
+    import aiosnap as package
+
+    done = aiosnap("--version")
+    assert done.returncode == 0 and done.stdout.startswith(f"aiosnap {package.__version__} (Python 3.")
+    assert f"torch {torch.__version__}" in done.stdout
+
+
+def test_bench_help_lists_every_benchmark_and_each_benchmarks_own_options(aiosnap: Runner) -> None:
+    from aiosnap.bench import BENCHMARKS
+
+    for listing in (aiosnap("bench", "--help"), aiosnap("bench")):
+        assert listing.returncode == 0
+        assert all(f"  {name} " in listing.stdout for name in BENCHMARKS) and "  many " in listing.stdout
+    own = aiosnap("bench", "s3", "--help")
+    assert own.returncode == 0 and own.stdout.startswith("usage: aiosnap bench s3")
+    assert "--cap-mb-s" in own.stdout and "--endpoint" in own.stdout
+    assert aiosnap("bench", "many", "--no-such-option").returncode == 2
+
+
+def test_usage_errors_with_json_print_a_json_document(aiosnap: Runner, tmp_path: Path) -> None:
+    for args, where in (
+        (["gc", str(tmp_path), "--keep-last", "0", "--json"], "--keep-last"),
+        (["ls", str(tmp_path), "--json", "--bogus"], "--bogus"),
+        (["info", "--json"], "URL"),
+    ):
+        failed = aiosnap(*args)
+        assert failed.returncode == 2, args
+        doc = json.loads(failed.stdout)
+        assert where.lower() in doc["error"].lower() and doc["type"], (args, doc)
+        assert where.lower() in failed.stderr.lower()  # and the usual message for people
+    assert aiosnap("gc", str(tmp_path), "--keep-last", "0").stdout == ""  # no JSON unless asked
+
+
+def test_a_wrong_step_lists_the_committed_ones(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+    root, _ = filled
+    missing = aiosnap("info", str(root), "--step", "25")
+    assert missing.returncode == 1
+    assert "step 25 has no committed checkpoint" in missing.stderr
+    assert "the committed steps are 10, 20, 30, 40" in missing.stderr
+    back = aiosnap("rollback", str(root), "--to", "25", "--dry-run", "--json")
+    assert "the committed steps are 10, 20, 30, 40" in json.loads(back.stdout)["error"]
+    from aiosnap import CheckpointNotFoundError
+
+    with SyncCheckpointer(str(root)) as ckpt, pytest.raises(CheckpointNotFoundError, match="are 10, 20, 30, 40$"):
+        ckpt.load(step=25)
+
+
+def test_redirected_output_never_cuts_an_entry_path(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    deep = {"an_encoder_block_with_a_long_name": {"and_a_longer_sublayer_name": model}}
+    with SyncCheckpointer(str(root)) as ckpt:
+        ckpt.save({"model": deep, "optimizer_with_a_long_name": optim}, step=1).wait()
+    shown = aiosnap_process("info", str(root))  # stdout is a pipe, as in `aiosnap info ... | less`
+    assert shown.returncode == 0, shown.stderr
+    paths = [line.split()[0] for line in shown.stdout.splitlines() if line.strip().startswith(("model/", "optim"))]
+    assert "model/an_encoder_block_with_a_long_name/and_a_longer_sublayer_name/0.weight" in paths
+    assert {"optimizer_with_a_long_name/state/0/exp_avg", "optimizer_with_a_long_name/state/0/exp_avg_sq"} <= set(paths)
+    assert "…" not in shown.stdout

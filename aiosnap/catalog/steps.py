@@ -26,6 +26,7 @@ __all__ = [
     "committed_steps",
     "latest_committed",
     "manifest_of",
+    "not_committed",
     "read_manifest",
     "remove_step",
     "retention_victims",
@@ -70,7 +71,16 @@ async def _manifest_bytes(storage: Storage, step: int) -> bytes:
     try:
         return await storage.read(manifest_name(step), limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}") from exc
+        raise await not_committed(storage, step) from exc
+
+
+async def not_committed(storage: Storage, step: int, purpose: str = "") -> CheckpointNotFoundError:
+    """The error for a ``step`` that is not committed, listing the steps that are."""
+    steps = await committed_steps(storage)
+    shown = ", ".join(map(str, steps[-20:])) if steps else ""
+    more = f"{len(steps) - 20} older and " if len(steps) > 20 else ""
+    available = f"the committed steps are {more}{shown}" if steps else "it holds no committed step"
+    return CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}{purpose}; {available}")
 
 
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
@@ -200,7 +210,7 @@ async def remove_steps_after(storage: Storage, step: int) -> list[int]:
     (each manifest before its data). ``step`` must be committed. Returns the steps removed."""
     steps = await committed_steps(storage)
     if step not in steps:
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url} to roll back to")
+        raise await not_committed(storage, step, " to roll back to")
     newer = [s for s in steps if s > step]
     for doomed in reversed(newer):
         await remove_step(storage, doomed)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from .units import format_bytes, format_rate
+
 __all__ = [
     "Event",
     "ScopeEmitter",
@@ -117,11 +119,11 @@ class Event:
             return f"aiosnap: {what} started ({self.url}, rank {self.rank}/{self.world_size})"
         figures = []
         if self.nbytes is not None:
-            figures.append(f"{self.nbytes / 1e6:.1f} MB")
+            figures.append(format_bytes(self.nbytes))
         if self.seconds is not None:
             figures.append(f"{self.seconds:.3f} s")
         if self.nbytes and self.seconds:
-            figures.append(f"{self.nbytes / self.seconds / 1e6:.0f} MB/s")
+            figures.append(format_rate(self.nbytes / self.seconds))
         return f"aiosnap: {what} done" + (f" ({', '.join(figures)})" if figures else "")
 
 
