@@ -25,7 +25,7 @@ LOCALSTACK_VENV ?= .venv-localstack
 LOCALSTACK_SPEC ?= "localstack-core[runtime]==4.12.0" "cbor2<6" "pyopenssl<24.3"
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed-4.12.0
 
-.PHONY: install localstack demo test lint bench soak clean
+.PHONY: install localstack demo test lint bench soak gpu-check clean
 
 install: $(STAMP)
 
@@ -70,6 +70,15 @@ bench: install
 	$(PY) -m aiosnap.bench interference
 	$(PY) -m aiosnap.bench distributed
 	$(PY) -m aiosnap.bench distributed --simulate
+
+# The CUDA tests and the D2H staging benchmark (pinned staging: aiosnap against DCP's pinned
+# stager), one table, within 8 minutes on one GPU. Without CUDA the tests skip, the benchmark
+# says so, and it exits 0 (CI may run it anywhere). `make gpu-check PY=python3` uses an
+# interpreter that already has torch and aiosnap's requirements, and installs nothing.
+gpu-check: $(if $(filter command line,$(origin PY)),,install)
+	@$(PY) -c "import torch; print('CUDA device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (torch ' + torch.__version__ + '): the gpu tests skip, the benchmark measures nothing')"
+	timeout 240 $(PY) -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 200 tests/test_gpu.py tests/test_bench_gpu.py
+	timeout 230 $(PY) -m aiosnap.bench gpu
 
 clean:
 	rm -rf $(VENV) $(LOCALSTACK_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

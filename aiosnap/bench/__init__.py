@@ -23,6 +23,7 @@ BENCHMARKS = {
     "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
     "distributed": "aiosnap.bench.distributed",
+    "gpu": "aiosnap.bench.gpu",
 }
 """Benchmark name -> module."""
 
