@@ -55,14 +55,14 @@ def make_state(size_mib: int, tensors: int, device: str = "cuda") -> dict[str, t
     return state
 
 
-def _synchronize(state: dict[str, torch.Tensor]) -> None:
-    """Wait for the work queued on the state's device (nothing to wait for on the CPU)."""
-    if any(t.is_cuda for t in state.values()):
-        torch.cuda.synchronize()
-
-
 def _on_cuda(state: dict[str, torch.Tensor]) -> bool:
     return any(t.is_cuda for t in state.values())
+
+
+def _synchronize(state: dict[str, torch.Tensor]) -> None:
+    """Wait for the work queued on the state's device (nothing to wait for on the CPU)."""
+    if _on_cuda(state):
+        torch.cuda.synchronize()
 
 
 def train_step(state: dict[str, torch.Tensor]) -> None:
