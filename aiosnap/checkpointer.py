@@ -535,6 +535,19 @@ class Checkpointer(_Core):
         read from whichever saved shards overlap it; a load without ``state`` returns full
         tensors. Rank-local values go back to the rank that saved them; with another world
         size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
+        loaded, _ = await self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    async def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -548,7 +561,7 @@ class Checkpointer(_Core):
             scope.fetched(manifest, tensors)
             loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
         self._loaded_step = manifest.step
-        return loaded
+        return loaded, manifest.step
 
     async def load_latest(
         self,
@@ -574,15 +587,9 @@ class Checkpointer(_Core):
         step = self._agreed_latest(latest)
         if step is None:
             return None
-        single = self._job.group is None  # one rank reads "the latest" itself (a damaged one names the newest loadable)
-        await self.load(
-            state,
-            step=None if single else step,
-            allow_pickle=allow_pickle,
-            atomic=atomic,
-            skip_rank_local=skip_rank_local,
-        )
-        return self._loaded_step
+        single = self._job.group is None  # one rank reads "the latest" itself (one removed meanwhile: the next)
+        _, restored = await self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored  # this call's own step (loaded_step may be another thread's by now)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -691,6 +698,19 @@ class SyncCheckpointer(_Core):
         skip_rank_local: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
+        loaded, _ = self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -704,7 +724,7 @@ class SyncCheckpointer(_Core):
             scope.fetched(manifest, tensors)
             loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
         self._loaded_step = manifest.step
-        return loaded
+        return loaded, manifest.step
 
     def load_latest(
         self,
@@ -726,14 +746,8 @@ class SyncCheckpointer(_Core):
         if step is None:
             return None
         single = self._job.group is None
-        self.load(
-            state,
-            step=None if single else step,
-            allow_pickle=allow_pickle,
-            atomic=atomic,
-            skip_rank_local=skip_rank_local,
-        )
-        return self._loaded_step
+        _, restored = self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

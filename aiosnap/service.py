@@ -37,6 +37,7 @@ from .format.manifest import Manifest
 from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
 from .load.apply import check_pickles
+from .load.consistent import read_while_committed
 from .load.fetch import ReadPlan, fetch_entries
 from .storage.base import Storage
 from .trainer.capture import Copier, capture_chunks
@@ -570,14 +571,17 @@ class Engine:
         select: Callable[[Manifest], ReadPlan] | None,
         view: Callable[[Manifest], Manifest] | None,
     ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        async with storage.reading():
-            manifest = await self.manifest(step, storage)
+
+        async def fetch(manifest: Manifest) -> tuple[Manifest, dict[int, torch.Tensor]]:
             if view is not None:
                 manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
             check_pickles(manifest, allow_pickle, plan.only)
             slabs = self._load_slabs(plan)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
+
+        async with storage.reading():  # a step removed meanwhile (another job's retention): see load.consistent
+            return await read_while_committed(storage, step, fetch)
 
     def _load_slabs(self, plan: ReadPlan) -> LoadSlabs:
         """The staging slabs a load borrows (from the saves' pool, under the same RAM
