@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import logging
 import math
@@ -52,20 +53,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts as written: "[options]" is not markup
 )
+
+
+def _real_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal itself (``FORCE_COLOR`` may ask Rich for colours in
+    a file or a pipe, never for a terminal's width there)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
 
 
 class _Output:
     """Standard output, as it is when a command prints: on a terminal, tables fit its width
     (long entry paths fold onto a second line); redirected to a file or a pipe, lines are as
     long as they need to be, so nothing is ever cut (``exp_avg`` and ``exp_avg_sq`` stay two
-    names)."""
+    names). Text is printed as it is: no Rich markup (``blocks[attn]`` stays whole)."""
 
     def print(self, *objects: Any) -> None:
-        console = Console(highlight=False, soft_wrap=True)
-        if not console.is_terminal:
-            console = Console(highlight=False, soft_wrap=True, width=UNLIMITED_WIDTH)
-        console.print(*objects)
+        width = None if _real_terminal(sys.stdout) else UNLIMITED_WIDTH
+        Console(highlight=False, markup=False, soft_wrap=True, width=width).print(*objects)
 
 
 UNLIMITED_WIDTH = 1 << 20
@@ -104,11 +111,17 @@ def _size(nbytes: int) -> str:
 
 
 def _table(*headers: str) -> Table:
-    """A plain table whose cells fold onto more lines rather than lose characters."""
+    """A plain table whose cells fold onto more lines rather than lose characters (fill it
+    with :func:`_add_row`)."""
     table = Table(box=None, header_style="bold")
     for header in headers:
         table.add_column(header, overflow="fold")
     return table
+
+
+def _add_row(table: Table, *cells: str) -> None:
+    """A row of plain text: entry paths, keys and metadata are never read as Rich markup."""
+    table.add_row(*(Text(cell) for cell in cells))
 
 
 def _emit_json(doc: Any) -> None:
@@ -126,7 +139,7 @@ class _RateColumn(ProgressColumn):
 def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
     """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
     console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
+    if not enabled or not _real_terminal(sys.stderr):
         return None, lambda n: None
     bar = Progress(
         "[progress.description]{task.description}",
@@ -156,7 +169,8 @@ def list_command(
         table = _table("step", "state", "time", "size", "world size", "save id")
         for info in steps:
             note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
-            table.add_row(
+            _add_row(
+                table,
                 str(info.step),
                 info.state + note,
                 "" if info.state == "unreadable" else _when(info.time),
@@ -193,13 +207,13 @@ def info_command(
     if by_key:
         keys = _table("top-level key", "bytes")
         for key, nbytes in by_key.items():
-            keys.add_row(key, _size(nbytes))
+            _add_row(keys, key, _size(nbytes))
         out.print(keys)
     table = _table("entry", "kind", "dtype", "shape", "bytes", "device")
     for entry in manifest.entries:
         shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
         kind = f"sharded ({len(entry.shards)})" if entry.shards is not None else entry.kind
-        table.add_row(entry.path, kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
+        _add_row(table, entry.path, kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
     out.print(table)
     if manifest.rank_local is not None:
         each = [sum(e.nbytes for e in part.entries) for part in manifest.rank_local]
@@ -277,7 +291,7 @@ def download_command(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Copy a step to another root (e.g. S3 to local disk), checking every checksum; the
+    """Copy a step to another root (from S3 to local disk, say), checking every checksum; the
     copy is committed (manifest written) only once complete."""
     settings = _config(config)
 
@@ -434,7 +448,8 @@ def gc_command(
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)  # fmt: skip
+             add_help_option=False,
+             short_help="Run a benchmark: aiosnap bench NAME [options] (--help: the list)")  # fmt: skip
 def bench_command(
     ctx: typer.Context,
     which: Annotated[
@@ -442,8 +457,8 @@ def bench_command(
         typer.Argument(help="the benchmark; its options follow (aiosnap bench NAME --help)", show_default=False),
     ] = None,
 ) -> None:
-    """Run a benchmark and print its figures: ``aiosnap bench NAME [options]``, ``aiosnap bench
-    NAME --help`` for its options, ``aiosnap bench --help`` for the list."""
+    """Run a benchmark and print its figures: aiosnap bench NAME [options]; aiosnap bench NAME
+    --help for its options; aiosnap bench --help for the list."""
     from .bench import BENCHMARKS, describe_benchmarks, run
 
     if which is None or which in ("-h", "--help"):
@@ -453,7 +468,36 @@ def bench_command(
         return
     if which not in BENCHMARKS:
         raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="NAME")
-    run(which, list(ctx.args))
+    if "--json" not in ctx.args:
+        run(which, list(ctx.args))
+        return
+    with contextlib.redirect_stderr(_Tee(sys.stderr)) as said:
+        try:
+            run(which, list(ctx.args))
+        except SystemExit as done:
+            if done.code == 2:  # the benchmark's own usage error (argparse): scripts get JSON too
+                message = said.text.strip().splitlines()[-1:] or ["usage error"]
+                print(json.dumps({"error": message[0], "type": "UsageError"}))
+            raise
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``stream`` and keeps what was written."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._kept = io.StringIO()
+
+    @property
+    def text(self) -> str:
+        return self._kept.getvalue()
+
+    def write(self, text: str) -> int:
+        self._kept.write(text)
+        return int(self._stream.write(text))
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def _version(show: bool) -> None:
@@ -479,6 +523,9 @@ def _options(
     """List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks."""
 
 
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as typer returns it)."""
+
 _CLICK_ERROR: type[Any] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 """Click's error class: the click that typer runs on (its own copy in recent typer releases)."""
 
@@ -490,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     as_json = "--json" in args  # scripts parse stdout: every error is a JSON document there too
     try:
         code = app(args=args, prog_name="aiosnap", standalone_mode=False)
+        if code == INTERRUPTED:  # typer's answer to Ctrl-C (KeyboardInterrupt)
+            print("aiosnap: interrupted", file=sys.stderr)
+            if as_json:
+                print(json.dumps({"error": "interrupted", "type": "KeyboardInterrupt"}))
     except _CLICK_ERROR as exc:  # a usage error (exit status 2): the message, then JSON if asked
         exc.show()
         if as_json:

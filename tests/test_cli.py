@@ -352,3 +352,65 @@ def test_redirected_output_never_cuts_an_entry_path(tmp_path: Path) -> None:
     assert "model/an_encoder_block_with_a_long_name/and_a_longer_sublayer_name/0.weight" in paths
     assert {"optimizer_with_a_long_name/state/0/exp_avg", "optimizer_with_a_long_name/state/0/exp_avg_sq"} <= set(paths)
     assert "…" not in shown.stdout
+
+
+def test_keys_and_metadata_print_as_they_are_even_with_force_color(tmp_path: Path) -> None:
+    """Rich markup in user data (``blocks[attn]``, ``[bold]``) is printed, not interpreted;
+    FORCE_COLOR (colours asked for in a pipe) never makes a pipe as narrow as a terminal."""
+    root = tmp_path / "ckpt"
+    long_key = "very_long_" * 30 + "end"
+    state = {"blocks[attn]": torch.zeros(2), "blocks[mlp]": torch.ones(2), long_key: torch.zeros(1)}
+    with SyncCheckpointer(str(root)) as ckpt:
+        ckpt.save(state, step=1, metadata={"note": "lr [bold]3e-4"}).wait()
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "80"}
+    shown = subprocess.run([sys.executable, "-m", "aiosnap", "info", str(root)], capture_output=True, text=True,
+                           timeout=120, env=env, check=False)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    words = shown.stdout.split()
+    assert words.count("blocks[attn]") == 2 and words.count("blocks[mlp]") == 2  # the key table and the entries
+    assert 'metadata: {"note": "lr [bold]3e-4"}' in shown.stdout
+    assert words.count(long_key) == 2  # whole, on one line each time
+
+
+def test_help_texts_keep_their_brackets(aiosnap: Runner) -> None:
+    shown = aiosnap("--help")
+    assert shown.returncode == 0
+    assert "aiosnap bench NAME [options]" in " ".join(shown.stdout.split())
+
+
+def test_a_benchmarks_usage_error_with_json_prints_a_json_document(aiosnap: Runner) -> None:
+    failed = aiosnap("bench", "gpu", "--json", "--tensors", "x")
+    assert failed.returncode == 2
+    doc = json.loads(failed.stdout)
+    assert doc["type"] == "UsageError" and "--tensors" in doc["error"] and "invalid" in doc["error"]
+    assert "usage: aiosnap bench gpu" in failed.stderr  # and the usual message for people
+
+
+def test_ctrl_c_says_so_and_with_json_prints_a_json_document(tmp_path: Path) -> None:
+    """A listing that hangs (a store that stopped answering), then SIGINT: exit status 130,
+    a line on stderr, and under --json a JSON document on stdout."""
+    import signal
+
+    hang = (
+        "import asyncio, sys\n"
+        "import aiosnap.cli as cli\n"
+        "async def hangs(storage, include_incomplete=False):\n"
+        "    print('listing', file=sys.stderr, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "cli.list_steps = hangs\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    for json_args in ([], ["--json"]):
+        child = subprocess.Popen([sys.executable, "-c", hang, "ls", str(tmp_path), *json_args],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert child.stderr is not None and child.stderr.readline() == "listing\n"
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+        finally:
+            child.kill()
+        assert child.returncode == 130 and "aiosnap: interrupted" in err, (out, err)
+        if json_args:
+            assert json.loads(out) == {"error": "interrupted", "type": "KeyboardInterrupt"}
+        else:
+            assert out == ""
