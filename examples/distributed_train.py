@@ -4,11 +4,11 @@ Run with ``torchrun --nproc-per-node 2 examples/distributed_train.py [--root PAT
 Each rank trains a fully sharded model on its own batches for ``--steps`` more steps, resuming
 from the latest checkpoint when there is one (``ckpt.load_latest``: every rank gets the same
 step), and saves every ``--every`` steps (parameters and optimizer state as DTensor shards,
-written once per shard; the RNG state and the data position per rank). Halfway it restarts:
-fresh objects resume from the latest checkpoint, and the losses must equal those of an
-uninterrupted run from step 0. Run it again and it goes on where the last run stopped. Works
-with any number of ranks, and loads checkpoints saved with another number (the RNG state is
-then skipped, so the losses are not compared).
+written once per shard; the RNG state and the data position per rank). Halfway (after the
+save nearest the middle) it restarts: fresh objects resume from the latest checkpoint, and
+the losses must equal those of an uninterrupted run from step 0. Run it again and it goes on
+where the last run stopped. Works with any number of ranks, and loads checkpoints saved with
+another number (the RNG state is then skipped, so the losses are not compared).
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: range, ra
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--root", default="./checkpoints-distributed", help="a folder every rank sees, or s3://...")
-    parser.add_argument("--steps", type=int, default=40, help="steps to train in this run")
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40, help="steps to train in this run (a multiple of --every)")
+    parser.add_argument("--every", type=int, default=10, help="steps between saves")
     args = parser.parse_args()
+    saves = args.steps // args.every if args.every > 0 else 0
+    if saves < 2 or args.steps % args.every:
+        parser.error(f"--steps {args.steps} must be a multiple of --every {args.every}, at least twice it")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -65,7 +68,7 @@ def main() -> int:
         same_world = not ckpt.steps() or ckpt.manifest().world_size == world  # resized: RNG states stay as they are
         done = ckpt.load_latest(state, skip_rank_local=not same_world)  # steps done so far; None on the first run
         start = 0 if done is None else done
-        half, end = start + args.steps // 2, start + args.steps
+        half, end = start + saves // 2 * args.every, start + args.steps  # the restart comes after a save
         losses: list[float] = []
         for first in range(start, half, args.every):
             losses += train(model, optim, range(first, first + args.every), rank)
