@@ -294,3 +294,20 @@ def test_relative_paths_in_a_yaml_file_follow_the_file(tmp_path: Path, monkeypat
     from_env = load_config(path)
     assert (from_env.storage.url, from_env.spool.dir) == ("from-env", str(folder / "spool"))
     assert Config(storage={"url": "in-code"}).storage.url == "in-code"
+
+
+def test_tilde_is_the_home_folder_in_every_path_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    path = tmp_path / "job.yaml"
+    path.write_text("storage: {url: ~/ckpts}\nspool: {dir: ~/spool}\nevents: {jsonl: ~/logs/events.jsonl}\n")
+    with SyncCheckpointer(load_config(path)) as ckpt:
+        ckpt.save({"x": torch.ones(3)}, step=1).wait()
+    assert (home / "ckpts" / f"{1:012d}" / "manifest.json").is_file()
+    assert (home / "spool").is_dir()
+    assert (home / "logs" / "events.jsonl").stat().st_size > 0
+    assert not list(elsewhere.iterdir()), "no folder named '~' in the working directory"

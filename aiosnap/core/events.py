@@ -142,11 +142,12 @@ class LoggingHandler:
 
 
 class JsonlHandler:
-    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe). A
-    last line left unfinished by a crash is ended first, so the next event starts a line."""
+    """Appends each event as one JSON line to ``path`` (``~`` is the home folder, as in every
+    path setting; flushed per line; thread-safe). A last line left unfinished by a crash is
+    ended first, so the next event starts a line."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a+b")
         self._lock = threading.Lock()
