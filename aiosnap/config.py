@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from .core.sources import source_of
 from .core.units import format_bytes
 from .errors import ConfigError
 
@@ -87,11 +88,21 @@ def _is_negative(value: Any) -> bool:
     return False
 
 
-def _too_small(size: int, minimum: int, unit: str) -> str:
-    """What a number below a size's minimum most likely is: a unit forgotten (``ram_budget:
-    512`` meant 512MiB, not 512 bytes)."""
+_UNIT_BYTES = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _too_small(value: Any, size: int, minimum: int, unit: str) -> str:
+    """Why ``value`` (``size`` bytes) is below a size's minimum. A plain number most likely
+    lacks its unit (``ram_budget: 512`` meant 512MiB, not 512 bytes); one of four digits or
+    more, the next smaller unit where that is still enough (``60000``: 60000KiB, not 58 GiB)."""
+    if not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+        return f"{value!r:.40} is {format_bytes(size)}, below the minimum of {format_bytes(minimum)}"
+    units = list(_UNIT_BYTES)
+    index = units.index(unit)
+    if index > 0 and size >= 1024 and size * _UNIT_BYTES[units[index - 1]] >= minimum:
+        index -= 1
     return (
-        f"{size} bytes? did you mean {size}{unit}? (a size without a unit is in bytes; "
+        f"{size} bytes? did you mean {size}{units[index]}? (a size without a unit is in bytes; "
         f"the minimum is {format_bytes(minimum)})"
     )
 
@@ -103,7 +114,7 @@ def at_least(minimum: int, unit: str = "MiB") -> BeforeValidator:
     def check(value: Any) -> int:
         size = parse_size(value)
         if size < minimum:
-            raise ValueError(_too_small(size, minimum, unit))
+            raise ValueError(_too_small(value, size, minimum, unit))
         return size
 
     return BeforeValidator(check)
@@ -122,7 +133,7 @@ def parse_budget(value: Any, minimum: int = 1, unit: str = "MiB") -> int | str:
         return f"{share:g}%"
     size = parse_size(value)
     if size < minimum:
-        raise ValueError(_too_small(size, minimum, unit))
+        raise ValueError(_too_small(value, size, minimum, unit))
     return size
 
 
@@ -134,6 +145,22 @@ PartSize = Annotated[int, at_least(5 * 1024**2)]
 SpoolBudget = Annotated[int | str, BeforeValidator(lambda value: parse_budget(value, 1024**2, "GiB"))]
 
 
+def redacted(url: str) -> str:
+    """``url`` as a message may show it: without the credentials a URL can carry (``user:
+    password@``, a query string that may hold a token), each replaced by ``***``."""
+    parsed = urlparse(url)
+    if not parsed.scheme or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
+        return url
+    netloc = parsed.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    shown = parsed._replace(
+        netloc=netloc, query="***" if parsed.query else "", fragment="***" if parsed.fragment else ""
+    )
+    ending = url[-1] if url.endswith(("?", "#")) and not (parsed.query or parsed.fragment) else ""
+    return shown.geturl() + ending
+
+
 def check_url(url: str) -> str:
     """A storage URL whose scheme some backend serves (a plain path has none)."""
     parsed = urlparse(url)
@@ -143,7 +170,7 @@ def check_url(url: str) -> str:
         known = ", ".join(f"{s}://" for s in sorted(URL_SCHEMES))
         hint = " (Google Cloud Storage: s3:// with s3.endpoint_url set to its S3 interop endpoint)"
         raise ValueError(
-            f"unsupported scheme {parsed.scheme!r} in {url!r:.200}: use a path or {known}"
+            f"unsupported scheme {parsed.scheme!r} in {redacted(url)!r:.200}: use a path or {known}"
             + (hint if parsed.scheme in ("gs", "gcs") else "")
         )
     return url
@@ -317,7 +344,7 @@ class Config(BaseSettings):
             super().__init__(**values)
             return
         except ValidationError as exc:
-            problem = describe(exc)
+            problem = describe(exc, values)
         except SettingsError as exc:  # an AIOSNAP_* variable whose JSON cannot be parsed
             problem = f"environment: {str(exc).split(':', 1)[0]}"
         raise ConfigError(problem)  # outside the handler: no chained error holding the input
@@ -419,6 +446,7 @@ def _check_environment() -> None:
 
 
 _file_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_file_data", default=None)
+_file_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("_file_name", default=None)
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -431,18 +459,24 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(_file_data.get() or {})
 
 
-def describe(exc: ValidationError) -> str:
-    """Each problem as ``field: message``; input values are left out (they may be secrets)."""
+def describe(exc: ValidationError, code: dict[str, Any] | None = None) -> str:
+    """Each problem as ``field: message``, after the source that gave the field (the YAML
+    file being loaded, an ``AIOSNAP_*`` variable; nothing for ``code``, the arguments, and
+    the defaults); input values are left out (they may be secrets)."""
+    data, name = _file_data.get(), _file_name.get()
+    file = (name, data) if name is not None and data is not None else None
     parts = []
     for err in exc.errors(include_input=False, include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(str(p) for p in err["loc"])
+        where = ".".join(loc) or "(top level)"
+        source = source_of(loc, code=code or {}, environ=os.environ, prefix=ENV_PREFIX, file=file)
         if err["type"] == "extra_forbidden":
             message = "unknown setting" + did_you_mean(tuple(str(p) for p in err["loc"]))
         elif err["type"] in ("value_error", "assertion_error") and "error" in err.get("ctx", {}):
             message = str(err["ctx"]["error"])  # our own words, without pydantic's "Value error, "
         else:
             message = err["msg"]
-        parts.append(f"{where}: {message}")
+        parts.append(f"{source}{where}: {message}")
     return "; ".join(parts)
 
 
@@ -505,14 +539,12 @@ def load_config(path: str | Path) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
     _resolve_paths(data, Config, Path(os.path.abspath(path)).parent)
-    token = _file_data.set(data)
+    tokens = _file_data.set(data), _file_name.set(str(path))
     try:
-        return Config()
-    except ConfigError as exc:
-        problem = str(exc)
+        return Config()  # its errors name the file, or the environment variable, at fault
     finally:
-        _file_data.reset(token)
-    raise ConfigError(f"{path}: {problem}")
+        _file_data.reset(tokens[0])
+        _file_name.reset(tokens[1])
 
 
 def _resolve_paths(data: dict[str, Any], model: type[BaseModel], folder: Path) -> None:

@@ -180,7 +180,7 @@ def test_misspelt_environment_variables_are_refused(monkeypatch: pytest.MonkeyPa
     [
         ({"upload": {"chunk_size": 64}}, "upload.chunk_size"),
         ({"s3": {"part_size": 8}}, "s3.part_size"),
-        ({"s3": {"multipart_threshold": "16KiB"}}, "s3.multipart_threshold"),
+        ({"s3": {"multipart_threshold": "16"}}, "s3.multipart_threshold"),
         ({"spool": {"dir": "/tmp/x", "budget": 500}}, "spool.budget"),
     ],
 )
@@ -311,3 +311,63 @@ def test_tilde_is_the_home_folder_in_every_path_setting(tmp_path: Path, monkeypa
     assert (home / "spool").is_dir()
     assert (home / "logs" / "events.jsonl").stat().st_size > 0
     assert not list(elsewhere.iterdir()), "no folder named '~' in the working directory"
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "shown"),
+    [(72, "72 B"), (1536, "1.5 KiB"), (65536, "64 KiB"), (1023, "1023 B"), (1048575, "1 MiB"),
+     (1048576 * 1023.96, "1 GiB"), (-1536, "-1.5 KiB"), (float("inf"), "inf B"), (float("nan"), "nan B")],
+)  # fmt: skip
+def test_byte_counts_never_read_1024_of_a_unit(nbytes: float, shown: str) -> None:
+    from aiosnap.core.units import format_bytes, format_rate
+
+    assert format_bytes(nbytes) == shown
+    assert format_rate(nbytes) == f"{shown}/s"
+
+
+@pytest.mark.parametrize(
+    ("fields", "suggested"),
+    [
+        ({"ram_budget": 512}, "512MiB"),
+        ({"ram_budget": 60000}, "60000KiB"),  # 60000MiB would be 58 GiB
+        ({"spool": {"dir": "/tmp/x", "budget": 5000}}, "5000MiB"),
+        ({"s3": {"part_size": 4000}}, "4000MiB"),  # 4000KiB is below the 5 MiB minimum
+    ],
+)
+def test_a_forgotten_unit_is_guessed_at_a_plausible_size(fields: dict[str, object], suggested: str) -> None:
+    with pytest.raises(ConfigError, match=rf"did you mean {suggested}\?"):
+        Config(**fields)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^s3.multipart_threshold: '16KiB' is 16 KiB, below the minimum of 5 MiB$"):
+        Config(s3={"multipart_threshold": "16KiB"})  # a unit was given: nothing to guess
+
+
+@pytest.mark.parametrize(
+    "url", ["https://alice:hunter2@example.com/ckpt", "gs://alice:hunter2@bucket/run", "s3://b/run?token=hunter2"]
+)
+def test_a_refused_url_never_echoes_its_credentials(url: str) -> None:
+    from aiosnap.storage.registry import storage_from_url
+
+    refusals = [lambda: storage_from_url(url)]
+    if not url.startswith("s3:"):  # an s3:// URL passes validation; its query is refused when it is opened
+        refusals.append(lambda: Config(storage={"url": url}))
+    for refuse in refusals:
+        with pytest.raises(ConfigError) as info:
+            refuse()
+        assert "storage.url" in str(info.value) and "***" in str(info.value)
+        assert "hunter2" not in str(info.value) and "alice" not in str(info.value)
+
+
+def test_an_environment_variables_error_names_the_variable_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("ram_budget: 64MiB\nretention: {keep_last: 0}\n")
+    monkeypatch.setenv("AIOSNAP_STORAGE__URL", "gs://bucket/run")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    problems = str(info.value).split("; ")
+    assert problems[0].startswith("environment variable AIOSNAP_STORAGE__URL: storage.url: unsupported scheme 'gs'")
+    assert problems[1] == f"{path}: retention.keep_last: Input should be greater than or equal to 1"
+    monkeypatch.setenv("AIOSNAP_RAM_BUDGET", "512")
+    with pytest.raises(ConfigError, match=r"^environment variable AIOSNAP_RAM_BUDGET: ram_budget: 512 bytes\?"):
+        Config(storage={"url": "./fine"})

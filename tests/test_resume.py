@@ -77,3 +77,18 @@ def test_a_damaged_latest_step_is_an_error_never_an_older_step(small_config: Con
     with SyncCheckpointer(small_config) as ckpt, pytest.raises(ManifestError, match="newest loadable step is 1"):
         ckpt.load_latest(state)
     assert torch.equal(_weights(state), before)
+
+
+def test_a_damaged_step_asked_for_by_number_names_the_newest_loadable_too(small_config: Config) -> None:
+    """What every rank of a multi-rank load gets (they load rank 0's latest step by number)."""
+    with SyncCheckpointer(small_config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step=step).wait()
+    root = Path(small_config.storage.url)
+    (root / f"{3:012d}" / "manifest.json").write_text("{ not json")
+    (root / f"{2:012d}" / "manifest.json").write_text("{ not json")
+    with SyncCheckpointer(small_config) as ckpt:
+        with pytest.raises(ManifestError, match=r"newest loadable step is 1: load\(step=1\), or .* rollback\(1\)$"):
+            ckpt.load(_state(6), step=3)  # the latest: rolling back to 1 makes it the latest again
+        with pytest.raises(ManifestError, match=r"newest loadable step is 1: load\(step=1\)$"):
+            ckpt.load(_state(6), step=2)  # not the latest: no rollback advice
