@@ -34,7 +34,7 @@ def test_the_wheel_holds_the_package_typed_and_licensed_and_no_tests(tmp_path: P
     assert metadata["License-Expression"] == "Apache-2.0"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "Typing :: Typed" in metadata.get_all("Classifier", [])
-    assert metadata["Keywords"] and metadata.get_all("Project-URL")
+    assert metadata["Keywords"] and not metadata.get_all("Project-URL")  # no public home yet: no made-up URLs
     assert {"s3", "lightning"} <= set(metadata.get_all("Provides-Extra", []))
     entry_points = zipfile.ZipFile(wheel).read(info.replace("METADATA", "entry_points.txt")).decode()
     assert "aiosnap = aiosnap.cli:main" in entry_points
@@ -45,3 +45,11 @@ def test_the_repository_ships_the_license_it_names() -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text  # the full text, not a pointer to it
     assert not list(REPO.glob("*.whl")), "no stray wheels at the repository root"
+
+
+def test_no_made_up_host_is_named_as_the_projects_home() -> None:
+    """Until aiosnap has a public repository, install lines name the clone's own URL."""
+    texts = {p: p.read_text() for p in [REPO / "pyproject.toml", REPO / "README.md", *(REPO / "docs").rglob("*.md")]}
+    for placeholder in (".invalid", "<git host>", "<owner>"):
+        assert not [p.name for p, text in texts.items() if placeholder in text], placeholder
+    assert "git+file:///path/to/aiosnap" in texts[REPO / "README.md"]
