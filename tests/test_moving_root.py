@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import CheckpointNotFoundError, Config, SyncCheckpointer
+from aiosnap import CheckpointNotFoundError, Config, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.catalog.steps import committed_save_id, latest_committed, manifest_of
 from aiosnap.core.names import manifest_name, step_dir
 from aiosnap.storage.local import LocalStorage
@@ -29,18 +29,24 @@ class _MovingRoot(FaultyStorage):
     """A real local root where "another process" commits step 2 and deletes step 1 right
     after the request that ``when(op, name)`` picks (once); every request is counted."""
 
-    def __init__(self, root: Path, newer: Path, when: Callable[[str, str], bool]) -> None:
+    def __init__(
+        self, root: Path, newer: Path, when: Callable[[str, str], bool], then: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(LocalStorage(root))
         self.root, self.newer, self.when = root, newer, when
+        self.then = then or self._commit_2_and_retain_1
         self.requests: dict[str, int] = {}
         self.moved = False
+
+    def _commit_2_and_retain_1(self) -> None:
+        shutil.move(self.newer / step_dir(2), self.root / step_dir(2))  # committed elsewhere, whole
+        shutil.rmtree(self.root / step_dir(1))  # its retention: keep_last 1
 
     def _after(self, op: str, name: str) -> None:
         self.requests[op] = self.requests.get(op, 0) + 1
         if not self.moved and self.when(op, name):
             self.moved = True
-            shutil.move(self.newer / step_dir(2), self.root / step_dir(2))  # committed elsewhere, whole
-            shutil.rmtree(self.root / step_dir(1))  # its retention: keep_last 1
+            self.then()
 
     async def list_children(self, prefix: str = "") -> list[str]:
         found = await super().list_children(prefix)
@@ -93,6 +99,26 @@ def test_a_step_deleted_while_it_loads_is_not_found_not_corrupt(tmp_path: Path) 
         pytest.raises(CheckpointNotFoundError, match=r"step 1 .*removed while .*the committed steps are 2$"),
     ):
         ckpt.load({"w": torch.zeros(64)}, step=1)
+    assert moving.moved
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_a_step_damaged_while_it_loads_stays_damaged(tmp_path: Path, step: int | None) -> None:
+    """Its data gone and its manifest garbage: no removal, a damaged checkpoint (never "not
+    found", never another step)."""
+    root, newer = _two_roots(tmp_path)
+
+    def damage() -> None:
+        for data in (root / step_dir(1)).rglob("*.bin"):
+            data.unlink()
+        (root / manifest_name(1)).write_text("{ not json")
+
+    moving = _MovingRoot(root, newer, RACES["after the manifest was read, before the data"], damage)
+    with (
+        SyncCheckpointer({"storage": {"url": str(root)}, "ram_budget": "1MiB"}, storage=moving) as ckpt,
+        pytest.raises(CorruptCheckpointError, match="data object .* is missing"),
+    ):
+        ckpt.load({"w": torch.zeros(64)}, step=step)
     assert moving.moved
 
 
