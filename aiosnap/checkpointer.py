@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .catalog.steps import latest_committed
 from .config import Config
 from .core.console import SaveLineHandler, save_line
 from .core.cudaorder import CudaOrder
@@ -236,6 +237,7 @@ class _Core:
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
+        self._loaded_step: int | None = None
         events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
@@ -279,6 +281,7 @@ class _Core:
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
+        view._loaded_step = None
         self._views = [v for v in self._views if not v._closed] + [view]
         return view
 
@@ -298,6 +301,22 @@ class _Core:
         whether they all did."""
         self._check_open()
         return self._engine.events.flush(timeout)
+
+    @property
+    def loaded_step(self) -> int | None:
+        """The step the latest successful ``load()`` or ``load_latest()`` of this checkpointer
+        restored (the step training resumed from); None before any."""
+        return self._loaded_step
+
+    def _looks_up_latest(self) -> bool:
+        """Whether this rank looks up the latest step for :meth:`_agreed_latest` (one rank
+        alone; rank 0 of several)."""
+        return self._job.group is None or self._job.needs_latest(None)
+
+    def _agreed_latest(self, latest: int | None) -> int | None:
+        """The latest committed step for every rank: this rank's own lookup alone, else rank
+        0's (collective: every rank calls it). Caller's thread."""
+        return latest if self._job.group is None else self._job.load_step(None, latest)
 
     @property
     def loop_kind(self) -> str:
@@ -563,6 +582,19 @@ class Checkpointer(_Core):
         read from whichever saved shards overlap it; a load without ``state`` returns full
         tensors. Rank-local values go back to the rank that saved them; with another world
         size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
+        loaded, _ = await self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    async def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -574,7 +606,37 @@ class Checkpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded, manifest.step
+
+    async def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if the root holds one and
+        return that step; return None, leaving ``state`` as it is, when it holds none (the
+        first run). A training loop then goes on with the step after it::
+
+            done = await ckpt.load_latest(state)     # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+
+        With several ranks every rank calls it and all get the same step (rank 0's view of
+        the latest). Loading works as :meth:`load` with ``state`` (the keyword arguments
+        are its own); a latest step that cannot be loaded raises, it never falls back to an
+        older one. :attr:`loaded_step` keeps the step afterwards."""
+        self._check_open()
+        latest = await self._call(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None  # one rank reads "the latest" itself (one removed meanwhile: the next)
+        _, restored = await self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored  # this call's own step (loaded_step may be another thread's by now)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -685,6 +747,19 @@ class SyncCheckpointer(_Core):
         skip_rank_local: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
+        loaded, _ = self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -696,7 +771,32 @@ class SyncCheckpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded, manifest.step
+
+    def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if there is one and return
+        that step, else None (``state`` untouched). See :meth:`Checkpointer.load_latest`::
+
+            done = ckpt.load_latest(state)           # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+        """
+        self._check_open()
+        latest = self._loop.run(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None
+        _, restored = self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

@@ -39,6 +39,7 @@ from .format.manifest import Manifest
 from .handoff.contract import FileChunk, SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
 from .load.apply import check_pickles
+from .load.consistent import read_while_committed
 from .load.fetch import ReadPlan, fetch_entries
 from .storage.base import Storage
 from .trainer.capture import Copier, capture_chunks
@@ -652,14 +653,17 @@ class Engine:
         rank's view of a multi-rank checkpoint) and its verified tensors (as
         ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
         from one version of the checkpoint."""
-        async with storage.reading():
-            manifest = await self.manifest(step, storage)
+
+        async def fetch(manifest: Manifest) -> tuple[Manifest, dict[int, torch.Tensor]]:
             if view is not None:
                 manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
             check_pickles(manifest, allow_pickle, plan.only)
             slabs = self._load_slabs(plan)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
+
+        async with storage.reading():  # a step removed meanwhile (another job's retention): see load.consistent
+            return await read_while_committed(storage, step, fetch)
 
     def _load_slabs(self, plan: ReadPlan) -> LoadSlabs:
         """The staging slabs a load borrows (from the saves' pool, under the same RAM

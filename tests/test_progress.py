@@ -94,7 +94,7 @@ def test_a_failed_save_is_one_line_on_stderr_with_the_default_settings(
     """Logging not set up (as in a plain script: pytest's own handlers cut off here): the
     failure is said once, by the line per save, not again through Python's last resort;
     an error message of whitespace only still gives its line."""
-    monkeypatch.setattr(logging.getLogger("aiosnap.core.events"), "propagate", False)
+    monkeypatch.setattr(logging.getLogger("aiosnap.events"), "propagate", False)
     faulty.fail_when = lambda name: name.endswith(".bin")
     faulty.error = OSError(28, "No space left on device")
     with SyncCheckpointer(Config(storage={"url": str(root)}, ram_budget="8MiB"), storage=faulty) as ckpt:
@@ -235,7 +235,7 @@ def test_the_resume_bar_knows_its_total_from_the_start_and_shows_the_real_rate()
     columns = bar.columns
     rate = columns[3].render(bar.tasks[0]).plain
     rich_rate = TransferSpeedColumn().render(bar.tasks[0]).plain
-    assert rate == "40.2 MB/s", rate  # 503 MB in 12.5 s
+    assert rate == "38.4 MiB/s", rate  # 503 MB in 12.5 s
     assert rich_rate != rate  # what the bar used to show
 
 

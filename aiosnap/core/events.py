@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from .units import format_bytes, format_rate
+
 __all__ = [
     "Event",
     "ScopeEmitter",
@@ -117,16 +119,16 @@ class Event:
             return f"aiosnap: {what} started ({self.url}, rank {self.rank}/{self.world_size})"
         figures = []
         if self.nbytes is not None:
-            figures.append(f"{self.nbytes / 1e6:.1f} MB")
+            figures.append(format_bytes(self.nbytes))
         if self.seconds is not None:
             figures.append(f"{self.seconds:.3f} s")
         if self.nbytes and self.seconds:
-            figures.append(f"{self.nbytes / self.seconds / 1e6:.0f} MB/s")
+            figures.append(format_rate(self.nbytes / self.seconds))
         return f"aiosnap: {what} done" + (f" ({', '.join(figures)})" if figures else "")
 
 
 class LoggingHandler:
-    """Writes each event to a standard logger (``aiosnap.core.events``): exceptions at WARNING,
+    """Writes each event to a standard logger (``aiosnap.events``): exceptions at WARNING,
     the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``.
 
     ``said_on_stderr(event)``, when given, tells the events another handler writes to
@@ -136,7 +138,7 @@ class LoggingHandler:
 
     def __init__(
         self,
-        logger: str = "aiosnap.core.events",
+        logger: str = "aiosnap.events",
         level: int = logging.INFO,
         said_on_stderr: Callable[[Event], object] | None = None,
     ) -> None:
@@ -154,11 +156,12 @@ class LoggingHandler:
 
 
 class JsonlHandler:
-    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe). A
-    last line left unfinished by a crash is ended first, so the next event starts a line."""
+    """Appends each event as one JSON line to ``path`` (``~`` is the home folder, as in every
+    path setting; flushed per line; thread-safe). A last line left unfinished by a crash is
+    ended first, so the next event starts a line."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a+b")
         self._lock = threading.Lock()

@@ -48,7 +48,16 @@ def _dict_items(node: Any) -> list[Any] | None:
 
 
 def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
-    """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s."""
+    """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s, and
+    unless ``target`` names a key at all where the checkpoint has some (an empty dict would
+    restore nothing, silently)."""
+    if not target and saved:
+        shown = sorted(map(str, saved))
+        raise StateMismatchError(
+            f"{path or 'state'}: the dict to load into is empty, so nothing would be restored, but checkpoint "
+            f"step {step} holds key(s) {shown!r:.300} here: put the objects to restore under those keys, "
+            "or load() without a state for new objects"
+        )
     missing = [k for k in target if k not in saved]
     if missing:
         raise StateMismatchError(
