@@ -13,7 +13,9 @@ import torch
 from aiosnap import SyncCheckpointer, UnsupportedStateError
 from aiosnap.distributed.assign import assign_writers
 from aiosnap.errors import ManifestError
-from aiosnap.format.parts import RankPart, build_part, merge_parts
+from aiosnap.format.buckets import BUCKETS
+from aiosnap.format.merge import merge_parts
+from aiosnap.format.parts import RankPart, build_part
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
 from aiosnap.load.ranks import rank_view
@@ -82,7 +84,9 @@ def _spec(rank: int, written: tuple[int, ...], world: int = 2) -> SaveSpec:
             EntrySpec("b", "sharded", "float32", (2, 2), (2, 1), "cpu", 16),
         ),
         chunks=(ChunkSpec(f"{folder}/0.bin", offset, tuple(pieces)),),
-        distributed=DistSpec(0, 5.0, 2, written, (ShardSpec(1, (2 * rank, 0), (4, 2)),), ()),
+        distributed=DistSpec(
+            0, 5.0, 2, written, (ShardSpec(1, (2 * rank, 0), (4, 2)),), (), 0, "c" * 32, (7,) * BUCKETS
+        ),  # one class, one writer group
     )
 
 

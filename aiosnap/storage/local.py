@@ -82,7 +82,11 @@ class LocalStorage(Storage):
         await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name)))
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
-        async with aiofiles.open(self._path(name), "rb") as f:
+        return await complete_before_cancel(self._read(self._path(name), limit))  # a cancel left no file open
+
+    @staticmethod
+    async def _read(path: Path, limit: int | None) -> bytes:
+        async with aiofiles.open(path, "rb") as f:
             return await f.read(-1 if limit is None else limit + 1)
 
     async def size(self, name: str) -> int:

@@ -28,11 +28,12 @@ from ..core.gcpause import gc_paused
 from ..core.names import object_prefix
 from ..core.stateful import is_stateful
 from ..errors import UnsupportedStateError
+from ..format.buckets import BUCKETS
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
 from .archive_plan import layout_archive, torch_pickle
 from .chunks import ALIGN, Chunk, Entry, Piece, SavePlan
-from .dtensor import DTensorShard, dtensor_shard, is_dtensor
+from .dtensor import DTensorShard, dtensor_shards, is_dtensor
 from .layout_memo import Layout, LayoutMemo
 
 __all__ = ["Agreement", "Flattened", "layout_chunks", "make_plan"]
@@ -150,17 +151,24 @@ class _Flattener:
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         if self._dtensors and is_dtensor(tensor):
+            return self._dtensor(tensor, path)
+        _plain_tensor_or_refuse(tensor, path)
+        return self._plain(tensor, path)
+
+    def _dtensor(self, tensor: torch.Tensor, path: str) -> int:
+        """A DTensor's entries: one per box of its local shard (one box, but for rare
+        ``_StridedShard`` layouts); the tree names the first, the others share its path."""
+        first = len(self.entries)
+        for shard in dtensor_shards(tensor, path):
             index = len(self.entries)
-            shard = self.shards[index] = dtensor_shard(tensor, path, index)
+            self.shards[index] = shard
             _plain_tensor_or_refuse(shard.local, path)
             self.entries.append(
                 Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
             )
             self.keys.append(None)
-            self.by_id[id(tensor)] = index
-            return index
-        _plain_tensor_or_refuse(tensor, path)
-        return self._plain(tensor, path)
+        self.by_id[id(tensor)] = first
+        return first
 
     def _plain(self, tensor: torch.Tensor, path: str) -> int:
         """A tensor's entry (a new one, or the one of the same view met before); refuses
@@ -283,8 +291,8 @@ class Flattened:
     local_paths: list[str]  # where each rank-local value sits in the tree
 
     def signatures(self) -> list[str]:
-        """The shared table as every rank must hold it (a pickle's bytes may differ), and
-        where the rank-local values are."""
+        """Where the rank-local values are, then this rank's shared table as it describes
+        it to the others (a pickle's bytes may differ between ranks holding it)."""
         found = [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
         for entry in self.entries[: self.main_entries]:
             shard = self.shards.get(entry.index)
@@ -305,6 +313,9 @@ class Agreement:
     written: frozenset[int]  # the shared entries this rank writes
     coordinator: int
     commit_timeout: float
+    table_of: int = 0  # the lowest rank holding the same table and tree (its part carries them)
+    class_digest: str = ""  # what that table and tree are (the same on every rank of the class)
+    buckets: tuple[int, ...] = ()  # digests of this rank's plain entries by bucket (who else holds them)
 
 
 def make_plan(
@@ -416,8 +427,9 @@ def _laid_out(
 
 
 def _one_rank(flat: Flattened) -> Agreement:
-    """The agreement of a job of one rank with itself: it writes everything."""
-    return Agreement(uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0)
+    """The agreement of a job of one rank with itself: it writes everything (one writer
+    group in every bucket)."""
+    return Agreement(uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0, buckets=(1,) * BUCKETS)
 
 
 def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:
@@ -470,9 +482,13 @@ def _rank_plan(
         main_entries=main,
         written=tuple(sorted(agreed.written)),
         shards=tuple(
-            ShardSpec(index, shard.offsets, shard.global_shape) for index, shard in sorted(flattener.shards.items())
+            ShardSpec(index, shard.offsets, shard.global_shape, shard.mesh)
+            for index, shard in sorted(flattener.shards.items())
         ),
         local_values=tuple(local_values),
+        table_of=agreed.table_of,
+        class_digest=agreed.class_digest,
+        buckets=agreed.buckets,
     )
     spec = SaveSpec(
         step=step,

@@ -1,0 +1,163 @@
+"""The union of the ranks' trees: one checkpoint from ranks that hold different keys.
+
+Pure code on checked trees (no torch, no I/O); the coordinator's merge runs it
+(:mod:`aiosnap.format.merge`) on the trees of the lowest rank of each class, in rank order,
+their entry ids already mapped into the merged entry table. The rule:
+
+- dicts (and OrderedDicts, with their metadata) merge key by key, the keys of lower ranks
+  first; a Stateful value's state dict merges as a dict; lists and tuples of the same
+  length merge item by item;
+- a key names one entry on every rank that holds it: tensors of one dtype and shape,
+  DTensors of one global shape and dtype (two ranks naming two entries at one key, such as
+  an embedding tied to the output head on the last pipeline stage, keep the lower rank's
+  if both have one layout);
+- anything else held at one key by several ranks (a plain value, lists of different
+  lengths) is taken from the lowest rank that holds it, unless one of them holds a tensor
+  there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks.
+
+Each merge touches only the nodes of the tree being added (dict keys are found through an
+index), so the union of N trees costs their total size, not N times the union's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import RanksDisagreeError
+
+__all__ = ["TreeUnion", "map_entry_ids", "referenced_entries"]
+
+_ENTRY_TAGS = ("tensor", "dtensor", "pickle")
+
+
+def map_entry_ids(node: Any, mapping: Sequence[int]) -> Any:
+    """A copy of ``node`` whose entry nodes name ``mapping[id]`` instead of ``id``."""
+    if isinstance(node, dict):
+        if node.get("t") in _ENTRY_TAGS:
+            return {**node, "id": mapping[node["id"]]}
+        return {k: map_entry_ids(v, mapping) for k, v in node.items()}
+    if isinstance(node, list):
+        return [map_entry_ids(v, mapping) for v in node]
+    return node
+
+
+def referenced_entries(node: Any) -> set[int]:
+    """The entry ids named anywhere in ``node``."""
+    found: set[int] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("t") in _ENTRY_TAGS:
+                found.add(current["id"])
+            else:
+                stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
+
+
+def _holds_entries(node: Any) -> bool:
+    if isinstance(node, dict):
+        if node.get("t") in (*_ENTRY_TAGS, "rank_local"):
+            return True
+        return any(_holds_entries(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_entries(v) for v in node)
+    return False
+
+
+def _tag(node: Any) -> str | None:
+    return node.get("t") if isinstance(node, dict) else None
+
+
+def _key_text(key: Any) -> str:
+    return key if type(key) is str else "\0" + json.dumps(key, sort_keys=True)
+
+
+def _shown(key: Any) -> str:
+    return key if type(key) is str else json.dumps(key)[:40]
+
+
+def _describe(node: Any) -> str:
+    tag = _tag(node)
+    if tag in _ENTRY_TAGS:
+        return {"tensor": "a tensor", "dtensor": "a DTensor", "pickle": "a pickled value"}[tag]
+    if tag == "rank_local":
+        return "a rank-local value"
+    if tag in ("dict", "odict", "list", "tuple"):
+        return f"a {tag} of {len(node['items'])} item(s)" + (" with tensors" if _holds_entries(node) else "")
+    if tag == "stateful":
+        return "a Stateful object's state"
+    return "a plain value"
+
+
+class TreeUnion:
+    """Trees added in rank order; ``conflict(a, b)`` describes entries ``a`` and ``b`` when
+    their layouts differ (None: one layout), for two ranks naming different entries at one key."""
+
+    def __init__(self, conflict: Callable[[int, int], tuple[str, str] | None]) -> None:
+        self.tree: Any = None
+        self._conflict = conflict
+        self._index: dict[int, dict[str, int]] = {}  # id(items of a dict node) -> key -> position
+        self._owner: dict[int, int] = {}  # id([key, value] pair added by a later tree) -> its rank
+        self._first = -1
+
+    def add(self, rank: int, tree: Any) -> None:
+        """Merge ``tree`` (rank ``rank``'s, entry ids already mapped; consumed) into the union."""
+        if self._first < 0:
+            self.tree, self._first = tree, rank
+        else:
+            self.tree = self._merge(self.tree, tree, "", self._first, rank)
+
+    def _merge(self, a: Any, b: Any, path: str, rank_a: int, rank_b: int) -> Any:
+        ta, tb = _tag(a), _tag(b)
+        if ta in ("dict", "odict") and ta == tb:
+            self._merge_dicts(a, b, path, rank_a, rank_b)
+            return a
+        if ta == "stateful" and tb == "stateful":
+            a["v"] = self._merge(a["v"], b["v"], path, rank_a, rank_b)
+            return a
+        if ta in ("list", "tuple") and ta == tb and len(a["items"]) == len(b["items"]):
+            items = a["items"]
+            for position, value in enumerate(b["items"]):
+                items[position] = self._merge(items[position], value, f"{path}/{position}", rank_a, rank_b)
+            return a
+        if ta in _ENTRY_TAGS and tb in _ENTRY_TAGS:
+            problem = None if a["id"] == b["id"] else self._conflict(a["id"], b["id"])
+            if problem is None:
+                return a
+            raise RanksDisagreeError(
+                f"{path or '/'!r}: rank {rank_b} holds {problem[1]} where rank {rank_a} holds {problem[0]}"
+            )
+        if ta == "rank_local" and tb == "rank_local" and a["slot"] == b["slot"]:
+            return a
+        if _holds_entries(a) or _holds_entries(b):
+            raise RanksDisagreeError(
+                f"{path or '/'!r}: rank {rank_b} holds {_describe(b)} where rank {rank_a} holds {_describe(a)}"
+            )
+        return a  # plain values held by several ranks: the lowest rank's
+
+    def _merge_dicts(self, a: dict[str, Any], b: dict[str, Any], path: str, rank_a: int, rank_b: int) -> None:
+        items: list[list[Any]] = a["items"]
+        index = self._index.get(id(items))
+        if index is None:
+            index = self._index[id(items)] = {_key_text(k): i for i, (k, _) in enumerate(items)}
+        prefix = f"{path}/" if path else ""
+        for pair in b["items"]:
+            text = _key_text(pair[0])
+            position = index.get(text)
+            if position is None:
+                index[text] = len(items)
+                items.append(pair)
+                self._owner[id(pair)] = rank_b
+                continue
+            held = items[position]
+            origin = self._owner.get(id(held), rank_a)
+            held[1] = self._merge(held[1], pair[1], prefix + _shown(pair[0]), origin, rank_b)
+        if "meta" in b:
+            a["meta"] = (
+                self._merge(a["meta"], b["meta"], path + "#_metadata", rank_a, rank_b) if "meta" in a else b["meta"]
+            )
