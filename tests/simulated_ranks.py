@@ -11,6 +11,7 @@ milliseconds. (DTensors need a real mesh: they are tested on gloo, ``test_layout
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -44,10 +45,8 @@ def _flattened(state: dict[str, Any], rank: int, world: int, rank_local: list[st
         seen.append(flat)
         raise _Stop
 
-    try:
+    with contextlib.suppress(_Stop):
         make_plan(state, step=1, chunk_bytes=CHUNK, rank=rank, world_size=world, rank_local=rank_local, agree=capture)
-    except _Stop:
-        pass
     return seen[0]
 
 

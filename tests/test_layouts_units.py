@@ -21,11 +21,10 @@ from aiosnap.format.parts import part_name
 from aiosnap.format.union import TreeUnion
 from aiosnap.storage.local import LocalStorage
 from aiosnap.transfer.rank_commit import gather_manifest
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from tests.fuzzing import mutate_document
 from tests.simulated_ranks import SAVE_ID, commit, part_document, plan_ranks, save_as_ranks, write_ranks
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 CONFIG = {"events": {"log": False}}
 
@@ -217,9 +216,8 @@ def test_the_union_of_trees_merges_dicts_lists_and_statefuls() -> None:
     union.add(2, {"t": "dict", "items": [["a", 5], ["l", {"t": "list", "items": [{"t": "tensor", "id": 0}]}]]})
     union.add(3, {"t": "dict", "items": [["l", {"t": "list", "items": [{"t": "tensor", "id": 0}]}]]})
     stateful = {"t": "stateful", "v": {"t": "dict", "items": [["x", 1], ["y", 2]]}}
-    assert union.tree == {
-        "t": "dict", "items": [["a", 1], ["s", stateful], ["b", 2], ["l", {"t": "list", "items": [{"t": "tensor", "id": 0}]}]],
-    }  # fmt: skip
+    listed = {"t": "list", "items": [{"t": "tensor", "id": 0}]}
+    assert union.tree == {"t": "dict", "items": [["a", 1], ["s", stateful], ["b", 2], ["l", listed]]}
     with pytest.raises(RanksDisagreeError, match="'l': rank 4 holds a list of 2 item"):
         union.add(4, {"t": "dict", "items": [["l", {"t": "list", "items": [1, 2]}]]})
 
@@ -283,7 +281,6 @@ def test_forged_parts_are_refused(tmp_path: Path, case: str) -> None:
 def test_parts_forging_overlapping_shards_are_refused() -> None:
     from aiosnap.format.merge import merge_parts
     from aiosnap.format.parts import build_part
-
     from tests.test_distributed_units import _crcs, _spec
 
     specs = [_spec(0, (0, 1)), _spec(1, (1,))]
