@@ -391,7 +391,9 @@ def events_in_subgroup(rank: int, world: int, work: str, params: dict[str, Any])
     }
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run the scenario named on the command line (a function of ``scenarios``, this
+    module's own by default: :mod:`layout_child` passes its own)."""
     scenario, rank, world, port, work, raw = sys.argv[1:7]
     params = json.loads(raw)
     out = Path(work) / f"result-{rank}.json"
@@ -400,7 +402,7 @@ def main() -> None:
         timeout=__import__("datetime").timedelta(seconds=60),
     )  # fmt: skip
     try:
-        result = {"ok": globals()[scenario](int(rank), int(world), work, params)}
+        result = {"ok": (scenarios or globals())[scenario](int(rank), int(world), work, params)}
     except BaseException as exc:
         result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
     out.write_text(json.dumps(result))
