@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dist_child  # noqa: E402
-import layout_model as lm  # noqa: E402
+import dist_child
+import layout_model as lm
 
 SAVED_AT, STEPS = 3, 6
 EXPERTS, EXPERT_SHAPE = 4, (3, 2)

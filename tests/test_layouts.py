@@ -32,7 +32,9 @@ CONFIG = {"events": {"log": False}}
 
 
 def _close(found: list[float], expected: list[float]) -> bool:
-    return len(found) == len(expected) and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(found, expected))
+    if len(found) != len(expected):
+        return False
+    return all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(found, expected, strict=True))
 
 
 def _reference(tied: bool = False) -> list[float]:
