@@ -125,3 +125,49 @@ def test_pipeline_stages_resume_as_one_stage_and_another_split(tmp_path: Path) -
         full = ckpt.load(skip_rank_local=True)
     assert torch.equal(full["stacked"], torch.stack([expert(i) for i in range(EXPERTS)]))
     assert torch.equal(full["probe"], torch.arange(5.0) + 3) and full["step"] == 3
+
+
+def _run_example(example: Path, world: int, *args: str) -> list[str]:
+    """Run ``example`` on ``world`` ranks with the variables torchrun sets (env:// rendezvous
+    on a free port; no elastic agent), each rank's output."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_launch import free_port
+
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(example), *args],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=80)
+            assert proc.returncode == 0, out[-3000:]
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs
+
+
+def test_the_parallel_example_resumes_tp_fsdp2_on_another_world_size(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "parallel_train.py"
+    root = str(tmp_path / "root")
+    trained = _run_example(example, 4, "--root", root)
+    assert all("saved step 4 and 8" in out for out in trained), trained
+    resumed = _run_example(example, 2, "--root", root, "--resume")
+    assert all("losses equal to an uninterrupted run: True" in out for out in resumed), resumed

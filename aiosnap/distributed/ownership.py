@@ -68,13 +68,14 @@ class Holdings:
 
 
 def holdings(flat: Flattened, signatures: Sequence[str]) -> Holdings:
-    """Caller's thread: ``flat``'s holdings; ``signatures`` is ``flat.signatures()``."""
+    """Caller's thread: ``flat``'s holdings; ``signatures`` is ``flat.signatures()`` (the
+    rank-local paths, then one line per main entry)."""
     lines: list[list[str]] = [[] for _ in range(BUCKETS)]
-    for entry in flat.entries[: flat.main_entries]:
-        if entry.index in flat.shards:
-            continue
-        shape = "pickle" if entry.kind == "pickle" else f"{entry.tensor.dtype} {tuple(entry.tensor.shape)}"
-        lines[bucket_of(entry.path)].append(f"{entry.path}\0{shape}")
+    shards = flat.shards
+    described = signatures[len(flat.local_paths) :]  # "path: dtype shape" of each main entry, in order
+    for entry, line in zip(flat.entries[: flat.main_entries], described, strict=True):
+        if entry.index not in shards:
+            lines[bucket_of(entry.path)].append(line)
     buckets = tuple(_word("\n".join(found).encode()) if found else 0 for found in lines)
     whole = hashlib.blake2b(digest_size=16)
     whole.update("\n".join(signatures).encode())
@@ -158,11 +159,12 @@ def _skeleton(node: Any, out: list[str]) -> None:
         return
     tag = node.get("t")
     if tag in ("dict", "odict"):
-        out.append(tag)
+        append = out.append
+        append(tag)
         for key, value in node["items"]:
-            out.append(key if type(key) is str else repr(key))
+            append(key if type(key) is str else repr(key))
             if type(value) is dict and value.get("t") == "tensor":  # the common leaf, inline
-                out.append(f"t{value['id']}")
+                append(str(value["id"]))
             else:
                 _skeleton(value, out)
         if "meta" in node:
@@ -177,7 +179,9 @@ def _skeleton(node: Any, out: list[str]) -> None:
     elif tag == "stateful":
         out.append("stateful")
         _skeleton(node["v"], out)
-    elif tag in ("tensor", "dtensor", "pickle"):
+    elif tag == "tensor":
+        out.append(str(node["id"]))  # as the inline case above
+    elif tag in ("dtensor", "pickle"):
         out.append(f"{tag[0]}{node['id']}")
     elif tag == "rank_local":
         out.append(f"r{node['slot']}")
