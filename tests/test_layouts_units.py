@@ -312,3 +312,33 @@ def test_fuzzed_parts_fail_cleanly(tmp_path: Path, request: pytest.FixtureReques
         (tmp_path / part_name(1, SAVE_ID, rank)).write_bytes(_resign(honest[rank]))
     assert outcomes.get("merged", 0) < sum(outcomes.values())
     print(f"\nfuzzed parts: {dict(sorted(outcomes.items()))}")
+
+
+@pytest.mark.parametrize(
+    ("recorded", "raised"),
+    [("RanksDisagreeError", RanksDisagreeError), ("CorruptCheckpointError", CorruptCheckpointError),
+     ("ManifestError", CorruptCheckpointError), ("OSError", AiosnapError)],
+)  # fmt: skip
+def test_every_rank_raises_the_merges_verdict_with_its_type(tmp_path: Path, recorded: str, raised: type) -> None:
+    """The coordinator's merge fails (ranks disagree, a part is forged): it records why in its
+    ``aborted`` marker, and every other rank raises the same type at ``wait()``."""
+    from aiosnap.errors import RankFailedError
+    from aiosnap.format.parts import aborted_name
+    from aiosnap.transfer.rank_commit import wait_for_commit
+
+    plans = plan_ranks(_stages())
+    spec = plans[1].spec
+    reason = {"rank": 0, "error": recorded, "message": "step 1: 'model/b': rank 1 holds float32 (5,)"}
+    (tmp_path / aborted_name(1, SAVE_ID)).parent.mkdir(parents=True)
+    (tmp_path / aborted_name(1, SAVE_ID)).write_text(json.dumps(reason))
+
+    async def wait() -> None:
+        storage = LocalStorage(str(tmp_path))
+        try:
+            await wait_for_commit(storage, spec)
+        finally:
+            await storage.close()
+
+    with pytest.raises(raised, match="rank 1 holds float32") as caught:
+        asyncio.run(wait())
+    assert isinstance(caught.value, RankFailedError) == (recorded == "OSError")

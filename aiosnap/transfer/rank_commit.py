@@ -199,6 +199,7 @@ async def _read_reason(storage: Storage, name: str) -> str:
 _MERGE_VERDICTS: dict[str, type[Exception]] = {
     "RanksDisagreeError": RanksDisagreeError,
     "CorruptCheckpointError": CorruptCheckpointError,
+    "ManifestError": CorruptCheckpointError,  # a part that is no part (as the coordinator saw it)
 }
 """Errors of the coordinator's merge, about every rank's parts together: each rank raises
 them with their own type, as the coordinator does."""
