@@ -35,7 +35,7 @@ from ..errors import RanksDisagreeError
 from .buckets import bucket_of
 from .dtypes import dtype_itemsize
 from .manifest import FORMAT_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
-from .parts import RankPart, TableEntry, WrittenRecord
+from .parts import RankPart, TableEntry, WrittenRecord, spec_table
 from .spec import SaveSpec
 from .union import TreeUnion, map_entry_ids, referenced_entries
 
@@ -66,20 +66,6 @@ def _same_layout(a: TableEntry, b: TableEntry) -> bool:
     return (a.kind, a.dtype, a.shape) == (b.kind, b.dtype, b.shape)
 
 
-def _own_table(spec: SaveSpec) -> list[TableEntry]:
-    """The coordinator's table, from its plan (no part to parse)."""
-    assert spec.distributed is not None
-    boxes = {s.entry: s for s in spec.distributed.shards}
-    rows = []
-    for index, e in enumerate(spec.entries[: spec.distributed.main_entries]):
-        box = boxes.get(index)
-        rows.append(TableEntry.model_construct(
-            path=e.path, kind=e.kind, dtype=e.dtype, shape=list(e.shape if box is None else box.global_shape),  # type: ignore[arg-type]
-            stride=list(e.stride), device=e.device, nbytes=e.nbytes, mesh=None if box is None else box.mesh,
-        ))  # fmt: skip
-    return rows
-
-
 def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
     """The step's manifest from the coordinator's plan ``spec`` and every rank's part.
     ValueError (naming the rank) when the parts do not make one checkpoint,
@@ -98,7 +84,7 @@ class _Merge:
             raise ValueError(f"parts of ranks {sorted(parts)[:8]} for a world of {spec.world_size}")
         self.spec, self.parts = spec, parts
         self.tables: dict[int, tuple[list[TableEntry], Any, str]] = {
-            spec.rank: (_own_table(spec), spec.tree, dist.class_digest or "0" * 32)
+            spec.rank: (spec_table(spec, trusted=True), spec.tree, dist.class_digest or "0" * 32)
         }
         for rank, part in sorted(parts.items()):
             if (part.step, part.save_id, part.rank, part.world_size) != (

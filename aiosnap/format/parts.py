@@ -35,7 +35,9 @@ from .manifest import (
 from .spec import SaveSpec
 from .tree import check_tree, shift_entry_ids
 
-__all__ = ["RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name", "part_name"]
+__all__ = [
+    "RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name", "part_name", "spec_table",
+]  # fmt: skip
 
 _MAX_INT = 2**63
 MAX_PART_BYTES = 64 * 1024**2
@@ -168,17 +170,19 @@ class RankPart(_Frozen):
         return validated(cls, doc, where, "rank part")
 
 
-def _table(spec: SaveSpec) -> list[TableEntry]:
-    """The main entries of ``spec`` as its part ships them (DTensor boxes by global shape)."""
+def spec_table(spec: SaveSpec, *, trusted: bool = False) -> list[TableEntry]:
+    """The main entries of ``spec`` as a part ships them (DTensor boxes by global shape);
+    ``trusted``: the coordinator's own plan, taken without validation."""
     assert spec.distributed is not None
     boxes = {s.entry: s for s in spec.distributed.shards}
+    make = TableEntry.model_construct if trusted else TableEntry
     found = []
     for index, e in enumerate(spec.entries[: spec.distributed.main_entries]):
         box = boxes.get(index)
-        shape = list(e.shape) if box is None else list(box.global_shape)
-        found.append(TableEntry(
-            path=e.path, kind=e.kind, dtype=e.dtype, shape=shape, stride=list(e.stride),  # type: ignore[arg-type]
-            device=e.device, nbytes=e.nbytes, mesh=None if box is None else box.mesh,
+        found.append(make(
+            path=e.path, kind=e.kind, dtype=e.dtype,  # type: ignore[arg-type]
+            shape=list(e.shape if box is None else box.global_shape),
+            stride=list(e.stride), device=e.device, nbytes=e.nbytes, mesh=None if box is None else box.mesh,
         ))  # fmt: skip
     return found
 
@@ -236,6 +240,6 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         table_of=dist.table_of,
         class_digest=dist.class_digest or "0" * 32,
         buckets=list(dist.buckets or (0,) * BUCKETS),
-        table=_table(spec) if leads else None,
+        table=spec_table(spec) if leads else None,
         tree=spec.tree if leads else None,
     )

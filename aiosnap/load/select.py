@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.stateful import is_stateful, restores_by_key
 from ..errors import StateMismatchError
+from ..format.union import referenced_entries
 
 __all__ = [
     "check_keys_present", "check_patterns", "entries_under", "needed_for_state", "read_keys_only", "select_paths",
@@ -28,19 +29,8 @@ __all__ = [
 
 
 def entries_under(node: Any) -> set[int]:
-    """The entry ids (tensors and pickles) anywhere below ``node``."""
-    found: set[int] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, dict):
-            if current.get("t") in ("tensor", "pickle", "dtensor"):
-                found.add(current["id"])
-                continue
-            stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
-    return found
+    """The entry ids (tensors, DTensors and pickles) anywhere below ``node``."""
+    return referenced_entries(node)
 
 
 def _dict_items(node: Any) -> list[Any] | None:
