@@ -151,15 +151,26 @@ def test_a_weight_tied_under_another_name_is_stored_once(tmp_path: Path) -> None
 
 
 def test_plain_values_held_by_several_ranks_are_the_lowest_ranks(tmp_path: Path) -> None:
+    from fractions import Fraction
+
     states = [
-        {"lr": 0.1, "sched": {"epoch": 3, "seen": [1, 2]}, "w": torch.ones(3)},
-        {"lr": 0.2, "sched": {"epoch": 3, "seen": [1, 2, 3]}, "only_here": "x", "w": torch.ones(3)},
-        {"lr": 0.3, "sched": {"epoch": 4}, "w": torch.ones(3), "extra": torch.full((2,), 7.0)},
+        {"lr": 0.1, "sched": {"epoch": 3, "seen": [1, 2]}, "w": torch.ones(3), "obj": 5},
+        {
+            "lr": 0.2,
+            "sched": {"epoch": 3, "seen": [1, 2, 3]},
+            "only_here": "x",
+            "w": torch.ones(3),
+            "obj": Fraction(1, 3),
+        },
+        {"lr": 0.3, "sched": {"epoch": 4}, "w": torch.ones(3), "extra": torch.full((2,), 7.0), "pick": Fraction(2, 3)},
+        {"lr": 0.4, "w": torch.ones(3), "pick": Fraction(3, 4)},
     ]
-    save_as_ranks(tmp_path, states)
-    loaded = _load(tmp_path)
+    manifest = save_as_ranks(tmp_path, states)
+    loaded = _load(tmp_path, allow_pickle=True)
     assert loaded["lr"] == 0.1 and loaded["sched"] == {"epoch": 3, "seen": [1, 2]} and loaded["only_here"] == "x"
     assert torch.equal(loaded["extra"], torch.full((2,), 7.0))
+    assert loaded["obj"] == 5 and loaded["pick"] == Fraction(2, 3)  # pickled objects too: the lowest rank's
+    assert [e.path for e in manifest.entries if e.kind == "pickle"] == ["pick"]  # rank 1's "obj" left out
 
 
 def test_a_key_only_one_rank_holds_costs_the_others_nothing(tmp_path: Path) -> None:
@@ -342,3 +353,12 @@ def test_every_rank_raises_the_merges_verdict_with_its_type(tmp_path: Path, reco
     with pytest.raises(raised, match="rank 1 holds float32") as caught:
         asyncio.run(wait())
     assert isinstance(caught.value, RankFailedError) == (recorded == "OSError")
+
+
+def test_two_values_at_one_path_are_refused_at_save() -> None:
+    """The ranks' states merge by path: a state holding two values at one path (a key with a
+    slash beside a nested dict) is refused on the caller's thread, naming the path."""
+    from aiosnap import UnsupportedStateError
+
+    with pytest.raises(UnsupportedStateError, match="a/b: two values of the state have this path"):
+        plan_ranks([{"a/b": torch.ones(2), "a": {"b": torch.zeros(3)}}, {"c": torch.ones(1)}])

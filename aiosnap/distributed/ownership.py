@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..errors import UnsupportedStateError
 from ..format.buckets import BUCKETS, bucket_of
 from ..trainer.plan import Agreement, Flattened
 from .assign import assign_writers
@@ -73,7 +74,14 @@ def holdings(flat: Flattened, signatures: Sequence[str]) -> Holdings:
     lines: list[list[str]] = [[] for _ in range(BUCKETS)]
     shards = flat.shards
     described = signatures[len(flat.local_paths) :]  # "path: dtype shape" of each main entry, in order
+    seen: dict[str, int] = {}
     for entry, line in zip(flat.entries[: flat.main_entries], described, strict=True):
+        first = seen.setdefault(entry.path, entry.index)
+        if first != entry.index and not _boxes_of_one(flat, first, entry.index):
+            raise UnsupportedStateError(
+                f"{entry.path}: two values of the state have this path; a multi-rank checkpoint merges the ranks' "
+                "states by path (rename one of the keys)"
+            )
         if entry.index not in shards:
             lines[bucket_of(entry.path)].append(line)
     buckets = tuple(_word("\n".join(found).encode()) if found else 0 for found in lines)
@@ -113,6 +121,11 @@ def decide(
         found[coordinator].save_id, frozenset(written), coordinator, commit_timeout,
         table_of=table_of, class_digest=held.class_digest, buckets=held.buckets,
     )  # fmt: skip
+
+
+def _boxes_of_one(flat: Flattened, first: int, index: int) -> bool:
+    """Entries ``first`` to ``index`` are boxes of one DTensor (made one after the other)."""
+    return all(i in flat.shards and flat.entries[i].path == flat.entries[first].path for i in range(first, index + 1))
 
 
 def plain_writes(flat: Flattened, rank: int, buckets: Sequence[Sequence[int]], preloads: Sequence[int]) -> set[int]:

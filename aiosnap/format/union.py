@@ -11,9 +11,9 @@ their entry ids already mapped into the merged entry table. The rule:
   DTensors of one global shape and dtype (two ranks naming two entries at one key, such as
   an embedding tied to the output head on the last pipeline stage, keep the lower rank's
   if both have one layout);
-- anything else held at one key by several ranks (a plain value, lists of different
-  lengths) is taken from the lowest rank that holds it, unless one of them holds a tensor
-  there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks.
+- anything else held at one key by several ranks (a plain value, a pickled object, lists
+  of different lengths) is taken from the lowest rank that holds it, unless one of them holds
+  a tensor there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks.
 
 Each merge touches only the nodes of the tree being added (dict keys are found through an
 index), so the union of N trees costs their total size, not N times the union's.
@@ -59,13 +59,15 @@ def referenced_entries(node: Any) -> set[int]:
     return found
 
 
-def _holds_entries(node: Any) -> bool:
+def _holds_tensors(node: Any) -> bool:
+    """Whether ``node`` holds a tensor, a DTensor or a rank-local value (a pickled object is
+    a plain value)."""
     if isinstance(node, dict):
-        if node.get("t") in (*_ENTRY_TAGS, "rank_local"):
+        if node.get("t") in ("tensor", "dtensor", "rank_local"):
             return True
-        return any(_holds_entries(v) for v in node.values())
+        return any(_holds_tensors(v) for v in node.values())
     if isinstance(node, list):
-        return any(_holds_entries(v) for v in node)
+        return any(_holds_tensors(v) for v in node)
     return False
 
 
@@ -88,7 +90,7 @@ def _describe(node: Any) -> str:
     if tag == "rank_local":
         return "a rank-local value"
     if tag in ("dict", "odict", "list", "tuple"):
-        return f"a {tag} of {len(node['items'])} item(s)" + (" with tensors" if _holds_entries(node) else "")
+        return f"a {tag} of {len(node['items'])} item(s)" + (" with tensors" if _holds_tensors(node) else "")
     if tag == "stateful":
         return "a Stateful object's state"
     return "a plain value"
@@ -134,7 +136,7 @@ class TreeUnion:
             )
         if ta == "rank_local" and tb == "rank_local" and a["slot"] == b["slot"]:
             return a
-        if _holds_entries(a) or _holds_entries(b):
+        if _holds_tensors(a) or _holds_tensors(b):
             raise RanksDisagreeError(
                 f"{path or '/'!r}: rank {rank_b} holds {_describe(b)} where rank {rank_a} holds {_describe(a)}"
             )
