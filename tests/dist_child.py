@@ -42,9 +42,19 @@ def arange(shape: list[int], dtype: torch.dtype = torch.float32, base: float = 0
 
 
 def placements_of(spec: list[str]) -> list[Any]:
+    """``"R"``, ``"S<dim>"``, ``"SS<dim>:<split factor>"`` (``_StridedShard``) placements."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
+    def one(p: str) -> Any:
+        if p == "R":
+            return Replicate()
+        if p.startswith("SS"):
+            dim, factor = p[2:].split(":")
+            return _StridedShard(int(dim), split_factor=int(factor))
+        return Shard(int(p[1:]))
+
+    return [one(p) for p in spec]
 
 
 def known(name: str, layout: list[Any], index: int) -> torch.Tensor:
