@@ -56,11 +56,11 @@ def plan_ranks(states: list[dict[str, Any]], rank_local: list[str] | None = None
     found = []
     for rank, state in enumerate(states):
         flat = _flattened(state, rank, world, patterns)
-        held = holdings(flat, flat.signatures())
+        held = holdings(flat)
         found.append(SaveProposal(1, SAVE_ID, held.class_digest, held.preload, held.local_digest, held.buckets))
 
     def agree(rank: int) -> Callable[[Flattened], Agreement]:
-        return lambda flat: decide(flat, rank, holdings(flat, flat.signatures()), found, 0, 5.0)
+        return lambda flat: decide(flat, rank, holdings(flat), found, 0, 5.0)
 
     return [
         make_plan(state, step=1, chunk_bytes=CHUNK, rank=r, world_size=world, rank_local=patterns, agree=agree(r))

@@ -271,12 +271,44 @@ FORGERIES = {
         2, lambda d: d.update(written=d["written"] + [{**d["written"][0], "entry": 3 - d["written"][0]["entry"]}]),
         "written twice",
     ),
-    "a table it does not hold": (2, lambda d: d.update(table_of=0), "does not hold the table"),
+    "a table it does not hold": (2, lambda d: d.update(table_of=0), "not that of its class"),
     "a leader that ships no table": (1, lambda d: d.update(table=None, tree=None), "ships its table"),
     "a tree naming a missing entry": (
         1, lambda d: d["tree"]["items"].append(["x", {"t": "tensor", "id": 99}]), "names no entry",
     ),
+    "a leader's tree leaving out a key of its table": (1, lambda d: _drop_key(d, "layers.1.b"), "no node of the tree"),
+    "a leader's table and tree both leaving out a key": (
+        1, lambda d: _drop_key(d, "layers.1.b", table=True), "not of the class it announced",
+    ),
+    "a part claiming another class": (2, lambda d: d.update(class_digest="0" * 32), "claims a class other"),
+    "a part claiming other buckets": (
+        2, lambda d: d.update(buckets=[b + 1 if b else 0 for b in d["buckets"]]), "does not hold the table",
+    ),
+    "a checksum left out": (2, lambda d: d["checksums"].clear(), "ships no checksum of"),
+    "a checksum of a value it wrote": (
+        2, lambda d: d["checksums"].append({"entry": d["written"][0]["entry"], "crc32c": 1}), "twice, or written",
+    ),
+    "a dict with one key twice": (
+        1, lambda d: d["tree"]["items"].append(d["tree"]["items"][-1]), "the key 'step' twice",
+    ),
 }  # fmt: skip
+
+
+def _drop_key(doc: dict[str, Any], name: str, table: bool = False) -> None:
+    """Take ``model/<name>`` out of a leader's tree (and, with ``table``, out of its table,
+    the other entries renumbered): what a forged or buggy leader could ship."""
+    model = next(v for k, v in doc["tree"]["items"] if k == "model")
+    dropped = next(v["id"] for k, v in model["items"] if k == name)
+    model["items"] = [[k, v] for k, v in model["items"] if k != name]
+    if table:
+        del doc["table"][dropped]
+        doc["main_entries"] -= 1
+        for _, v in model["items"]:
+            v["id"] -= v["id"] > dropped
+        for field in ("written", "checksums"):
+            doc[field] = [r for r in doc[field] if r["entry"] != dropped]
+            for record in doc[field]:
+                record["entry"] -= record["entry"] > dropped
 
 
 @pytest.mark.parametrize("case", sorted(FORGERIES))
@@ -353,12 +385,3 @@ def test_every_rank_raises_the_merges_verdict_with_its_type(tmp_path: Path, reco
     with pytest.raises(raised, match="rank 1 holds float32") as caught:
         asyncio.run(wait())
     assert isinstance(caught.value, RankFailedError) == (recorded == "OSError")
-
-
-def test_two_values_at_one_path_are_refused_at_save() -> None:
-    """The ranks' states merge by path: a state holding two values at one path (a key with a
-    slash beside a nested dict) is refused on the caller's thread, naming the path."""
-    from aiosnap import UnsupportedStateError
-
-    with pytest.raises(UnsupportedStateError, match="a/b: two values of the state have this path"):
-        plan_ranks([{"a/b": torch.ones(2), "a": {"b": torch.zeros(3)}}, {"c": torch.ones(1)}])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -33,7 +34,8 @@ import torch
 
 from ..catalog.steps import read_manifest
 from ..distributed.assign import assign_writers
-from ..format.buckets import BUCKETS, bucket_of
+from ..format.buckets import bucket_of
+from ..format.classes import describe
 from ..format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..load.reshard import ShardTarget, overlaps
 from ..storage.base import Storage
@@ -89,32 +91,53 @@ def rank_spec(rank: int, world: int, tensors: int, replicated: list[int], writer
     tree = {"t": "dict", "items": [["model", {"t": "dict", "items": [
         [e.path.split("/", 1)[1], {"t": "dtensor" if i < tensors else "tensor", "id": i}] for i, e in enumerate(entries)
     ]}]]}  # fmt: skip
+    rows = [(e.path, e.kind, e.dtype, (world * ROWS, COLUMNS) if i < tensors else e.shape, 0 if i < tensors else None)
+            for i, e in enumerate(entries)]  # fmt: skip
+    one = describe(rows, tree)  # one class: every rank holds the same table
     return SaveSpec(
         step=1, save_id=SAVE_ID, rank=rank, world_size=world, tree=tree, metadata={}, entries=tuple(entries),
         chunks=(ChunkSpec(f"000000000001/{SAVE_ID}/rank-{rank}/0.bin", position, tuple(pieces)),),
-        distributed=DistSpec(0, 3600.0, len(entries), written, tuple(shards), (), 0, "5" * 32, (1,) * BUCKETS),
+        distributed=DistSpec(0, 3600.0, len(entries), written, tuple(shards), (), 0, one.class_digest, one.buckets,
+                             announced=(one.class_digest,) * world if rank == 0 else ()),
     )  # fmt: skip
+
+
+def _pipeline_stage(rank: int, world: int, tensors: int) -> tuple[list[str], Any, Any]:
+    """A pipeline-style rank's paths, tree and its table's description."""
+    paths = [f"model/layers.{rank * tensors + i}.weight" for i in range(tensors)]
+    if rank in (0, world - 1):
+        paths.append("model/embed.weight")
+    layers = [[p.split("/", 1)[1], {"t": "tensor", "id": i}] for i, p in enumerate(paths)]
+    tree = {"t": "dict", "items": [["model", {"t": "dict", "items": layers}], ["step", 1]]}
+    return paths, tree, describe([(p, "tensor", "float32", (ROWS, COLUMNS), None) for p in paths], tree)
+
+
+@functools.lru_cache(maxsize=4)
+def _pipeline_classes(world: int, tensors: int) -> tuple[str, ...]:
+    return tuple(_pipeline_stage(rank, world, tensors)[2].class_digest for rank in range(world))
 
 
 def pipeline_spec(rank: int, world: int, tensors: int) -> SaveSpec:
     """Rank ``rank``'s plan in a pipeline-style job: ``tensors`` entries of its own (its
     layers: distinct keys per rank), an embedding the first and last rank both hold, the
-    step; its own class (its part ships its table and tree), its own writer groups."""
-    paths = [f"model/layers.{rank * tensors + i}.weight" for i in range(tensors)]
-    if rank in (0, world - 1):
-        paths.append("model/embed.weight")
+    step; its own class (its part ships its table and tree), its own writer groups. The
+    embedding is written by the first rank when the two hold the same entries in its bucket
+    (one writer group; the last rank then ships its crc32c), else by both."""
+    paths, tree, mine = _pipeline_stage(rank, world, tensors)
     nbytes = ROWS * COLUMNS * 4
     entries = tuple(EntrySpec(p, "tensor", "float32", (ROWS, COLUMNS), (COLUMNS, 1), "cpu", nbytes) for p in paths)
-    pieces = tuple(PieceSpec(i, nbytes, i * nbytes) for i in range(len(entries)))
-    layers = [[p.split("/", 1)[1], {"t": "tensor", "id": i}] for i, p in enumerate(paths)]
-    tree = {"t": "dict", "items": [["model", {"t": "dict", "items": layers}], ["step", 1]]}
-    held = {bucket_of(p) for p in paths}
-    buckets = tuple((rank + 1) * BUCKETS + b if b in held else 0 for b in range(BUCKETS))
+    written, checksums = list(range(len(entries))), []
+    if rank == world - 1 and rank > 0:
+        bucket = bucket_of("model/embed.weight")
+        if _pipeline_stage(0, world, tensors)[2].buckets[bucket] == mine.buckets[bucket]:
+            written.remove(len(paths) - 1)
+            checksums.append((len(paths) - 1, 0))
+    pieces = tuple(PieceSpec(i, nbytes, n * nbytes) for n, i in enumerate(written))
     return SaveSpec(
         step=1, save_id=SAVE_ID, rank=rank, world_size=world, tree=tree, metadata={}, entries=entries,
-        chunks=(ChunkSpec(f"000000000001/{SAVE_ID}/rank-{rank}/0.bin", len(entries) * nbytes, pieces),),
-        distributed=DistSpec(0, 3600.0, len(entries), tuple(range(len(entries))), (), (), rank, f"{rank:032x}",
-                             buckets),
+        chunks=(ChunkSpec(f"000000000001/{SAVE_ID}/rank-{rank}/0.bin", len(written) * nbytes, pieces),),
+        distributed=DistSpec(0, 3600.0, len(entries), tuple(written), (), (), rank, mine.class_digest, mine.buckets,
+                             tuple(checksums), _pipeline_classes(world, tensors) if rank == 0 else ()),
     )  # fmt: skip
 
 

@@ -114,11 +114,9 @@ class _SaveAgreement:
             log.debug("aiosnap: rank %d left save(step=%d): %r", self.job.rank, self.step, exc)
 
     def __call__(self, flat: Flattened) -> Agreement:
-        signatures = flat.signatures()
-        held = holdings(flat, signatures)
+        held = holdings(flat)
         mine = SaveProposal(self.step, uuid.uuid4().hex[:16], held.class_digest, held.preload, held.local_digest,
                             held.buckets)  # fmt: skip
         self.done = True
-        local = len(flat.local_paths)
-        found = self.group.agree_save(mine, lambda: signatures[:local])
+        found = self.group.agree_save(mine, flat.local_lines)
         return decide(flat, self.job.rank, held, found, COORDINATOR, self.job.config.commit_timeout)

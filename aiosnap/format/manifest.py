@@ -265,7 +265,14 @@ class Manifest(_Frozen):
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the step's data objects: what it keeps in storage (a multi-rank
+        save's unreferenced copies, alignment between ranges included)."""
         return sum(o.nbytes for o in self.objects)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The bytes its byte ranges name: what a load or a verify reads."""
+        return sum(span.nbytes for _, span in self.all_ranges())
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""

@@ -2,25 +2,34 @@
 
 Ranks may hold different entries; the checkpoint is their union:
 
-- **Tables**: the coordinator's own (from its plan) and the table each other class's
-  lowest rank ships in its part (:mod:`aiosnap.format.parts`). Entries are one by path: a
-  path held by several classes must have one layout everywhere (a tensor of one dtype and
-  shape, a pickled value, or a DTensor of one global shape and dtype), else
+- **Classes**: the coordinator's own table (from its plan) and the table each other class's
+  lowest rank ships in its part (:mod:`aiosnap.format.parts`). Each is checked against what
+  the ranks announced in the agreement (the coordinator keeps every rank's class digest):
+  a part must claim its rank's announced class and refer to the table of that class's
+  lowest rank, and a shipped table and tree must make that class digest and the bucket
+  digests its class's parts claim (:func:`aiosnap.format.classes.describe` recomputes
+  them), with every entry of the table named by the tree.
+- **Entries** are one by key, their place in the tree (:mod:`aiosnap.format.classes`): a key
+  held by several classes must have one layout everywhere (a tensor of one dtype and shape,
+  a pickled value, or a DTensor of one global shape and dtype), else
   :class:`~aiosnap.errors.RanksDisagreeError` names the path and the ranks.
 - **Copies**: a plain entry is written by one rank of each writer group holding it
-  (:mod:`aiosnap.distributed.ownership`): the copy of the lowest rank is kept; two copies
-  from one group (the same bucket digest) are a forgery. A DTensor's boxes are grouped by
-  device mesh: the boxes of the mesh of the lowest writing rank must tile the tensor (no gap,
-  no overlap), boxes of other meshes (a copy tied across pipeline stages) are dropped.
+  (:mod:`aiosnap.distributed.ownership`), exactly once: the copy of the lowest rank is kept;
+  the ranks of other classes in a group ship the crc32c of what they hold. A DTensor's boxes
+  are grouped by device mesh: the boxes of the mesh of the lowest writing rank must tile the
+  tensor (no gap, no overlap), boxes of other meshes (a copy tied across pipeline stages)
+  are dropped.
+- **Values**: every copy, shipped crc32c and tie of one value must be the same bytes
+  (:mod:`aiosnap.format.values`), else :class:`~aiosnap.errors.RanksDisagreeError` names the
+  path and the ranks: a value several ranks hold is written once.
 - **Tree**: the union of the classes' trees (:mod:`aiosnap.format.union`), lowest rank
-  first; entries no node of it names (a weight another rank's tree ties to an entry of
-  its own) are left out.
+  first; an entry no node of it names must be one the union left out by its rules (a tie,
+  a pickled object under a plain value a lower rank holds).
 
-Anything a part says is checked (its entries exist in its class's table, kinds match, no
-entry is missing); a problem is a ValueError naming the rank (the caller makes it a
-:class:`~aiosnap.errors.CorruptCheckpointError`), a disagreement between honest ranks a
-:class:`~aiosnap.errors.RanksDisagreeError`. The result is validated like any manifest
-read back before it is written.
+Anything a part says is checked; a problem is a ValueError naming the rank (the caller
+makes it a :class:`~aiosnap.errors.CorruptCheckpointError`), a disagreement between honest
+ranks a :class:`~aiosnap.errors.RanksDisagreeError`. The result is validated like any
+manifest read back before it is written.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ from typing import Any
 from ..core.gcpause import gc_paused
 from ..errors import RanksDisagreeError
 from .buckets import bucket_of
+from .classes import Described, describe
 from .dtypes import dtype_itemsize
 from .manifest import FORMAT_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
 from .parts import RankPart, TableEntry, WrittenRecord, spec_table
 from .spec import SaveSpec
 from .union import TreeUnion, map_entry_ids, referenced_entries
+from .values import Claim, differing_boxes, disagreement, value_crc32c
 
 __all__ = ["merge_parts"]
 
@@ -51,6 +62,18 @@ class _Slot:
     copies: list[tuple[int, WrittenRecord]] = field(default_factory=list)  # whole entries, in rank order
     boxes: dict[int, list[tuple[int, WrittenRecord]]] = field(default_factory=dict)  # mesh -> DTensor boxes
     groups: dict[int, int] = field(default_factory=dict)  # writer group digest -> the rank that wrote it
+    claims: list[Claim] = field(default_factory=list)  # what other holders hold (crc32c), to compare
+
+
+@dataclass
+class _Class:
+    """The ranks holding one table and tree; ``leader`` (the lowest of them) describes it."""
+
+    leader: int
+    rows: list[TableEntry]
+    tree: Any
+    described: Described
+    members: list[int] = field(default_factory=list)
 
 
 def _describe(row: TableEntry) -> str:
@@ -69,10 +92,19 @@ def _same_layout(a: TableEntry, b: TableEntry) -> bool:
 def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
     """The step's manifest from the coordinator's plan ``spec`` and every rank's part.
     ValueError (naming the rank) when the parts do not make one checkpoint,
-    :class:`RanksDisagreeError` when ranks hold one path in two layouts. Built with the
-    collector paused, as a one-rank save's (:func:`~aiosnap.format.manifest.build_manifest`)."""
+    :class:`RanksDisagreeError` when ranks hold one path in two layouts or with different
+    values. Built with the collector paused, as a one-rank save's
+    (:func:`~aiosnap.format.manifest.build_manifest`)."""
     with gc_paused():
         return _Merge(spec, parts).manifest()
+
+
+def _class_of(rows: list[TableEntry], tree: Any, leader: int) -> _Class:
+    try:
+        described = describe([(r.path, r.kind, r.dtype, r.shape, r.mesh) for r in rows], tree)
+    except ValueError as exc:
+        raise ValueError(f"rank {leader}'s table and tree: {exc}") from None
+    return _Class(leader, rows, tree, described)
 
 
 class _Merge:
@@ -82,10 +114,9 @@ class _Merge:
             raise ValueError("not a multi-rank save")
         if sorted(parts) != list(range(spec.world_size)):
             raise ValueError(f"parts of ranks {sorted(parts)[:8]} for a world of {spec.world_size}")
+        if len(dist.announced) != spec.world_size:
+            raise ValueError("the coordinator's plan lacks the class every rank announced")
         self.spec, self.parts = spec, parts
-        self.tables: dict[int, tuple[list[TableEntry], Any, str]] = {
-            spec.rank: (spec_table(spec, trusted=True), spec.tree, dist.class_digest or "0" * 32)
-        }
         for rank, part in sorted(parts.items()):
             if (part.step, part.save_id, part.rank, part.world_size) != (
                 spec.step,
@@ -94,41 +125,61 @@ class _Merge:
                 spec.world_size,
             ):
                 raise ValueError(f"rank {rank}'s part is of another save, rank or world")
-            if part.table is not None:
-                self.tables[rank] = (part.table, part.tree, part.class_digest)
-        lowest: dict[str, int] = {}
-        for rank, (_, _, digest) in sorted(self.tables.items()):
-            lowest.setdefault(digest, rank)
-        for rank, part in parts.items():
-            found = self.tables.get(part.table_of)
-            if found is None or lowest[found[2]] != part.table_of:
-                raise ValueError(f"rank {rank}'s part names the table of rank {part.table_of}, which ships none")
-            if found[2] != part.class_digest or len(found[0]) != part.main_entries:
-                raise ValueError(f"rank {rank}'s part does not hold the table of rank {part.table_of}")
+        self.classes = self._classes(spec, parts, dist.announced)
         self.slots: list[_Slot] = []
-        self.ids: dict[int, list[int]] = {}  # table's rank -> its entries' slots
+        self.ids: dict[int, list[int]] = {}  # class leader -> its entries' slots
+
+    @staticmethod
+    def _classes(spec: SaveSpec, parts: dict[int, RankPart], announced: tuple[str, ...]) -> dict[int, _Class]:
+        """Each class by its leader, its table and tree checked against what its ranks
+        announced; every part checked to be of its rank's announced class."""
+        leaders: dict[str, int] = {}
+        for rank, digest in enumerate(announced):
+            leaders.setdefault(digest, rank)
+        classes = {spec.rank: _class_of(spec_table(spec, trusted=True), spec.tree, spec.rank)}
+        for rank, part in sorted(parts.items()):
+            if part.table is not None:
+                classes[rank] = _class_of(part.table, part.tree, rank)
+        for leader, described in classes.items():
+            if described.described.class_digest != announced[leader]:
+                raise ValueError(
+                    f"rank {leader}'s table and tree are not of the class it announced when the ranks agreed"
+                )
+        for rank, part in sorted(parts.items()):
+            if part.class_digest != announced[rank]:
+                raise ValueError(f"rank {rank}'s part claims a class other than the one it announced")
+            leader = leaders[announced[rank]]
+            held = classes.get(leader)
+            if part.table_of != leader or held is None:
+                raise ValueError(
+                    f"rank {rank}'s part names the table of rank {part.table_of}, not that of its class (rank {leader})"
+                )
+            if len(held.rows) != part.main_entries or tuple(part.buckets) != held.described.buckets:
+                raise ValueError(f"rank {rank}'s part does not hold the table of rank {leader}")
+            held.members.append(rank)
+        return classes
 
     def _slot_ids(self) -> None:
-        by_path: dict[str, int] = {}
-        for rank, (rows, _, _) in sorted(self.tables.items()):
-            ids = self.ids[rank] = []
-            for row in rows:
-                slot = by_path.get(row.path)
+        by_key: dict[str, int] = {}
+        for leader, found in sorted(self.classes.items()):
+            ids = self.ids[leader] = []
+            for row, key in zip(found.rows, found.described.keys, strict=True):
+                slot = by_key.get(key)
                 if slot is None:
-                    slot = by_path[row.path] = len(self.slots)
-                    self.slots.append(_Slot(row, rank))
+                    slot = by_key[key] = len(self.slots)
+                    self.slots.append(_Slot(row, leader))
                 else:
                     held = self.slots[slot]
                     if not _same_layout(held.row, row):
                         raise RanksDisagreeError(
-                            f"step {self.spec.step}: rank {rank} holds {row.path!r} as {_describe(row)} where rank "
+                            f"step {self.spec.step}: rank {leader} holds {row.path!r} as {_describe(row)} where rank "
                             f"{held.holder} holds {_describe(held.row)}"
                         )
                 ids.append(slot)
 
     def _copies(self) -> None:
         for rank, part in sorted(self.parts.items()):
-            ids, rows = self.ids[part.table_of], self.tables[part.table_of][0]
+            ids, rows = self.ids[part.table_of], self.classes[part.table_of].rows
             for record in part.written:
                 slot, row = self.slots[ids[record.entry]], rows[record.entry]
                 if row.kind == "sharded":
@@ -150,18 +201,69 @@ class _Merge:
                     )
                 slot.groups[group] = rank
                 slot.copies.append((rank, record))
+            for checksum in part.checksums:
+                if rows[checksum.entry].kind != "tensor":
+                    raise ValueError(f"rank {rank}: a checksum of entry {checksum.entry}, which is no plain tensor")
+                self.slots[ids[checksum.entry]].claims.append((rank, checksum.crc32c))
 
-    def _tree(self) -> Any:
+    def _require_checksums(self) -> None:
+        """Every writer group holding a plain entry wrote it once; every rank holding a plain
+        tensor that a rank of another class wrote shipped its crc32c."""
+        announced = self.spec.distributed.announced  # type: ignore[union-attr]
+        for leader, found in self.classes.items():
+            ids, buckets = self.ids[leader], found.described.buckets
+            needed: list[int] = []
+            for index, row in enumerate(found.rows):
+                if row.kind == "sharded":
+                    continue
+                slot = self.slots[ids[index]]
+                writer = slot.groups.get(buckets[bucket_of(row.path)])
+                if writer is None:
+                    raise ValueError(f"entry {row.path!r} (of rank {leader}) was written by no rank of its group")
+                if row.kind == "tensor" and announced[writer] != announced[leader]:
+                    needed.append(index)
+            for rank in found.members if needed else ():
+                shipped = {c.entry for c in self.parts[rank].checksums}
+                missing = [i for i in needed if i not in shipped]
+                if missing:
+                    raise ValueError(
+                        f"rank {rank} ships no checksum of {found.rows[missing[0]].path!r}, which a rank of another "
+                        "class wrote"
+                    )
+
+    def _tree(self) -> TreeUnion:
         union = TreeUnion(self._conflict)
-        for rank, (_, tree, _) in sorted(self.tables.items()):
-            union.add(rank, map_entry_ids(tree, self.ids[rank]))
-        return union.tree
+        for leader, found in sorted(self.classes.items()):
+            union.add(leader, map_entry_ids(found.tree, self.ids[leader]))
+        return union
 
     def _conflict(self, a: int, b: int) -> tuple[str, str] | None:
         first, second = self.slots[a].row, self.slots[b].row
         if _same_layout(first, second):
             return None
         return f"{first.path!r}, {_describe(first)}", f"{second.path!r}, {_describe(second)}"
+
+    def _check_values(self, union: TreeUnion) -> None:
+        """Every copy, shipped checksum and tie of a value holds the same bytes."""
+        step = self.spec.step
+        for kept, _, left, rank_left, _ in union.ties:
+            tied = self.slots[left]
+            if self.slots[kept].row.kind == "tensor" and tied.row.kind == "tensor" and tied.copies:
+                self.slots[kept].claims.append((rank_left, value_crc32c(tied.copies[0][1].ranges)))
+        for slot in self.slots:
+            if slot.row.kind == "sharded" and len(slot.boxes) > 1:
+                meshes = sorted(slot.boxes.values(), key=lambda boxes: min(rank for rank, _ in boxes))
+                for other in meshes[1:]:
+                    found = differing_boxes(meshes[0], other)
+                    if found is not None:
+                        raise disagreement(step, slot.row.path, *found)
+            if slot.row.kind != "tensor" or not slot.copies or (len(slot.copies) == 1 and not slot.claims):
+                continue
+            rank, first = slot.copies[0]
+            value = (rank, value_crc32c(first.ranges))
+            for claim in [(r, value_crc32c(c.ranges)) for r, c in slot.copies[1:]] + slot.claims:
+                if claim[1] != value[1]:
+                    raise disagreement(step, slot.row.path, value, claim)
 
     def _record(self, slot: _Slot) -> EntryRecord:
         row = slot.row
@@ -190,9 +292,16 @@ class _Merge:
         spec = self.spec
         self._slot_ids()
         self._copies()
-        tree = self._tree()
+        self._require_checksums()
+        union = self._tree()
+        self._check_values(union)
+        tree = union.tree
         kept = sorted(referenced_entries(tree))
         if len(kept) != len(self.slots):
+            left_out = set(range(len(self.slots))) - set(kept) - union.dropped
+            if left_out:
+                slot = self.slots[min(left_out)]
+                raise ValueError(f"entry {slot.row.path!r} of rank {slot.holder} is named by no tree")
             renumber = [0] * len(self.slots)
             for new, old in enumerate(kept):
                 renumber[old] = new

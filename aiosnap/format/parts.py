@@ -1,8 +1,9 @@
 """A rank's part of a multi-rank save. Pure code, no I/O.
 
 Each rank writes its part (``<step>/<save id>/rank-<r>.part.json``) after its data objects:
-the shared entries it wrote (a plain entry whole, a DTensor's box with its offsets), its
-rank-local values, its class (the table and tree shape it holds; see
+the shared entries it wrote (a plain entry whole, a DTensor's box with its offsets), the
+crc32c of the plain tensors it holds that a rank of another class writes (for the merge to
+compare), its rank-local values, its class (the table and tree shape it holds; see
 :mod:`aiosnap.distributed.ownership`) and its bucket digests. The lowest rank of each class
 other than the coordinator also ships that class's ``table`` and ``tree``; the others' entry
 numbers refer to it. The coordinator reads every part and checks it as untrusted input
@@ -36,7 +37,8 @@ from .spec import SaveSpec
 from .tree import check_tree, shift_entry_ids
 
 __all__ = [
-    "RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name", "part_name", "spec_table",
+    "ChecksumRecord", "RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name",
+    "part_name", "spec_table",
 ]  # fmt: skip
 
 _MAX_INT = 2**63
@@ -69,6 +71,13 @@ class WrittenRecord(_Frozen):
     shape: list[int]
     offsets: list[int] | None = None
     ranges: list[ByteRange]
+
+
+class ChecksumRecord(_Frozen):
+    """The crc32c of the values of a plain tensor this rank holds but did not write."""
+
+    entry: int = Field(ge=0, lt=_MAX_INT)
+    crc32c: int = Field(ge=0, lt=2**32)
 
 
 class TableEntry(_Frozen):
@@ -115,6 +124,7 @@ class RankPart(_Frozen):
     main_entries: int = Field(ge=0, lt=_MAX_INT)
     objects: list[DataObject]
     written: list[WrittenRecord]
+    checksums: list[ChecksumRecord] = []
     local: RankLocalRecord
     table_of: int = Field(ge=0, lt=2**31)
     """The rank whose table ``written`` numbers entries in: the lowest rank of this one's class."""
@@ -156,6 +166,10 @@ class RankPart(_Frozen):
             for r in record.ranges:
                 if r.object not in names:
                     raise ValueError(f"entry {record.entry}: range names unknown object {r.object!r}")
+        for checksum in self.checksums:
+            if checksum.entry >= self.main_entries or checksum.entry in seen:
+                raise ValueError(f"the checksum of entry {checksum.entry}: out of range, listed twice, or written")
+            seen.add(checksum.entry)
         return self
 
     def to_json(self) -> bytes:
@@ -236,6 +250,7 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         main_entries=main,
         objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
         written=written,
+        checksums=[ChecksumRecord(entry=i, crc32c=crc) for i, crc in dist.checksums],
         local=local,
         table_of=dist.table_of,
         class_digest=dist.class_digest or "0" * 32,

@@ -99,7 +99,11 @@ class DistSpec:
     ``table_of``: the lowest rank whose table and tree are this rank's (its part carries
     them, ``class_digest`` says which they are); ``buckets``: digests of this rank's plain
     entries by bucket (:mod:`aiosnap.distributed.ownership`), which tell the coordinator's
-    merge which copies of an entry held by several ranks are expected."""
+    merge which copies of an entry held by several ranks are expected; ``checksums``: the
+    crc32c of each plain tensor this rank holds but a rank of another class writes, for the
+    merge to compare (a value several ranks hold is written once only if they hold the same
+    bytes); ``announced``: the coordinator's only, every rank's class digest as the
+    agreement gave it (what each part must hold)."""
 
     __pydantic_config__ = _STRICT
 
@@ -112,6 +116,8 @@ class DistSpec:
     table_of: int = 0
     class_digest: str = ""
     buckets: tuple[int, ...] = ()
+    checksums: tuple[tuple[int, int], ...] = ()
+    announced: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,16 @@ their entry ids already mapped into the merged entry table. The rule:
   if both have one layout);
 - anything else held at one key by several ranks (a plain value, a pickled object, lists
   of different lengths) is taken from the lowest rank that holds it, unless one of them holds
-  a tensor there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks.
+  a tensor there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks;
+- but a torch optimizer's state dict (``state`` by parameter index, ``param_groups``) is
+  not a plain value: two ranks' trees (of different classes: pipeline stages) holding one
+  at a key must hold the same parameter groups and state indices, else
+  :class:`~aiosnap.errors.RanksDisagreeError` (their tensors are compared by the merge).
+
+The entries a merge leaves out (the later rank's at a tie, the pickled objects of a plain
+value taken from a lower rank) are recorded (:attr:`TreeUnion.ties`,
+:attr:`TreeUnion.dropped`): the merge checks that a tie's values are equal and that no
+entry is left out otherwise.
 
 Each merge touches only the nodes of the tree being added (dict keys are found through an
 index), so the union of N trees costs their total size, not N times the union's.
@@ -26,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import RanksDisagreeError
+from .tree import key_identity
 
 __all__ = ["TreeUnion", "map_entry_ids", "referenced_entries"]
 
@@ -75,8 +85,43 @@ def _tag(node: Any) -> str | None:
     return node.get("t") if isinstance(node, dict) else None
 
 
-def _key_text(key: Any) -> str:
-    return key if type(key) is str else "\0" + json.dumps(key, sort_keys=True)
+COLLIDING_OPTIMIZERS = (
+    "pipeline stages saving optimizer state by parameter index collide: use aiosnap.ShardedState, which saves it "
+    "by parameter name"
+)
+"""What to do when ranks' optimizer states differ at one key (the usual cause)."""
+
+
+def _items_of(node: Any, tag: str) -> list[Any] | None:
+    return node["items"] if _tag(node) == tag or (tag == "dict" and _tag(node) == "odict") else None
+
+
+def _optimizer_state(node: Any) -> tuple[Any, Any] | None:
+    """``(state, param_groups)`` of a torch optimizer's state dict node, else None."""
+    items = _items_of(node, "dict")
+    if items is None:
+        return None
+    found = {k: v for k, v in items if type(k) is str}
+    state, groups = found.get("state"), found.get("param_groups")
+    state_items, group_items = _items_of(state, "dict"), _items_of(groups, "list")
+    if state_items is None or group_items is None or not group_items:
+        return None
+    if not all(type(k) is int for k, _ in state_items):
+        return None
+    if not all(any(k == "params" for k, _ in (_items_of(g, "dict") or ())) for g in group_items):
+        return None
+    return state, groups
+
+
+def _optimizer_difference(a: Any, b: Any) -> str | None:
+    """How two optimizer state dict nodes differ in what is not a tensor (None: they do not)."""
+    state_a, groups_a = a
+    state_b, groups_b = b
+    if groups_a != groups_b:
+        return "other parameter groups"
+    if sorted(k for k, _ in state_a["items"]) != sorted(k for k, _ in state_b["items"]):
+        return "state for other parameters"
+    return None
 
 
 def _shown(key: Any) -> str:
@@ -103,9 +148,13 @@ class TreeUnion:
     def __init__(self, conflict: Callable[[int, int], tuple[str, str] | None]) -> None:
         self.tree: Any = None
         self._conflict = conflict
-        self._index: dict[int, dict[str, int]] = {}  # id(items of a dict node) -> key -> position
+        self._index: dict[int, dict[Any, int]] = {}  # id(items of a dict node) -> key -> position
         self._owner: dict[int, int] = {}  # id([key, value] pair added by a later tree) -> its rank
         self._first = -1
+        self.ties: list[tuple[int, int, int, int, str]] = []
+        """(entry kept, its rank, entry left out, its rank) at one key, with the key"""
+        self.dropped: set[int] = set()
+        """Entries left out: the later rank's at a tie, pickled objects under a plain value taken from a lower rank."""
 
     def add(self, rank: int, tree: Any) -> None:
         """Merge ``tree`` (rank ``rank``'s, entry ids already mapped; consumed) into the union."""
@@ -117,6 +166,7 @@ class TreeUnion:
     def _merge(self, a: Any, b: Any, path: str, rank_a: int, rank_b: int) -> Any:
         ta, tb = _tag(a), _tag(b)
         if ta in ("dict", "odict") and ta == tb:
+            self._check_optimizers(a, b, path, rank_a, rank_b)
             self._merge_dicts(a, b, path, rank_a, rank_b)
             return a
         if ta == "stateful" and tb == "stateful":
@@ -128,8 +178,12 @@ class TreeUnion:
                 items[position] = self._merge(items[position], value, f"{path}/{position}", rank_a, rank_b)
             return a
         if ta in _ENTRY_TAGS and tb in _ENTRY_TAGS:
-            problem = None if a["id"] == b["id"] else self._conflict(a["id"], b["id"])
+            if a["id"] == b["id"]:
+                return a
+            problem = self._conflict(a["id"], b["id"])
             if problem is None:
+                self.ties.append((a["id"], rank_a, b["id"], rank_b, path or "/"))
+                self.dropped.add(b["id"])
                 return a
             raise RanksDisagreeError(
                 f"{path or '/'!r}: rank {rank_b} holds {problem[1]} where rank {rank_a} holds {problem[0]}"
@@ -140,19 +194,32 @@ class TreeUnion:
             raise RanksDisagreeError(
                 f"{path or '/'!r}: rank {rank_b} holds {_describe(b)} where rank {rank_a} holds {_describe(a)}"
             )
+        self.dropped |= referenced_entries(b)
         return a  # plain values held by several ranks: the lowest rank's
+
+    @staticmethod
+    def _check_optimizers(a: Any, b: Any, path: str, rank_a: int, rank_b: int) -> None:
+        mine, theirs = _optimizer_state(a), _optimizer_state(b)
+        if mine is None or theirs is None:
+            return
+        difference = _optimizer_difference(mine, theirs)
+        if difference is not None:
+            raise RanksDisagreeError(
+                f"different values at one path: {path or '/'!r}: rank {rank_b} holds an optimizer state dict unlike "
+                f"rank {rank_a}'s ({difference}); {COLLIDING_OPTIMIZERS}"
+            )
 
     def _merge_dicts(self, a: dict[str, Any], b: dict[str, Any], path: str, rank_a: int, rank_b: int) -> None:
         items: list[list[Any]] = a["items"]
         index = self._index.get(id(items))
         if index is None:
-            index = self._index[id(items)] = {_key_text(k): i for i, (k, _) in enumerate(items)}
+            index = self._index[id(items)] = {key_identity(k): i for i, (k, _) in enumerate(items)}
         prefix = f"{path}/" if path else ""
         for pair in b["items"]:
-            text = _key_text(pair[0])
-            position = index.get(text)
+            identity = key_identity(pair[0])
+            position = index.get(identity)
             if position is None:
-                index[text] = len(items)
+                index[identity] = len(items)
                 items.append(pair)
                 self._owner[id(pair)] = rank_b
                 continue

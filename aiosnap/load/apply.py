@@ -97,6 +97,27 @@ def plan_read(
     return ReadPlan(only=only, into=into, shards=shards, staged=staged, caller=caller)
 
 
+_BY_KEY = (
+    "a checkpoint saved by pipeline stages (or ranks holding different keys) holds every stage's keys: restore a "
+    "stage's part with aiosnap.ShardedState(model, optimizer), which loads the keys it holds"
+)
+
+
+def _load_state_dict(target: Any, value: Any, where: str) -> None:
+    """``target.load_state_dict(value)``; torch's refusals of a state dict that does not fit
+    a module or an optimizer become :class:`StateMismatchError` naming ``where``."""
+    try:
+        target.load_state_dict(value)
+    except RuntimeError as exc:
+        if not (isinstance(target, torch.nn.Module) and "Error(s) in loading state_dict" in str(exc)):
+            raise
+        raise StateMismatchError(f"{where}: {str(exc).strip()[:2000]}; {_BY_KEY}") from exc
+    except ValueError as exc:
+        if not isinstance(target, torch.optim.Optimizer) or isinstance(exc, StateMismatchError):
+            raise
+        raise StateMismatchError(f"{where}: {str(exc)[:2000]}; {_BY_KEY}") from exc
+
+
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
     if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
         return list(node["items"])
@@ -128,7 +149,7 @@ def _apply(
         if restores_by_key(current):  # its own keys: what this load read of it (and plain values)
             current.load_state_dict(decode(read_keys_only(child, read)))
         elif is_stateful(current) and not isinstance(current, dict):
-            current.load_state_dict(decode(child))
+            _load_state_dict(current, decode(child), where)
         elif isinstance(current, torch.Tensor):
             value = decode(child)
             if not isinstance(value, torch.Tensor):

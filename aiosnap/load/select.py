@@ -39,13 +39,42 @@ def _dict_items(node: Any) -> list[Any] | None:
     return None
 
 
+def _listed(keys: list[Any], limit: int = 8) -> str:
+    shown = ", ".join(repr(k)[:80] for k in keys[:limit])
+    return f"[{shown}{f', ... ({len(keys)} in all)' if len(keys) > limit else ''}]"
+
+
+_NESTED_OPTIMIZER = (
+    "the checkpoint holds an optimizer's own nested state dict ('state', 'param_groups': how aiosnap.ShardedState "
+    "saved it before pipeline layouts were supported, and with flatten_optimizer=False): load it with "
+    "ShardedState(model, optimizer, flatten_optimizer=False)"
+)
+_FLAT_OPTIMIZER = (
+    "the checkpoint holds an optimizer's state flattened by parameter name (aiosnap.ShardedState's default): "
+    "load it with ShardedState(model, optimizer) (flatten_optimizer=True)"
+)
+
+
+def _optimizer_hint(missing: list[Any], saved: dict[Any, Any]) -> str:
+    """Why an optimizer's keys are missing, when it is the other layout of ShardedState's."""
+
+    def flat(key: Any) -> bool:
+        return isinstance(key, str) and key.startswith(("state.", "param_groups."))
+
+    if {"state", "param_groups"} <= set(saved) and any(flat(k) for k in missing):
+        return f"; {_NESTED_OPTIMIZER}"
+    if {"state", "param_groups"} & set(missing) and any(flat(k) for k in saved):
+        return f"; {_FLAT_OPTIMIZER}"
+    return ""
+
+
 def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
     """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s."""
     missing = [k for k in target if k not in saved]
     if missing:
         raise StateMismatchError(
-            f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
-            f"(it has {sorted(map(str, saved))!r})"
+            f"{path or 'state'}: key(s) {_listed(missing)} are not in checkpoint step {step} "
+            f"(it has {_listed(sorted(map(str, saved)))}){_optimizer_hint(missing, saved)}"
         )
 
 

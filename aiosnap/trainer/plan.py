@@ -28,7 +28,7 @@ from ..core.gcpause import gc_paused
 from ..core.names import object_prefix
 from ..core.stateful import is_stateful
 from ..errors import UnsupportedStateError
-from ..format.buckets import BUCKETS
+from ..format.classes import Row, describe
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
 from .archive_plan import layout_archive, torch_pickle
@@ -290,19 +290,26 @@ class Flattened:
     local_values: list[Any]  # ids into ``entries`` (past ``main_entries``)
     local_paths: list[str]  # where each rank-local value sits in the tree
 
-    def signatures(self) -> list[str]:
-        """Where the rank-local values are, then this rank's shared table as it describes
-        it to the others (a pickle's bytes may differ between ranks holding it)."""
-        found = [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
+    def table_rows(self) -> list[Row]:
+        """The main entries as this rank's part describes them
+        (:func:`aiosnap.format.parts.spec_table`), for :func:`aiosnap.format.classes.describe`."""
+        rows: list[Row] = []
+        shards, dtypes = self.shards, _DTYPE_NAMES
         for entry in self.entries[: self.main_entries]:
-            shard = self.shards.get(entry.index)
-            if shard is not None:
-                found.append(f"{entry.path}: DTensor {shard.signature}")
-            elif entry.kind == "pickle":
-                found.append(f"{entry.path}: pickle")
+            tensor = entry.tensor
+            dtype = dtypes.get(tensor.dtype)
+            if dtype is None:
+                dtype = dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+            shard = shards.get(entry.index)
+            if shard is None:
+                rows.append((entry.path, entry.kind, dtype, tuple(tensor.shape), None))
             else:
-                found.append(f"{entry.path}: {entry.tensor.dtype} {tuple(entry.tensor.shape)}")
-        return found
+                rows.append((entry.path, "sharded", dtype, shard.global_shape, shard.mesh))
+        return rows
+
+    def local_lines(self) -> list[str]:
+        """Where the rank-local values are, as the ranks compare them."""
+        return [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
 
 
 @dataclass(frozen=True)
@@ -316,6 +323,8 @@ class Agreement:
     table_of: int = 0  # the lowest rank holding the same table and tree (its part carries them)
     class_digest: str = ""  # what that table and tree are (the same on every rank of the class)
     buckets: tuple[int, ...] = ()  # digests of this rank's plain entries by bucket (who else holds them)
+    checksums: tuple[tuple[int, int], ...] = ()  # (entry, crc32c) of what it holds that another class writes
+    announced: tuple[str, ...] = ()  # the coordinator's: every rank's class digest, as the agreement gave it
 
 
 def make_plan(
@@ -427,9 +436,12 @@ def _laid_out(
 
 
 def _one_rank(flat: Flattened) -> Agreement:
-    """The agreement of a job of one rank with itself: it writes everything (one writer
-    group in every bucket)."""
-    return Agreement(uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0, buckets=(1,) * BUCKETS)
+    """The agreement of a job of one rank with itself: it writes everything."""
+    described = describe(flat.table_rows(), flat.tree)
+    return Agreement(
+        uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0, class_digest=described.class_digest,
+        buckets=described.buckets, announced=(described.class_digest,),
+    )  # fmt: skip
 
 
 def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:
@@ -489,6 +501,8 @@ def _rank_plan(
         table_of=agreed.table_of,
         class_digest=agreed.class_digest,
         buckets=agreed.buckets,
+        checksums=agreed.checksums,
+        announced=agreed.announced,
     )
     spec = SaveSpec(
         step=step,
