@@ -118,6 +118,51 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp: in
     return float(value)
 
 
+def train(root: str, steps: int, world: int, rank: int) -> str:
+    """Train ``steps`` steps in this world size's layout, saving at the halfway step and at
+    the end (every rank of an initialised process group calls it)."""
+    half = steps // 2
+    torch.manual_seed(0)
+    model = parallelize(Model(), world)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    dp = data_parallel_rank(world)
+    config = {"storage": {"url": root}, "retention": {"keep_last": None}, "events": {"log": False}}
+    with aiosnap.SyncCheckpointer(config) as ckpt:  # every rank makes it: collective
+        if rank == 0 and ckpt.steps():
+            ckpt.purge()  # a fresh run each time this example runs
+        if world > 1:
+            dist.barrier()
+        losses, handle = [], None
+        for step in range(steps):
+            if step == half:
+                handle = ckpt.save({"train": aiosnap.ShardedState(model, optim), "step": step}, step=step)
+            losses.append(train_step(model, optim, step, dp))  # the save runs meanwhile
+        assert handle is not None
+        handle.wait()
+        ckpt.save({"step": steps}, step=steps, metadata={"losses": losses}).wait()
+    return f"rank {rank}/{world}: trained {steps} steps, saved step {half} and {steps}"
+
+
+def resume(root: str, steps: int, world: int, rank: int) -> tuple[bool, str]:
+    """Load the halfway checkpoint into this world size's layout, train the second half;
+    whether its losses are the uninterrupted run's."""
+    half = steps // 2
+    torch.manual_seed(0)
+    model = parallelize(Model(), world)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    dp = data_parallel_rank(world)
+    config = {"storage": {"url": root}, "retention": {"keep_last": None}, "events": {"log": False}}
+    with aiosnap.SyncCheckpointer(config) as ckpt:
+        state = {"train": aiosnap.ShardedState(model, optim), "step": -1}
+        ckpt.load(state, step=half)  # resharded into this world size's layout
+        losses = [train_step(model, optim, step, dp) for step in range(state["step"], steps)]
+        expected = ckpt.manifest(steps).metadata["losses"][half:]
+    same = len(losses) == len(expected) and all(
+        math.isclose(a, b, rel_tol=1e-12) for a, b in zip(losses, expected, strict=True)
+    )
+    return same, f"rank {rank}/{world}: resumed at step {half}; losses equal to an uninterrupted run: {same}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default="./checkpoints-parallel", help="a folder every rank sees, or s3://...")
@@ -128,41 +173,15 @@ def main() -> int:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
-    half = args.steps // 2
-    torch.manual_seed(0)
-    model = parallelize(Model(), world)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
-    dp = data_parallel_rank(world)
-    config = {"storage": {"url": args.root}, "retention": {"keep_last": None}, "events": {"log": False}}
-    with aiosnap.SyncCheckpointer(config) as ckpt:  # every rank makes it: collective
-        if not args.resume:
-            if rank == 0 and ckpt.steps():
-                ckpt.purge()  # a fresh run each time this example runs
-            if world > 1:
-                dist.barrier()
-            losses, handle = [], None
-            for step in range(args.steps):
-                if step == half:
-                    handle = ckpt.save({"train": aiosnap.ShardedState(model, optim), "step": step}, step=step)
-                losses.append(train_step(model, optim, step, dp))  # the save runs meanwhile
-            assert handle is not None
-            handle.wait()
-            ckpt.save({"step": args.steps}, step=args.steps, metadata={"losses": losses}).wait()
-            print(f"rank {rank}/{world}: trained {args.steps} steps, saved step {half} and {args.steps}")
-        else:
-            state = {"train": aiosnap.ShardedState(model, optim), "step": -1}
-            ckpt.load(state, step=half)  # resharded into this world size's layout
-            losses = [train_step(model, optim, step, dp) for step in range(state["step"], args.steps)]
-            expected = ckpt.manifest(args.steps).metadata["losses"][half:]
-            same = len(losses) == len(expected) and all(
-                math.isclose(a, b, rel_tol=1e-12) for a, b in zip(losses, expected, strict=True)
-            )
-            print(f"rank {rank}/{world}: resumed at step {half}; losses equal to an uninterrupted run: {same}")
-            if not same:
-                return 1
+    same = True
+    if args.resume:
+        same, said = resume(args.root, args.steps, world, rank)
+    else:
+        said = train(args.root, args.steps, world, rank)
+    print(said)
     if world > 1:
         dist.destroy_process_group()
-    return 0
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Ranks of the parallel-layout tests (``test_layouts.py``), launched like :mod:`dist_child`
 (``python layout_child.py SCENARIO RANK WORLD PORT WORKDIR PARAMS``).
 
-Saving jobs (4 ranks) train the model of :mod:`layout_model` for 3 steps in one layout, save
-step 3, write the full state they saved (``expected-<layout>-<n>.pt``) and train on to step 6
-(the uninterrupted run). The resuming job (2 ranks) loads each checkpoint into another layout,
-returns whether the loaded state is bit-exact and the losses of steps 3-5.
+One job of 4 ranks (:func:`save_all`) runs every saving layout in turn: each trains the model
+of :mod:`layout_model` for 3 steps, saves step 3, writes the full state it saved
+(``expected-<layout>-<n>.pt``) and trains on to step 6 (the uninterrupted run); then the
+example (``examples/parallel_train.py``) trains and saves. One job of 2 ranks
+(:func:`resume_all`) loads each checkpoint into another layout, returns whether the loaded
+state is bit-exact and the losses of steps 3-5, resumes the example, and saves and loads
+DTensors at keys whose paths coincide. (Launching ranks costs more than all of it: one job
+per world size.)
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import dist_child
 import layout_model as lm
+import parallel_train
 
 SAVED_AT, STEPS = 3, 6
 EXPERTS, EXPERT_SHAPE = 4, (3, 2)
@@ -199,6 +205,54 @@ def resume_pipeline(rank: int, world: int, work: str, params: dict[str, Any]) ->
     sync = _tied_sync(model, None, dist.group.WORLD)
     found["pipeline"] = lm.train_pipeline(model, optim, range(SAVED_AT, STEPS), rank, 2, dist.group.WORLD, [0, 1], sync)
     return found
+
+
+EXAMPLE_STEPS = 4
+
+
+def save_all(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Every saving layout, one after the other, each to its own root (``params["roots"]``)."""
+    roots = params["roots"]
+    found = {layout: save_parallel(rank, world, work, {"root": roots[layout], "layout": layout})
+             for layout in ("tp_fsdp", "pp_tp")}  # fmt: skip
+    found["pipeline"] = save_pipeline(rank, world, work, {"root": roots["pipeline"]})
+    found["example"] = parallel_train.train(roots["example"], EXAMPLE_STEPS, world, rank)
+    return found
+
+
+def resume_all(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Every resume on 2 ranks, and DTensors at keys whose paths coincide."""
+    roots, saved = params["roots"], params["saved"]
+    found: dict[str, Any] = {
+        layout: resume_parallel(rank, world, work, {"root": roots[layout], "saved": saved, "layout": layout})
+        for layout in ("tp_fsdp", "pp_tp")
+    }
+    found["pipeline"] = resume_pipeline(rank, world, work, {"root": roots["pipeline"], "saved": saved})
+    found["example"] = parallel_train.resume(roots["example"], EXAMPLE_STEPS, world, rank)[0]
+    found["coinciding"] = {meshes: coinciding_paths(roots[f"coinciding-{meshes}"], meshes) for meshes in ("one", "two")}
+    return found
+
+
+def coinciding_paths(root: str, meshes: str) -> bool:
+    """Two DTensors whose paths coincide (``"a/b"`` and ``a -> b``), on one mesh or on two:
+    saved, then loaded into zeros of the same layout, each gets its own values."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    first = _mesh((2,), ("x",))
+    second = _mesh((1, 2), ("y", "x")) if meshes == "two" else first
+    places = [Shard(0), Shard(0)] if meshes == "two" else [Shard(0)]
+
+    def state(zero: bool) -> dict[str, Any]:
+        one = torch.zeros(4, 2) if zero else torch.full((4, 2), 1.0)
+        two = torch.zeros(4, 2) if zero else torch.arange(8.0).reshape(4, 2)
+        return {"a/b": distribute_tensor(one, first, [Shard(0)]), "a": {"b": distribute_tensor(two, second, places)}}
+
+    _save(root, state(False))
+    loaded = state(True)
+    _load(root, loaded)
+    return torch.equal(loaded["a/b"].full_tensor(), torch.full((4, 2), 1.0)) and torch.equal(
+        loaded["a"]["b"].full_tensor(), torch.arange(8.0).reshape(4, 2)
+    )
 
 
 if __name__ == "__main__":
