@@ -118,15 +118,21 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp: in
     return float(value)
 
 
+def setup(root: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer, int | None, dict[str, Any]]:
+    """The model in this world size's layout, its optimizer, this rank's half of each batch,
+    the checkpointer's config."""
+    torch.manual_seed(0)
+    model = parallelize(Model(), world)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    config = {"storage": {"url": root}, "retention": {"keep_last": None}, "events": {"log": False}}
+    return model, optim, data_parallel_rank(world), config
+
+
 def train(root: str, steps: int, world: int, rank: int) -> str:
     """Train ``steps`` steps in this world size's layout, saving at the halfway step and at
     the end (every rank of an initialised process group calls it)."""
     half = steps // 2
-    torch.manual_seed(0)
-    model = parallelize(Model(), world)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
-    dp = data_parallel_rank(world)
-    config = {"storage": {"url": root}, "retention": {"keep_last": None}, "events": {"log": False}}
+    model, optim, dp, config = setup(root, world)
     with aiosnap.SyncCheckpointer(config) as ckpt:  # every rank makes it: collective
         if rank == 0 and ckpt.steps():
             ckpt.purge()  # a fresh run each time this example runs
@@ -147,11 +153,7 @@ def resume(root: str, steps: int, world: int, rank: int) -> tuple[bool, str]:
     """Load the halfway checkpoint into this world size's layout, train the second half;
     whether its losses are the uninterrupted run's."""
     half = steps // 2
-    torch.manual_seed(0)
-    model = parallelize(Model(), world)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
-    dp = data_parallel_rank(world)
-    config = {"storage": {"url": root}, "retention": {"keep_last": None}, "events": {"log": False}}
+    model, optim, dp, config = setup(root, world)
     with aiosnap.SyncCheckpointer(config) as ckpt:
         state = {"train": aiosnap.ShardedState(model, optim), "step": -1}
         ckpt.load(state, step=half)  # resharded into this world size's layout

@@ -96,16 +96,20 @@ class _Walk:
         if tag in ("dict", "odict"):
             out.append(tag)
             prefix = f"{key}/" if key else ""
+            keys, search, append = self.keys, _SPECIAL.search, out.append
             for position, (name, value) in enumerate(node["items"]):
                 if type(name) is str:
-                    part = name if _SPECIAL.search(name) is None else _escaped_text(name)
+                    part = name if search(name) is None else _escaped_text(name)
                 else:
                     part = escaped_key(name)
                     if type(name) is dict:  # a key that is a node (a tuple, a tensor: rare)
                         self.walk(name, f"{prefix}%K{position}")
-                out.append("=" + part)
+                append("=" + part)
                 if type(value) is dict and value.get("t") == "tensor":  # the common leaf, inline
-                    self._entry(value, prefix + part)
+                    index = value["id"]
+                    if keys[index] is None:
+                        keys[index] = prefix + part
+                    append(f"t{index}")
                 else:
                     self.walk(value, prefix + part)
             if "meta" in node:
@@ -160,16 +164,17 @@ def describe(rows: Sequence[Row], tree: Any) -> Described:
     lines: list[str] = []
     by_bucket: list[list[str]] = [[] for _ in range(BUCKETS)]
     for index, row in enumerate(rows):
+        path, kind, dtype, shape, _ = row
         key = keys[index]
         if key is None:
             if not _continues(rows, index):
-                raise ValueError(f"entry {index} ({row[0]!r}) of the table: no node of the tree names it")
+                raise ValueError(f"entry {index} ({path!r}) of the table: no node of the tree names it")
             key = keys[index] = keys[index - 1]
         assert key is not None
-        line = _line(row, key)
+        line = f"{key}\t{dtype} {tuple(shape)}" if kind == "tensor" and path == key else _line(row, key)
         lines.append(line)
-        if row[1] != "sharded":
-            by_bucket[bucket_of(row[0])].append(line)
+        if kind != "sharded":
+            by_bucket[bucket_of(path)].append(line)
     whole = hashlib.blake2b(digest_size=16)
     whole.update("\n".join(lines).encode())
     whole.update(b"\0")

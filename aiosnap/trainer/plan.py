@@ -289,20 +289,26 @@ class Flattened:
     shards: dict[int, DTensorShard]
     local_values: list[Any]  # ids into ``entries`` (past ``main_entries``)
     local_paths: list[str]  # where each rank-local value sits in the tree
+    keys: Sequence[tuple[Any, ...] | None] = ()  # each main entry's view key (None: not a plain tensor)
 
     def table_rows(self) -> list[Row]:
         """The main entries as this rank's part describes them
-        (:func:`aiosnap.format.parts.spec_table`), for :func:`aiosnap.format.classes.describe`."""
+        (:func:`aiosnap.format.parts.spec_table`), for :func:`aiosnap.format.classes.describe`;
+        a plain tensor's layout from its view key (reading a tensor's attributes costs more)."""
         rows: list[Row] = []
-        shards, dtypes = self.shards, _DTYPE_NAMES
+        shards, dtypes, keys = self.shards, _DTYPE_NAMES, self.keys
         for entry in self.entries[: self.main_entries]:
-            tensor = entry.tensor
-            dtype = dtypes.get(tensor.dtype)
+            key = keys[entry.index] if keys else None
+            if key is None:
+                shape, dtype_of = entry.tensor.shape, entry.tensor.dtype
+            else:
+                _, _, shape, _, dtype_of, _ = key
+            dtype = dtypes.get(dtype_of)
             if dtype is None:
-                dtype = dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+                dtype = dtypes[dtype_of] = str(dtype_of).removeprefix("torch.")
             shard = shards.get(entry.index)
             if shard is None:
-                rows.append((entry.path, entry.kind, dtype, tuple(tensor.shape), None))
+                rows.append((entry.path, entry.kind, dtype, shape, None))
             else:
                 rows.append((entry.path, "sharded", dtype, shard.global_shape, shard.mesh))
         return rows
@@ -468,7 +474,7 @@ def _distributed_plan(
     if flattener.local is not None:
         entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
         local_values = [shift_entry_ids(value, main) for value in flattener.local_values]
-    flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths)
+    flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths, flattener.keys)
     agreed = agree(flat)  # with the garbage collector running: this waits for the other ranks
     with gc_paused():
         return _rank_plan(flattener, flat, agreed, step, chunk_bytes, rank, world_size, metadata)
