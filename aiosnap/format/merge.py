@@ -234,7 +234,10 @@ class _Merge:
     def _tree(self) -> TreeUnion:
         union = TreeUnion(self._conflict)
         for leader, found in sorted(self.classes.items()):
-            union.add(leader, map_entry_ids(found.tree, self.ids[leader]))
+            try:
+                union.add(leader, map_entry_ids(found.tree, self.ids[leader]))
+            except RanksDisagreeError as exc:
+                raise RanksDisagreeError(f"step {self.spec.step}: {exc}") from None
         return union
 
     def _conflict(self, a: int, b: int) -> tuple[str, str] | None:

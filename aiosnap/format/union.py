@@ -14,10 +14,13 @@ their entry ids already mapped into the merged entry table. The rule:
 - anything else held at one key by several ranks (a plain value, a pickled object, lists
   of different lengths) is taken from the lowest rank that holds it, unless one of them holds
   a tensor there: then :class:`~aiosnap.errors.RanksDisagreeError` names the key and the ranks;
-- but a torch optimizer's state dict (``state`` by parameter index, ``param_groups``) is
-  not a plain value: two ranks' trees (of different classes: pipeline stages) holding one
-  at a key must hold the same parameter groups and state indices, else
-  :class:`~aiosnap.errors.RanksDisagreeError` (their tensors are compared by the merge).
+- but a torch optimizer's own state dict (``state`` by parameter index, ``param_groups``)
+  is not a plain value: the trees being merged are those of ranks of different classes
+  (pipeline stages, ranks holding other keys), whose parameters 0..n-1 are not the same
+  parameters, so two of them holding one at a key is a
+  :class:`~aiosnap.errors.RanksDisagreeError` saying to save it through
+  ``aiosnap.ShardedState`` (by parameter name). Refused even when equal at this step: whether
+  they are equal says nothing of the next one.
 
 The entries a merge leaves out (the later rank's at a tie, the pickled objects of a plain
 value taken from a lower rank) are recorded (:attr:`TreeUnion.ties`,
@@ -96,32 +99,17 @@ def _items_of(node: Any, tag: str) -> list[Any] | None:
     return node["items"] if _tag(node) == tag or (tag == "dict" and _tag(node) == "odict") else None
 
 
-def _optimizer_state(node: Any) -> tuple[Any, Any] | None:
-    """``(state, param_groups)`` of a torch optimizer's state dict node, else None."""
+def _optimizer_state(node: Any) -> bool:
+    """Whether ``node`` is a torch optimizer's own state dict: ``state`` by parameter index
+    (ints), ``param_groups`` a list of dicts with ``params``."""
     items = _items_of(node, "dict")
     if items is None:
-        return None
+        return False
     found = {k: v for k, v in items if type(k) is str}
-    state, groups = found.get("state"), found.get("param_groups")
-    state_items, group_items = _items_of(state, "dict"), _items_of(groups, "list")
-    if state_items is None or group_items is None or not group_items:
-        return None
-    if not all(type(k) is int for k, _ in state_items):
-        return None
-    if not all(any(k == "params" for k, _ in (_items_of(g, "dict") or ())) for g in group_items):
-        return None
-    return state, groups
-
-
-def _optimizer_difference(a: Any, b: Any) -> str | None:
-    """How two optimizer state dict nodes differ in what is not a tensor (None: they do not)."""
-    state_a, groups_a = a
-    state_b, groups_b = b
-    if groups_a != groups_b:
-        return "other parameter groups"
-    if sorted(k for k, _ in state_a["items"]) != sorted(k for k, _ in state_b["items"]):
-        return "state for other parameters"
-    return None
+    state_items, group_items = _items_of(found.get("state"), "dict"), _items_of(found.get("param_groups"), "list")
+    if state_items is None or not group_items or not all(type(k) is int for k, _ in state_items):
+        return False
+    return all(any(k == "params" for k, _ in (_items_of(g, "dict") or ())) for g in group_items)
 
 
 def _shown(key: Any) -> str:
@@ -199,14 +187,11 @@ class TreeUnion:
 
     @staticmethod
     def _check_optimizers(a: Any, b: Any, path: str, rank_a: int, rank_b: int) -> None:
-        mine, theirs = _optimizer_state(a), _optimizer_state(b)
-        if mine is None or theirs is None:
-            return
-        difference = _optimizer_difference(mine, theirs)
-        if difference is not None:
+        if _optimizer_state(a) and _optimizer_state(b):
             raise RanksDisagreeError(
-                f"different values at one path: {path or '/'!r}: rank {rank_b} holds an optimizer state dict unlike "
-                f"rank {rank_a}'s ({difference}); {COLLIDING_OPTIMIZERS}"
+                f"different values at one path: {path or '/'!r}: ranks {rank_a} and {rank_b}, which hold different "
+                f"keys, both hold a torch optimizer's own state dict there (its state by parameter index); "
+                f"{COLLIDING_OPTIMIZERS}"
             )
 
     def _merge_dicts(self, a: dict[str, Any], b: dict[str, Any], path: str, rank_a: int, rank_b: int) -> None:
