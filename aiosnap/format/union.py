@@ -103,7 +103,7 @@ def _optimizer_state(node: Any) -> bool:
     """Whether ``node`` is a torch optimizer's own state dict: ``state`` by parameter index
     (ints), ``param_groups`` a list of dicts with ``params``."""
     items = _items_of(node, "dict")
-    if items is None:
+    if items is None or len(items) != 2:  # what Optimizer.state_dict() returns: those two keys
         return False
     found = {k: v for k, v in items if type(k) is str}
     state_items, group_items = _items_of(found.get("state"), "dict"), _items_of(found.get("param_groups"), "list")
