@@ -211,7 +211,8 @@ def info_command(
         return
     out.print(
         f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
-        f"{_size(manifest.total_bytes)} in {len(manifest.objects)} object(s), world size {manifest.world_size}, "
+        f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} stored "
+        f"in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
         f"save id {manifest.save_id}"
     )
     if manifest.metadata:
@@ -272,7 +273,7 @@ def verify_command(
     async def run(storage: Storage) -> tuple[Manifest, list[str]]:
         async with storage.reading():  # one version of a single-file checkpoint a writer may replace
             manifest = await manifest_of(storage, step)
-            bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
+            bar, advance = _progress(manifest.referenced_bytes, f"verifying step {manifest.step}", not as_json)
             if bar is None:
                 return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)
             with bar:
@@ -283,13 +284,16 @@ def verify_command(
 
     manifest, problems = _on_storage(url, settings, run)
     if as_json:
-        _emit_json({"step": manifest.step, "ok": not problems, "bytes": manifest.total_bytes, "problems": problems})
+        _emit_json({
+            "step": manifest.step, "ok": not problems, "bytes": manifest.referenced_bytes,
+            "stored_bytes": manifest.total_bytes, "problems": problems,
+        })  # fmt: skip
     elif problems:
         for problem in problems:
             print(problem, file=sys.stderr)
         print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
     else:
-        checked = f"{_size(manifest.total_bytes)} in {len(manifest.entries)} entries"
+        checked = f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries"
         out.print(f"step {manifest.step}: ok, {checked} verified")
     if problems:
         raise typer.Exit(1)

@@ -670,7 +670,7 @@ class Engine:
         budget; pinned when it copies into CUDA tensors) for what it cannot read straight
         into its destination."""
         pool = self._slab_pool()
-        targets = [*plan.staged.values(), *(t.dest for t in plan.shards.values())]
+        targets = [*plan.staged.values(), *(t.dest for boxes in plan.shards.values() for t in boxes)]
         if any(t.device.type == "cuda" for t in targets):
             pool.pin()
         return LoadSlabs(pool)

@@ -42,9 +42,19 @@ def arange(shape: list[int], dtype: torch.dtype = torch.float32, base: float = 0
 
 
 def placements_of(spec: list[str]) -> list[Any]:
+    """``"R"``, ``"S<dim>"``, ``"SS<dim>:<split factor>"`` (``_StridedShard``) placements."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
+    def one(p: str) -> Any:
+        if p == "R":
+            return Replicate()
+        if p.startswith("SS"):
+            dim, factor = p[2:].split(":")
+            return _StridedShard(int(dim), split_factor=int(factor))
+        return Shard(int(p[1:]))
+
+    return [one(p) for p in spec]
 
 
 def known(name: str, layout: list[Any], index: int) -> torch.Tensor:
@@ -344,8 +354,8 @@ def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
 
     state = {"model": {"a": torch.zeros(4), "b": torch.zeros(3 if rank == 0 else 5)}}
     with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
-        try:
-            ckpt.save(state, step=1)
+        try:  # the ranks may hold different keys: the coordinator's merge finds the conflict
+            ckpt.save(state, step=1).wait(timeout=40)
             return {"outcome": "saved"}
         except Exception as exc:
             return {"outcome": f"{type(exc).__name__}: {exc}", "steps": ckpt.steps()}
@@ -417,7 +427,8 @@ def preempted(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[
 
 
 def main(scenarios: dict[str, Any] | None = None) -> None:
-    """Run the scenario the command line names (from ``scenarios``: this module's by default)."""
+    """Run the scenario named on the command line (a function of ``scenarios``, this
+    module's own by default: :mod:`layout_child` passes its own)."""
     scenario, rank, world, port, work, raw = sys.argv[1:7]
     params = json.loads(raw)
     out = Path(work) / f"result-{rank}.json"

@@ -414,3 +414,35 @@ def test_ctrl_c_says_so_and_with_json_prints_a_json_document(tmp_path: Path) -> 
             assert json.loads(out) == {"error": "interrupted", "type": "KeyboardInterrupt"}
         else:
             assert out == ""
+
+
+def test_verify_and_info_count_what_a_multi_rank_step_references(aiosnap: Runner, tmp_path: Path) -> None:
+    """Two writer groups hold one value, so each wrote a copy; one is referenced. verify
+    reads and counts the referenced bytes (its progress reaches its total); info and ls say
+    both what is referenced and what is stored."""
+    import asyncio
+
+    from aiosnap.catalog.maintenance import verify_step
+    from aiosnap.storage.local import LocalStorage
+    from tests.simulated_ranks import save_as_ranks
+    from tests.test_layouts_values import _in_bucket_of
+
+    states = [{"norm": torch.ones(1000)}, {"norm": torch.ones(1000), _in_bucket_of("norm"): torch.ones(2)}]
+    manifest = save_as_ranks(tmp_path, states)
+    report = json.loads(aiosnap("verify", str(tmp_path), "--json").stdout)
+    assert report["ok"] and report["bytes"] == manifest.referenced_bytes == 4008
+    assert report["stored_bytes"] == manifest.total_bytes >= 8008
+    seen: list[int] = []
+
+    async def verify() -> list[str]:
+        storage = LocalStorage(str(tmp_path))
+        try:
+            return await verify_step(storage, manifest, progress=seen.append)
+        finally:
+            await storage.close()
+
+    assert asyncio.run(verify()) == [] and sum(seen) == report["bytes"]
+    assert "3.9 KiB in 2 entries verified" in aiosnap("verify", str(tmp_path)).stdout
+    assert "3.9 KiB in 2 entries (7.9 KiB stored in 2 object(s))" in aiosnap("info", str(tmp_path)).stdout
+    listed = json.loads(aiosnap("ls", str(tmp_path), "--json").stdout)
+    assert (listed[0]["nbytes"], listed[0]["referenced_bytes"]) == (manifest.total_bytes, 4008)

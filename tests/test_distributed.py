@@ -34,6 +34,9 @@ LAYOUTS_4 = {
     "hsdp": [[6, 4], [2, 2], ["R", "S0"]],
     "grid": [[6, 10], [2, 2], ["S0", "S1"]],
     "replicated": [[3, 3], [4], ["R"]],
+    "strided": [[8, 6], [2, 2], ["SS0:2", "S0"]],  # FSDP2 over column-wise TP
+    "stretches": [[8, 6], [2, 2], ["S1", "SS0:2"]],  # each rank holds two stretches of rows
+    "mesh3d": [[8, 6], [2, 1, 2], ["R", "SS0:2", "S0"]],  # HSDP over TP on a 3-D mesh
 }
 LAYOUTS_2 = {
     "rows": [[8, 6], [2], ["S1"]],
@@ -43,6 +46,9 @@ LAYOUTS_2 = {
     "hsdp": [[6, 4], [2], ["S1"]],
     "grid": [[6, 10], [2], ["S0"]],
     "replicated": [[3, 3], [2], ["S0"]],
+    "strided": [[8, 6], [2], ["S1"]],
+    "stretches": [[8, 6], [2], ["SS0:2"]],
+    "mesh3d": [[8, 6], [2], ["R"]],
 }
 
 

@@ -42,10 +42,10 @@ def _rank(params: dict[str, Any]) -> dict[str, Any]:
     from ..interop.safetensors.api import export
     from ..interop.safetensors.reader import SafetensorsFolder
     from ..storage.local import LocalStorage
-    from .distributed_rank import sharded_state
+    from .layouts import layout_state
 
     work, world = params["work"], params["world"]
-    state = sharded_state(params["size_mb"], world)
+    state = layout_state("fsdp", params["size_mb"], world)
     config = Config(
         storage={"url": f"{work}/aiosnap"}, ram_budget=f"{params['ram_budget_mib']}MiB",
         retention={"keep_last": None}, events={"log": False},
@@ -75,7 +75,7 @@ def _rank(params: dict[str, Any]) -> dict[str, Any]:
         writer = HuggingFaceStorageWriter(f"{work}/hf_dcp", save_distributed=True, enable_consolidation=True)
         timed("dcp_local_s", lambda: dcp_save(state["model"], storage_writer=writer))
 
-    targets = sharded_state(params["size_mb"], world, zero=True)["model"]
+    targets = layout_state("fsdp", params["size_mb"], world, zero=True)["model"]
     folder = SafetensorsFolder(LocalStorage(f"{work}/hf_aiosnap"))
     with SyncCheckpointer(config, storage=folder) as ckpt:
         timed("aiosnap_import_s", lambda: ckpt.load({"model": targets}))

@@ -272,12 +272,19 @@ class Manifest(_Frozen):
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the step's data objects: what it keeps in storage (a multi-rank
+        save's unreferenced copies, alignment between ranges included)."""
         return sum(o.nbytes for o in self.objects)
 
     def has_unverified_ranges(self) -> bool:
         """Whether a byte range carries no crc32c (a manifest translated from a foreign
         format; never one aiosnap commits)."""
         return any(r.crc32c is None for _, r in self.all_ranges())
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The bytes its byte ranges name: what a load or a verify reads."""
+        return sum(span.nbytes for _, span in self.all_ranges())
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""

@@ -85,16 +85,25 @@ class ShardSpec:
     entry: int
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
+    mesh: int = 0  # the DTensor's device mesh (its shards on one mesh tile it)
 
 
 @dataclass(frozen=True, slots=True)
 class DistSpec:
     """A rank's part of a multi-rank save (see :mod:`aiosnap.distributed`).
 
-    Entries ``[0, main_entries)`` are the state's shared table (the same on every rank);
-    the rest are this rank's rank-local values, whose trees ``local_values`` (one per
-    ``rank_local`` slot of the tree) name them. This rank writes the main entries
-    ``written`` and all of its rank-local ones."""
+    Entries ``[0, main_entries)`` are the state's shared table (what this rank holds;
+    ranks may hold different tables: pipeline stages); the rest are this rank's rank-local
+    values, whose trees ``local_values`` (one per ``rank_local`` slot of the tree) name
+    them. This rank writes the main entries ``written`` and all of its rank-local ones.
+    ``table_of``: the lowest rank whose table and tree are this rank's (its part carries
+    them, ``class_digest`` says which they are); ``buckets``: digests of this rank's plain
+    entries by bucket (:mod:`aiosnap.distributed.ownership`), which tell the coordinator's
+    merge which copies of an entry held by several ranks are expected; ``checksums``: the
+    crc32c of each plain tensor this rank holds but a rank of another class writes, for the
+    merge to compare (a value several ranks hold is written once only if they hold the same
+    bytes); ``announced``: the coordinator's only, every rank's class digest as the
+    agreement gave it (what each part must hold)."""
 
     __pydantic_config__ = _STRICT
 
@@ -104,6 +113,11 @@ class DistSpec:
     written: tuple[int, ...]
     shards: tuple[ShardSpec, ...]
     local_values: tuple[Any, ...]
+    table_of: int = 0
+    class_digest: str = ""
+    buckets: tuple[int, ...] = ()
+    checksums: tuple[tuple[int, int], ...] = ()
+    announced: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

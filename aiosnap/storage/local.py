@@ -129,7 +129,11 @@ class LocalStorage(Storage):
             await aiofiles.os.remove(self._upload_path(name, upload_id))
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
-        async with aiofiles.open(self._path(name), "rb") as f:
+        return await complete_before_cancel(self._read(self._path(name), limit))  # a cancel left no file open
+
+    @staticmethod
+    async def _read(path: Path, limit: int | None) -> bytes:
+        async with aiofiles.open(path, "rb") as f:
             if limit is not None:  # read(n) allocates n bytes first: never more than the file holds
                 limit = min(limit, os.fstat(f.fileno()).st_size)
             return await f.read(-1 if limit is None else limit + 1)
