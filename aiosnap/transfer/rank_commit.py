@@ -42,9 +42,15 @@ from ..catalog.tombstones import Tombstones
 from ..config import DistributedConfig
 from ..core.aio import run_all
 from ..core.names import attempt_prefix, manifest_name
-from ..errors import CorruptCheckpointError, RankFailedError, RankTimeoutError
+from ..errors import (
+    CorruptCheckpointError,
+    RankFailedError,
+    RanksDisagreeError,
+    RankTimeoutError,
+)
 from ..format.manifest import Checksums, Manifest
-from ..format.parts import MAX_PART_BYTES, RankPart, build_part, failed_name, merge_parts, part_name
+from ..format.merge import merge_parts
+from ..format.parts import MAX_PART_BYTES, RankPart, build_part, failed_name, part_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 from .commit import remove_replaced, write_manifest
@@ -153,6 +159,8 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, conf
             )
     try:
         return merge_parts(spec, parts)
+    except RanksDisagreeError:
+        raise  # ranks hold one path in two layouts: every rank is told so (see wait_for_commit)
     except ValueError as exc:
         raise CorruptCheckpointError(f"step {spec.step}: the ranks' parts do not make one checkpoint: {exc}") from exc
 

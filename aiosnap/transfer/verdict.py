@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from ..errors import RankFailedError
+from ..errors import CorruptCheckpointError, RankFailedError, RanksDisagreeError
 from ..format.markers import MAX_VERDICT_BYTES, Verdict, verdict_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
@@ -70,6 +70,16 @@ async def overrule_commit(storage: Storage, spec: SaveSpec, exc: BaseException) 
     await storage.write_marker(verdict_name(spec.step, spec.save_id), _verdict(spec, "abort", exc).to_json())
 
 
-def given_up(spec: SaveSpec, verdict: Verdict) -> RankFailedError:
+_MERGE_VERDICTS: dict[str, type[Exception]] = {
+    "RanksDisagreeError": RanksDisagreeError,
+    "CorruptCheckpointError": CorruptCheckpointError,
+    "ManifestError": CorruptCheckpointError,  # a part that is no part (as the coordinator saw it)
+}
+"""Errors of the coordinator's merge, about every rank's parts together: each rank raises
+them with their own type, as the coordinator does; any other reason is a RankFailedError."""
+
+
+def given_up(spec: SaveSpec, verdict: Verdict) -> Exception:
     """What a rank raises on reading the ``abort`` verdict ``verdict``."""
-    return RankFailedError(f"step {spec.step}: the save was given up by rank {verdict.rank}: {verdict.reason}")
+    kind = _MERGE_VERDICTS.get(verdict.error, RankFailedError)
+    return kind(f"step {spec.step}: the save was given up by rank {verdict.rank}: {verdict.reason}")
