@@ -202,6 +202,8 @@ def _check_multi_rank_storage(storage: Storage) -> None:
     """:class:`ConfigError` unless ``storage`` can carry multi-rank saves: their verdict is
     written only if absent, and exactly one writer must win (a coordinator's commit claim
     or another rank's abort), else a rank's data could be removed under a commit."""
+    if storage.read_only:  # nothing is ever written there: no verdict to split
+        return
     if not storage.conditional_writes and not storage.single_file:  # (one file holds one rank: refused at save)
         hint = (
             "set s3.conditional_commit: true (the store must support If-None-Match)"

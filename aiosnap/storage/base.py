@@ -131,6 +131,9 @@ class Storage(abc.ABC):
     ``name`` win (local files: an atomic link; S3: ``If-None-Match`` with
     ``s3.conditional_commit``). A multi-rank save needs it: of its coordinator claiming the
     commit and another rank declaring the save aborted, exactly one must win."""
+    read_only: bool = False
+    """True when the root is only ever read (a translation of a foreign format such as a
+    safetensors folder): saves to it are refused, so it needs no conditional writes."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
     (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): saves to it are planned as one file."""

@@ -123,6 +123,7 @@ class SafetensorsFolder(Storage):
     module docstring). ``prefix`` is where its tensors appear in the state (``model/``)."""
 
     settled_writes = True
+    read_only = True
 
     def __init__(self, inner: Storage, *, prefix: str = "model/") -> None:
         if prefix and not prefix.endswith("/"):
