@@ -348,7 +348,7 @@ async def test_gc_leaves_live_attempts_alone_whatever_the_grace(tmp_path: Path) 
             os.utime(path, (old, old))
     await asyncio.sleep(0.3)  # the dead one's lease runs out
     beat_file = tmp_path / heartbeat_name(live.step, live.save_id, 0)
-    while beat_file.stat().st_mtime < old + 60:  # the live rank beats again (late on a loaded machine)
+    while beat_file.stat().st_mtime < old + 60:  # noqa: ASYNC110 - the live rank beats again (late when loaded)
         await asyncio.sleep(0.02)
     report = await collect_garbage(storage, keep_last=5, grace_s=0)
     await beat.stop()
