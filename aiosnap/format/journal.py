@@ -37,19 +37,15 @@ from ..core.checksums import crc32c_of
 from ..core.names import check_save_id
 from ..errors import AiosnapError
 from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest, checked_json
-from .parts import build_part, merge_parts
+from .merge import merge_parts
+from .parts import build_part
 from .spec import SaveSpec
 from .values import json_int
 
 __all__ = [
-    "JOURNAL",
-    "JournalError",
-    "JournalState",
-    "JournalWriter",
-    "begin_record",
-    "manifest_of_spec",
+    "JOURNAL", "JournalError", "JournalState", "JournalWriter", "RankPartJournal", "begin_record", "manifest_of_spec",
     "read_journal",
-]
+]  # fmt: skip
 
 JOURNAL = "journal.jsonl"
 FORMAT = 3
@@ -58,6 +54,10 @@ MAX_JOURNAL_BYTES = 2 * MAX_MANIFEST_BYTES
 
 class JournalError(AiosnapError, ValueError):
     """A spool journal that cannot be trusted (the save it describes is not resumed)."""
+
+
+class RankPartJournal(JournalError):
+    """A valid journal of one rank's part of a multi-rank save, which no spool can finish."""
 
 
 class _Record(BaseModel):
@@ -250,7 +250,15 @@ def read_journal(path: Path, save_id: str) -> JournalState:
         raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
     try:
         spec = SaveSpec.from_document(begin.spec)
+        if spec.world_size > 1:
+            raise RankPartJournal(
+                f"it holds rank {spec.rank} of {spec.world_size}'s part of a multi-rank save of step {spec.step}, "
+                "which commits only while all its ranks run (the coordinator merges every rank's part): no spool "
+                "can finish it (the step is committed if the coordinator finished it before the crash)"
+            )
         _, manifest = checked_json(manifest_of_spec(spec), "the journal's save")  # as any reader would
+    except RankPartJournal:
+        raise
     except Exception as exc:  # whatever a forged spec makes fail: never a crash of the caller
         raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:

@@ -34,7 +34,15 @@ from .values import (
     plain_size,
 )
 
-__all__ = ["DEVICE_TYPES", "HASHABLE_TAGS", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
+__all__ = [
+    "DEVICE_TYPES",
+    "HASHABLE_TAGS",
+    "MAX_TREE_DEPTH",
+    "check_tree",
+    "float_text",
+    "key_identity",
+    "shift_entry_ids",
+]
 
 _CONTAINERS = {"dict", "odict", "list", "tuple", "stateful"}
 HASHABLE_TAGS = frozenset({"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"})
@@ -94,6 +102,31 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
             raise ValueError("size node: items must be non-negative ints")
     else:
         raise ValueError(f"unknown tree node type {tag!r:.40}")
+
+
+def key_identity(key: Any) -> Any:
+    """A hashable stand-in for a (checked, hashable) dict key node, equal for two nodes
+    exactly when the keys they decode to are equal dict keys (``1``, ``1.0`` and ``True``
+    are one key in Python, as ``(1, 2)`` and ``torch.Size([1, 2])``); a tensor or a pickled
+    object as a key is equal only to itself (its entry)."""
+    if type(key) is not dict:
+        return key
+    tag = key["t"]
+    if tag == "tuple" or tag == "size":
+        return tuple(key_identity(item) for item in key["items"])
+    if tag == "float":
+        value = float_text(key["v"])
+        return value if value == value else object()  # a NaN key equals no other key (a dict may hold several)
+    if tag == "complex":
+        number = complex(float_text(key["v"][0]), float_text(key["v"][1]))
+        return number if number == number else object()
+    if tag == "bytes":
+        return base64.b64decode(key["v"])
+    return (_MARK, tag, key.get("v", key.get("id")))  # dtype, device; tensor and pickle by their entry
+
+
+_MARK = object()
+"""Tags the identities of keys no plain value equals (a dtype, a device, an entry)."""
 
 
 class _TreeError(ValueError):
@@ -165,12 +198,17 @@ class _Checker:
             hashable = [self.check(v, f"{path}/{i}", depth + 2) for i, v in enumerate(_items(node))]
             return tag == "tuple" and all(hashable)
         _fields(node, *(("items", "meta") if tag == "odict" else ("items",)))  # metadata: OrderedDicts only
+        keys: set[Any] = set()
         for pair in _items(node):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("dict node: each item must be [key, value]")
             _nest(depth + 3)
             if not self.check(pair[0], path, depth + 3):
                 raise ValueError("dict node: a key that cannot be a dict key")
+            identity = key_identity(pair[0])
+            if identity in keys:
+                raise ValueError(f"dict node: the key {_key_text(pair[0])!r} twice")
+            keys.add(identity)
             self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 3)
         if "meta" in node:
             self.check(node["meta"], path + "#_metadata", depth + 1)

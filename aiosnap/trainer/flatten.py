@@ -38,7 +38,7 @@ from ..format.values import (
     plain_size,
 )
 from .chunks import Entry
-from .dtensor import DTensorShard, dtensor_shard, is_dtensor
+from .dtensor import DTensorShard, dtensor_shards, is_dtensor
 from .pickling import pickle_value
 
 __all__ = ["Flattener", "view_key"]
@@ -282,18 +282,25 @@ class Flattener:
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         if self._dtensors and is_dtensor(tensor):
+            return self._dtensor(tensor, path)
+        _plain_tensor_or_refuse(tensor, path)
+        return self._plain(tensor, path)
+
+    def _dtensor(self, tensor: torch.Tensor, path: str) -> int:
+        """A DTensor's entries: one per box of its local shard (one box, but for rare
+        ``_StridedShard`` layouts); the tree names the first, the others share its path."""
+        first = len(self.entries)
+        for shard in dtensor_shards(tensor, path):
             index = len(self.entries)
-            shard = self.shards[index] = dtensor_shard(tensor, path, index)
+            self.shards[index] = shard
             _plain_tensor_or_refuse(shard.local, path)
             self.entries.append(
                 Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
             )
             self._counted(path, tensor.dim() + shard.local.dim(), self.entries[-1].nbytes)
             self.keys.append(None)
-            self.by_id[id(tensor)] = index
-            return index
-        _plain_tensor_or_refuse(tensor, path)
-        return self._plain(tensor, path)
+        self.by_id[id(tensor)] = first
+        return first
 
     def _plain(self, tensor: torch.Tensor, path: str) -> int:
         """A tensor's entry (a new one, or the one of the same view met before); refuses
