@@ -157,8 +157,10 @@ def main(argv: list[str]) -> int:
     if kind != "config":
         return 2
     if config.preemption.enabled:  # the trainer decides when it ends (and this process with it)
-        for name in config.preemption.signals:
-            signal.signal(signal.Signals[name], signal.SIG_IGN)
+        ignored = [signal.Signals[name] for name in config.preemption.signals]
+        for number in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)  # blocked until now (see ProcessTransfer)
     arena = Arena(slab_bytes, count, shared=True, fd=arena_fd)
     try:
         import uvloop

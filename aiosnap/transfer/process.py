@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -103,11 +104,19 @@ class ProcessTransfer:
         self._opened: set[str] = set()
         self._closed = self._loop.create_future()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
-             str(arena.slab_bytes), str(arena.count)],
-            pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        # The preemption signals are blocked in the new process from its first instruction
+        # (a blocked set survives exec) until it ignores them: one that arrives while it starts
+        # (a cluster signals every process of the job) waits, and is then ignored.
+        blocked = [signal.Signals[name] for name in config.preemption.signals] if config.preemption.enabled else []
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
+                 str(arena.slab_bytes), str(arena.count)],
+                pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
