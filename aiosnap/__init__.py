@@ -37,9 +37,12 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
     from .core.events import Event, JsonlHandler, LoggingHandler
+    from .core.progress import SaveProgress
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
+    from .interop.safetensors.api import export, open_safetensors
+    from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -54,7 +57,11 @@ _LAZY = {
     "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
     "RNGState": "core.rng",
+    "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
+    "SafetensorsExport": "interop.safetensors.live",
+    "export": "interop.safetensors.api",
+    "open_safetensors": "interop.safetensors.api",
 }
 
 
@@ -93,7 +100,9 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
+    "SafetensorsExport",
     "SaveHandle",
+    "SaveProgress",
     "SaveResult",
     "ShardedState",
     "SpoolBusyError",
@@ -107,5 +116,7 @@ __all__ = [
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
+    "export",
     "load_config",
+    "open_safetensors",
 ]

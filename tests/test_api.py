@@ -36,7 +36,9 @@ def test_public_names_are_locked() -> None:
         "RankFailedError",
         "RankTimeoutError",
         "RanksDisagreeError",
+        "SafetensorsExport",
         "SaveHandle",
+        "SaveProgress",
         "SaveResult",
         "ShardedState",
         "SpoolBusyError",
@@ -50,7 +52,9 @@ def test_public_names_are_locked() -> None:
         "UnsupportedStateError",
         "UploadProcessError",
         "WrongThreadError",
+        "export",
         "load_config",
+        "open_safetensors",
     }
 
 

@@ -35,6 +35,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
   supersedes the removal; only a save to that same path waits while it is deleted.
 - ``teardown`` waits for everything and re-raises a background failure with its original
   type, unless Lightning was already told about it (by a later ``save_checkpoint``).
+- Values only pickle can store (hyper-parameters, loop and callback states) are saved
+  pickled, as ``torch.save`` does; loading them needs ``allow_pickle=True``.
 - The plugin pickles (``torch.save(trainer)``, ``copy.deepcopy``, ``strategy="ddp_spawn"``):
   a copy is a fresh plugin with the same settings; saves in flight stay with the original.
 - Saves accepted before the process exits normally are finished at exit (see the README's
@@ -177,7 +179,11 @@ class AiosnapCheckpointIO(CheckpointIO):
         if self._checkpointer is None:
             # Lightning's CheckpointIO: one process writes each file (global rank 0), every rank
             # may read it; so aiosnap acts as a job of one rank here, whatever the job's size
-            self._checkpointer = SyncCheckpointer(self.config, rank=0, world_size=1, event_handlers=self.event_handlers)
+            # Lightning checkpoints hold values only pickle stores (hyper-parameters, loop and
+            # callback states), as with torch.save: this plugin saves them (loading them is
+            # still the caller's choice: allow_pickle)
+            saving = self.config.model_copy(update={"pickle_values": True})
+            self._checkpointer = SyncCheckpointer(saving, rank=0, world_size=1, event_handlers=self.event_handlers)
             self._checkpointer._closed_at_exit_by_its_owner()  # Lightning may never call teardown
         return self._checkpointer
 
