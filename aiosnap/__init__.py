@@ -19,6 +19,7 @@ from .errors import (
     ForkedProcessError,
     ManifestError,
     PickleNotAllowedError,
+    PlainReadTimeoutError,
     RankFailedError,
     RanksDisagreeError,
     RankTimeoutError,
@@ -38,10 +39,13 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
     from .core.events import Event, JsonlHandler, LoggingHandler
+    from .core.progress import SaveProgress
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
-    from .interop.convert import export
+    from .interop.exporting import export
+    from .interop.safetensors.api import open_safetensors
+    from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -55,9 +59,12 @@ _LAZY = {
     "JsonlHandler": "core.events",
     "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
-    "export": "interop.convert",
     "RNGState": "core.rng",
+    "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
+    "SafetensorsExport": "interop.safetensors.live",
+    "export": "interop.exporting",
+    "open_safetensors": "interop.safetensors.api",
 }
 
 
@@ -92,11 +99,14 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "PickleNotAllowedError",
+    "PlainReadTimeoutError",
     "RNGState",
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
+    "SafetensorsExport",
     "SaveHandle",
+    "SaveProgress",
     "SaveResult",
     "ShardedState",
     "SpoolBusyError",
@@ -113,4 +123,5 @@ __all__ = [
     "WrongThreadError",
     "export",
     "load_config",
+    "open_safetensors",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
+import dataclasses
 import logging
 import os
 import time
@@ -20,21 +20,27 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .catalog.steps import latest_committed
 from .config import Config
+from .core.console import SaveLineHandler, save_line
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .core.failures import FailureLedger
 from .core.loop import LoopThread
+from .core.preemption import Preemption
+from .core.progress import ProgressTracker, SaveProgress
 from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .format.manifest import Manifest
 from .handoff.spooldir import Spool
+from .interop.safetensors.live import SafetensorsExport, also_spec, plan_live
 from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
-from .load.apply import apply_state, decode_tree, plan_read
+from .load.apply import apply_state, check_meta_targets, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
+from .runtime.attachments import Attachments
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .storage.base import Storage
 from .trainer.chunks import SavePlan
@@ -57,11 +63,16 @@ class SaveHandle:
     reported: neither the next ``save()`` nor ``close()`` raises it again)."""
 
     def __init__(
-        self, step: int, durable: concurrent.futures.Future[SaveResult], failures: FailureLedger | None = None
+        self,
+        step: int,
+        durable: concurrent.futures.Future[SaveResult],
+        failures: FailureLedger | None = None,
+        progress: ProgressTracker | None = None,
     ) -> None:
         self.step = step
         self._durable = durable
         self._failures = failures
+        self._progress = progress if progress is not None else ProgressTracker(step, 0)
         self._pid = os.getpid()
 
     def _check_process(self) -> None:
@@ -82,6 +93,12 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save has committed or failed."""
         return self._durable.done()
+
+    def progress(self) -> SaveProgress:
+        """How far the save has got now: bytes captured, staged in RAM, spooled, uploaded,
+        of its total; its stage; the upload rate. Cheap, never blocks, any thread; a
+        snapshot, so compare two of them to see it move."""
+        return self._progress.snapshot()
 
     @property
     def future(self) -> concurrent.futures.Future[SaveResult]:
@@ -168,14 +185,34 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
         if not callable(handler):
             raise TypeError(f"event_handlers: {handler!r} is not callable")
     handlers: list[EventHandler] = []
-    if config.events.log:
-        handlers.append(LoggingHandler())
+    if config.events.log:  # (what the line per save says is not said twice: see LoggingHandler)
+        handlers.append(LoggingHandler(said_on_stderr=save_line if config.events.stderr else None))
+    if config.events.stderr:
+        handlers.append(SaveLineHandler())
     if config.events.jsonl is not None:
         try:
             handlers.append(JsonlHandler(config.events.jsonl))
         except OSError as exc:
             raise ConfigError(f"events.jsonl: cannot open {config.events.jsonl}: {exc.strerror or exc}") from exc
     return handlers + list(extra)
+
+
+def _check_multi_rank_storage(storage: Storage) -> None:
+    """:class:`ConfigError` unless ``storage`` can carry multi-rank saves: their verdict is
+    written only if absent, and exactly one writer must win (a coordinator's commit claim
+    or another rank's abort), else a rank's data could be removed under a commit."""
+    if storage.read_only:  # nothing is ever written there: no verdict to split
+        return
+    if not storage.conditional_writes and not storage.single_file:  # (one file holds one rank: refused at save)
+        hint = (
+            "set s3.conditional_commit: true (the store must support If-None-Match)"
+            if storage.url.startswith("s3://")
+            else f"{type(storage).__name__} must set conditional_writes = True (write(if_absent=True): one writer wins)"
+        )
+        raise ConfigError(
+            f"{storage.url}: a multi-rank checkpointer needs a store with conditional writes, so that one verdict per "
+            f"save holds for every rank; {hint}"
+        )
 
 
 class _Core:
@@ -200,13 +237,14 @@ class _Core:
         event_handlers: Sequence[EventHandler] = (),
     ) -> None:
         self.config = Config.coerce(config)
-        self._job = DistributedJob(
-            self.config.distributed, ProcessGroupInfo.of(process_group, rank, world_size), process_group
-        )
-        group = self._job.info
-        ram_budget = self.config.ram_budget_bytes()
+        info = ProcessGroupInfo.of(process_group, rank, world_size)
         if storage is None:
             storage = storage_for(self.config.storage.url, self.config)
+        if info.world_size > 1:
+            _check_multi_rank_storage(storage)
+        self._job = DistributedJob(self.config.distributed, info, process_group)
+        group = self._job.info
+        ram_budget = self.config.ram_budget_bytes()
         self.rank = group.rank
         self.world_size = group.world_size
         self._storage = storage
@@ -217,10 +255,12 @@ class _Core:
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
+        self._loaded_step: int | None = None
         events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
             undo.callback(events.close)
+            self._job.check_spools(self.config.spool)
             spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
             if spool is not None:
                 undo.callback(spool.close)  # the lock, so a later checkpointer may take the spool
@@ -229,6 +269,8 @@ class _Core:
             self._engine = Engine(self.config, storage, ram_budget, events, spool)
             undo.callback(lambda: self._loop.run(self._engine.shutdown()))
             self._loop.run(self._engine.start())
+            self._attachments = Attachments(self.config, self._engine, self._loop)
+            undo.callback(self._attachments.close)
             if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()
@@ -252,12 +294,15 @@ class _Core:
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view._storage = storage if storage is not None else storage_for(url, self.config)
+        if self.world_size > 1:
+            _check_multi_rank_storage(view._storage)
         view._keep_last = keep_last
         view._views = []
         view._layouts = LayoutMemo()
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
+        view._loaded_step = None
         self._views = [v for v in self._views if not v._closed] + [view]
         return view
 
@@ -279,9 +324,43 @@ class _Core:
         return self._engine.events.flush(timeout)
 
     @property
+    def loaded_step(self) -> int | None:
+        """The step the latest successful ``load()`` or ``load_latest()`` of this checkpointer
+        restored (the step training resumed from); None before any."""
+        return self._loaded_step
+
+    def _looks_up_latest(self) -> bool:
+        """Whether this rank looks up the latest step for :meth:`_agreed_latest` (one rank
+        alone; rank 0 of several)."""
+        return self._job.group is None or self._job.needs_latest(None)
+
+    def _agreed_latest(self, latest: int | None, failure: BaseException | None) -> int | None:
+        """The latest committed step for every rank: this rank's own lookup alone, else rank
+        0's (collective: every rank calls it; a ``failure`` of rank 0's lookup is raised
+        there and a :class:`RankFailedError` on the others, at once). Caller's thread."""
+        if self._job.group is None:
+            if failure is not None:
+                raise failure
+            return latest
+        return self._job.load_step(None, latest, failure)
+
+    @property
     def loop_kind(self) -> str:
         """``uvloop`` or ``asyncio``: the background loop actually running."""
         return self._loop.kind
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal has arrived (``preemption.enabled``): take a last
+        save and stop; the process then exits as the signal would have (see
+        :mod:`aiosnap.core.preemption`). Always False when preemption is not enabled."""
+        return self._attachments.preempted
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """The process's preemption handling (its ``event``, ``signal``,
+        ``seconds_left()``), or None when ``preemption.enabled`` is off."""
+        return self._attachments.preemption
 
     @property
     def ram_high_water(self) -> int:
@@ -300,6 +379,7 @@ class _Core:
         step: int,
         metadata: dict[str, Any] | None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> tuple[SavePlan, CudaOrder | None]:
         """Runs on the caller's thread: take state dicts, flatten, (with several ranks)
         agree with the other ranks, lay out chunks. A rank that fails before the ranks agree
@@ -308,13 +388,6 @@ class _Core:
         agree = self._job.agreement(step)
         try:
             self._check_open()
-            if metadata is not None:
-                if not isinstance(metadata, dict):
-                    raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-                try:
-                    json.dumps(metadata, allow_nan=False)
-                except (TypeError, ValueError) as exc:
-                    raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
             if agree is not None:  # an earlier save's failure, raised here rather than after agreeing
                 failure = self._engine.failures.take()
                 if failure is not None:
@@ -330,7 +403,11 @@ class _Core:
                 rank_local=self._job.rank_local(rank_local),
                 agree=agree,
                 memo=self._layouts,
+                pickle_values=self.config.pickle_values,
             )
+            if also_as is not None:  # a live export (interop.safetensors.live), checked here
+                plan.spec = dataclasses.replace(plan.spec, also=also_spec(also_as))
+                plan_live(plan.spec)
         except BaseException:
             if agree is not None:
                 agree.abandon()
@@ -349,7 +426,10 @@ class _Core:
             if isinstance(paths, str):
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
-        targets = None if state is None or atomic else target_tree(state)
+        found = None if state is None else target_tree(state)
+        if found is not None:
+            check_meta_targets(found)
+        targets = None if atomic else found
         caller = None if targets is None else CudaOrder.record(written_tensors(targets))
         slab_bytes = self._engine.slab_bytes
         return _ReadChoice(
@@ -413,6 +493,7 @@ class _Core:
     def _end_close(self, raise_failure: bool) -> None:
         if self._owner is not None:  # a view: the owner's loop and engine stay
             return
+        self._attachments.close()
         self._loop.stop()
         self._engine.events.close()
         self._job.close()
@@ -466,6 +547,7 @@ class Checkpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SaveHandle:
         """Capture ``state`` and return once every byte is captured (the state may then be
         mutated). ``await`` the handle for durability. Waits first while
@@ -475,11 +557,18 @@ class Checkpointer(_Core):
         With several ranks every rank calls it for the same step: replicated values are
         written once, DTensors as their shards, and ``rank_local`` path patterns (added to
         ``distributed.rank_local``) name values each rank saves for itself. The handle
-        resolves when the step is committed (every rank's data landed) on every rank."""
+        resolves when the step is committed (every rank's data landed) on every rank.
+
+        ``also_as="safetensors"`` (or a :class:`~aiosnap.interop.safetensors.live.SafetensorsExport`
+        naming the paths) also writes the Hugging Face layout of the state's tensors, from
+        the same capture, into ``<step>/<save id>/safetensors/``, committed with the step."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = await self._call(
+                self._engine.save(plan, order, started, self._storage, self._keep_last, progress)
+            )
         except asyncio.CancelledError as exc:
             self._abort_on_interrupt(plan.save_id)
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
@@ -487,7 +576,7 @@ class Checkpointer(_Core):
         except BaseException as exc:
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
             raise
-        return SaveHandle(step, durable, self._engine.failures)
+        return SaveHandle(step, durable, self._engine.failures, progress)
 
     async def load(
         self,
@@ -516,18 +605,78 @@ class Checkpointer(_Core):
         read from whichever saved shards overlap it; a load without ``state`` returns full
         tensors. Rank-local values go back to the rank that saved them; with another world
         size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
+        loaded, _ = await self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    async def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found: list[int] = await self._call(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest, failure = None, None
+                if self._job.needs_latest(step):
+                    try:
+                        found: list[int] = await self._call(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
+                read = self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                try:
+                    manifest, tensors = await self._call(read)
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+                self._loaded_step = manifest.step
+                return loaded, manifest.step
+        raise AssertionError("unreachable: the last attempt never reads again")
+
+    async def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if the root holds one and
+        return that step; return None, leaving ``state`` as it is, when it holds none (the
+        first run). A training loop then goes on with the step after it::
+
+            done = await ckpt.load_latest(state)     # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+
+        With several ranks every rank calls it and all get the same step (rank 0's view of
+        the latest). Loading works as :meth:`load` with ``state`` (the keyword arguments
+        are its own); a latest step that cannot be loaded raises, it never falls back to an
+        older one. :attr:`loaded_step` keeps the step afterwards."""
+        self._check_open()
+        latest, failure = None, None
+        if self._looks_up_latest():
+            try:
+                latest = await self._call(latest_committed(self._storage))
+            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+                failure = exc
+        step = self._agreed_latest(latest, failure)
+        if step is None:
+            return None
+        single = self._job.group is None  # one rank reads "the latest" itself (one removed meanwhile: the next)
+        _, restored = await self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored  # this call's own step (loaded_step may be another thread's by now)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -612,18 +761,20 @@ class SyncCheckpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SyncSaveHandle:
         """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
-        Same waiting, failure and multi-rank rules as :meth:`Checkpointer.save`."""
+        Same waiting, failure, multi-rank and ``also_as`` rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last, progress))
         except BaseException as exc:
             self._abort_on_interrupt(plan.save_id)
             self._leave_distributed_save(plan, exc)
             raise
-        return SyncSaveHandle(step, durable, self._engine.failures)
+        return SyncSaveHandle(step, durable, self._engine.failures, progress)
 
     def load(
         self,
@@ -636,18 +787,74 @@ class SyncCheckpointer(_Core):
         skip_rank_local: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
+        loaded, _ = self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found = self._loop.run(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest, failure = None, None
+                if self._job.needs_latest(step):
+                    try:
+                        found = self._loop.run(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
+                try:
+                    manifest, tensors = self._loop.run(
+                        self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                    )
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+                self._loaded_step = manifest.step
+                return loaded, manifest.step
+        raise AssertionError("unreachable: the last attempt never reads again")
+
+    def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if there is one and return
+        that step, else None (``state`` untouched). See :meth:`Checkpointer.load_latest`::
+
+            done = ckpt.load_latest(state)           # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+        """
+        self._check_open()
+        latest, failure = None, None
+        if self._looks_up_latest():
+            try:
+                latest = self._loop.run(latest_committed(self._storage))
+            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+                failure = exc
+        step = self._agreed_latest(latest, failure)
+        if step is None:
+            return None
+        single = self._job.group is None
+        _, restored = self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

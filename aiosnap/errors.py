@@ -25,7 +25,8 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     │   ├── ManifestError            manifest missing fields, wrong version, unsafe object name
     │   ├── TruncatedObjectError     a data object is shorter than the manifest says
     │   └── ChecksumMismatchError    a byte range does not match its crc32c
-    └── PickleNotAllowedError        loading would unpickle and allow_pickle is False
+    ├── PickleNotAllowedError        loading would unpickle and allow_pickle is False
+    └── PlainReadTimeoutError        a plain read waiting for its thread's save ran out of time
 
 Errors raised by storage while a save runs in the background (``OSError`` from a
 disk, for instance) are *not* translated: they surface with their original type at
@@ -46,6 +47,7 @@ __all__ = [
     "ForkedProcessError",
     "ManifestError",
     "PickleNotAllowedError",
+    "PlainReadTimeoutError",
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
@@ -166,6 +168,12 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class PickleNotAllowedError(AiosnapError):
     """The checkpoint holds pickled objects and the caller did not pass ``allow_pickle=True``."""
+
+
+class PlainReadTimeoutError(AiosnapError, TimeoutError):
+    """A plain read (``torch.load``, ``open``) of a Lightning checkpoint path by the thread that
+    saved it waited for that save longer than the plugin's ``plain_reads_timeout``; the
+    message names the path."""
 
 
 def first_error(error: BaseExceptionGroup[BaseException]) -> BaseException:

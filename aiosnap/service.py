@@ -19,8 +19,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,11 +33,14 @@ from .core.budget import ByteBudget
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
-from .errors import StepOrderError
+from .core.names import attempt_prefix, step_dir
+from .core.progress import ProgressBoard, ProgressTracker
+from .errors import RankTimeoutError, StepOrderError, UploadProcessError
 from .format.manifest import Manifest
-from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
+from .handoff.contract import FileChunk, SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
 from .load.apply import check_pickles
+from .load.consistent import read_while_committed
 from .load.fetch import ReadPlan, fetch_entries
 from .storage.base import Storage
 from .trainer.capture import Copier, capture_chunks
@@ -44,7 +48,8 @@ from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
-from .transfer.rank_commit import abandon_part
+from .transfer.heartbeat import Heartbeat
+from .transfer.rank_settle import abandon_part, settle_without_transfer
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 
@@ -57,6 +62,10 @@ ABORT_GRACE_S = 10.0
 waiting (``close(timeout)``): an upload process that does not answer by then (stopped,
 wedged) is killed; its saves fail with UploadProcessError, except those whose step is read
 back as committed."""
+
+CLOSE_LOOK_S = 1.0
+"""How long a multi-rank save that ``close(timeout)`` gave up on, whose upload process had to
+be killed, still looks for its verdict (its part delivered) before it is left undecided."""
 
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
@@ -111,6 +120,7 @@ class _SaveJob:
     emit: ScopeEmitter
     preflight: asyncio.Future[Preflight]
     outcome: asyncio.Future[TransferOutcome]
+    progress: ProgressTracker
     task: asyncio.Task[None] | None = None
     capture: asyncio.Task[None] | None = None
     session: SpoolSession | None = None
@@ -122,6 +132,9 @@ class _SaveJob:
     later saves; its own saves end with it)."""
     aborted: bool = False
     """Given up before capture ended: it can no longer commit, and holds no step."""
+    cancelled_by_close: bool = False
+    """Cancelled while it waited for its outcome (``close(timeout)``): the TimeoutError close
+    raises reports it, not the UploadProcessError of the helper killed for not answering."""
 
 
 class Engine:
@@ -144,8 +157,7 @@ class Engine:
         self.slab_bytes = slab_bytes_for(config, ram_budget)
         self.in_process = config.upload.executor == "process"
         count = max(1, ram_budget // self.slab_bytes)
-        self.arena = Arena(self.slab_bytes, count, shared=self.in_process)
-        self.arena.prewarm()  # pages resident before the first save needs them
+        self.arena = Arena(self.slab_bytes, count, shared=self.in_process)  # reserved; resident where written
         self.budget = ByteBudget(self.arena.size, "ram_budget")
         self.pool: SlabPool | None = None  # made on the loop (it holds an asyncio queue)
         self._bounce: Bounce | None = None
@@ -158,6 +170,11 @@ class Engine:
         done_with, which may arrive after its save has ended (chunks staged after the
         transfer side gave the save up)."""
         self.transfer: Transfer | None = None
+        self.board = ProgressBoard()
+        """The progress of the saves in flight (a live display reads it)."""
+        self._told_over_budget = False
+        self._securing = False
+        """Preempted: chunks held in RAM are written to the spool too (see :meth:`preempted`)."""
 
     async def start(self) -> None:
         """Make the slab pool and the transfer side (starting the upload process in
@@ -191,6 +208,21 @@ class Engine:
                     self._bounce = Bounce(self.pool)
         return self.pool
 
+    def _say_if_over_budget(self, plan: SavePlan) -> None:
+        """Once per engine: a state larger than the RAM budget, with no spool to spill to,
+        makes save() wait for uploads (said through logging at WARNING, which Python shows
+        on stderr even when logging is not set up)."""
+        if self._told_over_budget or self.spool is not None or plan.total_bytes <= self.budget.capacity:
+            return
+        self._told_over_budget = True
+        over = plan.total_bytes - self.budget.capacity
+        log.warning(
+            "aiosnap: the state of step %d (%.1f MiB) is larger than the RAM budget (%.1f MiB) and no spool is "
+            "configured: save() returns only once %.1f MiB have reached storage. Raise ram_budget, or set "
+            "spool.dir to spill to local disk and return at disk speed (said once).",
+            plan.step, plan.total_bytes / 2**20, self.budget.capacity / 2**20, over / 2**20,
+        )  # fmt: skip
+
     def raise_unobserved(self) -> None:
         """Raise the oldest background failure nobody has been told about (once)."""
         failure = self.failures.take()
@@ -216,15 +248,23 @@ class Engine:
         started: float,
         storage: Storage,
         keep_last: int | None,
+        progress: ProgressTracker | None = None,
     ) -> concurrent.futures.Future[SaveResult]:
         """Start a save to ``storage``; returns once every byte is captured, with a future
-        for durability. ``keep_last`` is the retention applied there after the commit.
-        Cancelled before it returns, the save is aborted: nothing of it is committed."""
+        for durability. ``keep_last`` is the retention applied there after the commit;
+        ``progress`` hears how far the save has got. Cancelled before it returns, the save
+        is aborted: nothing of it is committed."""
         self.raise_unobserved()
         self._check_order(plan.step, storage)
+        self._say_if_over_budget(plan)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
-        await self._pending.acquire()
+        bridge = self._bridge(plan, storage)
+        try:
+            await self._pending.acquire()
+        except BaseException:
+            await self._drop_bridge(bridge, storage, plan)
+            raise
         try:
             self.raise_unobserved()  # a save that failed while we waited
             self._check_order(plan.step, storage)
@@ -234,6 +274,7 @@ class Engine:
             transfer.open_root(storage.url, storage)
         except BaseException:
             self._pending.release()
+            await self._drop_bridge(bridge, storage, plan)
             raise
         loop = asyncio.get_running_loop()
         durable: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
@@ -241,20 +282,28 @@ class Engine:
         job = _SaveJob(
             plan, order, started, storage, keep_last, loop.create_future(), durable,
             self.events.scope("save", plan.step, storage.url, plan.save_id), loop.create_future(),
-            loop.create_future(),
+            loop.create_future(), progress or ProgressTracker(plan.step, plan.total_bytes, started),
         )  # fmt: skip
         job.transfer = transfer
+        job.progress.stage("capturing")
+        self.board.add(job.progress)
         self._jobs[plan.save_id] = job
         job.emit("start")
+        if bridge is not None:  # until the transfer side beats (its look at the root is back) or the save ends
+            for future in (job.preflight, job.outcome):
+                future.add_done_callback(lambda _: bridge.hand_over())
         try:
             transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
             plan.handed_over = True
         except BaseException as exc:  # the upload process is gone: this save never started
             self._jobs.pop(plan.save_id, None)
+            self.board.discard(job.progress)
+            job.progress.stage("failed")
             self._pending.release()
             job.emit("exception", exception=exc)
             durable.set_exception(exc)
             durable.exception()  # raised here, by save() itself
+            await self._drop_bridge(bridge, storage, plan)
             raise
         job.task = loop.create_task(self._run(job))
         job.task.add_done_callback(lambda task: self._forget(job))
@@ -264,6 +313,29 @@ class Engine:
             self.abort(plan.save_id)
             raise
         return durable
+
+    def _bridge(self, plan: SavePlan, storage: Storage) -> Heartbeat | None:
+        """A multi-rank save's heartbeat from the trainer side, while it waits for a
+        pending-save slot and until its transfer side (maybe an upload process still
+        starting) beats: the other ranks, perhaps one save further, must not take this rank
+        for stopped meanwhile."""
+        if plan.spec.distributed is None:
+            return None
+        bridge = Heartbeat(storage, plan.spec, self.config.distributed)
+        bridge.start()
+        return bridge
+
+    @staticmethod
+    async def _drop_bridge(bridge: Heartbeat | None, storage: Storage, plan: SavePlan) -> None:
+        """A save that never began: no heartbeat, and no empty folder, left behind."""
+        if bridge is None:
+            return
+        await finish_despite_cancel(bridge.stop())
+        try:
+            await storage.remove_empty_folder(attempt_prefix(plan.step, plan.save_id))
+            await storage.remove_empty_folder(step_dir(plan.step))
+        except Exception as exc:
+            log.debug("aiosnap: removing the folder of a save that never began failed: %r", exc)
 
     async def leave(self, plan: SavePlan, storage: Storage, error: BaseException) -> None:
         """``save()`` of a multi-rank ``plan`` failed on this rank after the ranks agreed.
@@ -310,6 +382,8 @@ class Engine:
         assert self._pending is not None
         self._jobs.pop(job.plan.save_id, None)
         self._pending.release()
+        self.board.discard(job.progress)
+        job.progress.stage("cancelled")  # (a save that ended otherwise stays as it ended)
         if not job.captured.done():
             job.captured.cancel()
         if not job.durable.done():
@@ -361,7 +435,7 @@ class Engine:
                 if current is not None:
                     current.uncancel()
                 self._abort_transfer(job, even_committing=True)
-                given_up = True
+                given_up = job.cancelled_by_close = True
 
     async def _capture(self, job: _SaveJob) -> None:
         """Copy every chunk, check the step order, and let save() return."""
@@ -372,14 +446,15 @@ class Engine:
         if job.outcome.done():  # refused by the transfer side before anything was copied
             return
         job.session = self._spool_session(plan, job.storage, job.keep_last)
+        if self._securing:  # a save started after a preemption (the trainer's last one)
+            self._keep_resumable(job)
         capture_started = time.perf_counter()
-        with self.arena.capturing():
-            await capture_chunks(
-                plan, pool, self._executor, self._copier, job.order,
-                stage=lambda chunk: self._stage(job, chunk),
-                may_upload=lambda: transfer.may_upload(plan.save_id),
-                spool=job.session,
-            )  # fmt: skip
+        await capture_chunks(
+            plan, pool, self._executor, self._copier, job.order,
+            stage=lambda chunk: self._stage(job, chunk),
+            may_upload=lambda: transfer.may_upload(plan.save_id),
+            spool=job.session,
+        )  # fmt: skip
         if job.session is not None:
             await job.session.captured()  # the journal says so before save() returns
         capture_done = time.perf_counter()
@@ -389,6 +464,7 @@ class Engine:
         job.blocked = time.perf_counter() - job.started
         job.stages["capture"] = capture_done - capture_started
         job.captured.set_result(job.blocked)
+        job.progress.stage("uploading")
         job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
         if job.session is not None and job.session.spooled:
             job.stages["spool"] = job.session.spool_seconds
@@ -398,7 +474,58 @@ class Engine:
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert job.transfer is not None
         self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
+        job.progress.captured(job.plan.chunks[chunk.index].payload, spooled=isinstance(chunk, FileChunk))
         job.transfer.staged(chunk)
+        if self._securing and isinstance(chunk, SlabChunk):
+            self._secure(job, chunk)
+
+    def preempted(self) -> None:
+        """A preemption signal came (:mod:`aiosnap.core.preemption`); loop thread. The saves
+        in flight go on; with a spool, every chunk they hold in RAM, and every one staged
+        from now on, is written to the spool disk as well, so that a save the grace period
+        is too short for is resumed by the next process. (Multi-rank saves are not resumed
+        from a spool: their ranks only try to finish.) Every such save is journalled, even
+        one with nothing left in RAM (its commit under way)."""
+        if self._securing:
+            return
+        self._securing = True
+        for (save_id, _), (chunk, _) in list(self._lent.items()):
+            job = self._jobs.get(save_id)
+            if job is not None and isinstance(chunk, SlabChunk):
+                self._secure(job, chunk)
+        for job in list(self._jobs.values()):
+            self._keep_resumable(job)
+
+    def _keep_resumable(self, job: _SaveJob) -> None:
+        """Preempted: journal ``job`` whatever it holds in RAM (see SpoolSession.keep_resumable)."""
+        if job.session is not None and job.plan.spec.distributed is None and not job.aborted:
+            self._journalling(job, job.session.keep_resumable())
+
+    def _secure(self, job: _SaveJob, chunk: SlabChunk) -> None:
+        """Write ``chunk`` (in RAM) to the save's spool folder, holding its slab meanwhile."""
+        session, pool = job.session, self.pool
+        if session is None or pool is None or job.plan.spec.distributed is not None or job.aborted:
+            return
+        pool.hold(chunk.slab)
+
+        async def write() -> None:
+            try:
+                data = self.arena.view(chunk.slab, chunk.nbytes)
+                if await session.secure(job.plan.chunks[chunk.index], data):
+                    job.progress.spooled(job.plan.chunks[chunk.index].payload)
+            except Exception as exc:  # the save itself goes on
+                log.warning("aiosnap: keeping chunk %d of step %d on the spool: %r", chunk.index, job.plan.step, exc)
+            finally:
+                pool.unhold(chunk.slab)
+
+        self._journalling(job, write())
+
+    @staticmethod
+    def _journalling(job: _SaveJob, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (spool and journal writes) as a task the end of ``job`` waits for."""
+        task = asyncio.get_running_loop().create_task(work)
+        job.journalling.add(task)
+        task.add_done_callback(job.journalling.discard)
 
     @staticmethod
     async def _check_preflight(job: _SaveJob) -> None:
@@ -432,6 +559,7 @@ class Engine:
             stage_seconds={**job.stages, **outcome.stage_seconds},
             spool_high_water=None if self.spool is None else self.spool.budget.high_water,
         )
+        job.progress.stage("committed")
         job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
         if not job.captured.done():
             job.captured.set_result(result.blocked_s)
@@ -441,15 +569,18 @@ class Engine:
         """Report ``failure`` once: by save() itself when it has not returned yet, else to
         whoever waits for the handle, else by the next save() or close()."""
         step = job.plan.step
-        job.emit("exception", exception=failure)
         cancelled = isinstance(failure, asyncio.CancelledError)
+        job.progress.stage("cancelled" if cancelled else "failed")
+        job.emit("exception", exception=failure)
         if not job.captured.done():
             if cancelled:
                 job.captured.cancel()
             else:
                 job.captured.set_exception(failure)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
-        elif not cancelled:
+        elif not cancelled and not (
+            job.cancelled_by_close and isinstance(failure, (UploadProcessError, RankTimeoutError))
+        ):  # (close's own TimeoutError reports a save it gave up on)
             self.failures.record(failure)  # before the handle can hand it out: see FailureLedger
         if cancelled:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {step} was cancelled"))
@@ -480,15 +611,24 @@ class Engine:
         job = self._jobs.get(save_id)
         if job is None:
             return
+        if pieces is not None:
+            job.progress.landed(index, job.plan.chunks[index].payload)
+        else:
+            job.progress.dropped(index)
         if job.session is not None and (chunk is not None or pieces is not None):
-            task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
-            job.journalling.add(task)
-            task.add_done_callback(job.journalling.discard)
+            self._journalling(job, job.session.done_with(index, pieces))
+
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        job = self._jobs.get(save_id)
+        if job is not None and 0 <= index < len(job.plan.chunks):
+            job.progress.sending(index, nbytes, job.plan.chunks[index].payload)
 
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         job = self._jobs.get(save_id)
         if job is not None:
             job.stages[stage] = seconds
+            if stage == "upload":
+                job.progress.stage("committing")
             job.emit("end", stage=stage, nbytes=nbytes, seconds=seconds)
 
     def finished(self, save_id: str, outcome: TransferOutcome) -> None:
@@ -516,12 +656,25 @@ class Engine:
                 job.preflight.exception()
             if job.outcome.done():
                 continue
-            if "upload" in job.stages:  # its commit may have begun, or landed
-                task = asyncio.get_running_loop().create_task(self._read_back(job, error))
-                job.journalling.add(task)
-                task.add_done_callback(job.journalling.discard)
+            if job.plan.spec.distributed is not None:  # the other ranks must hear of it
+                self._journalling(job, self._rank_lost(job, error))
+            elif "upload" in job.stages:  # its commit may have begun, or landed
+                self._journalling(job, self._read_back(job, error))
             else:
                 self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
+
+    async def _rank_lost(self, job: _SaveJob, error: BaseException) -> None:
+        """The upload process died with this rank's part of a multi-rank save: leave the
+        marker the other ranks need, or (its part delivered) wait here for the verdict --
+        briefly (:data:`CLOSE_LOOK_S`) when ``close(timeout)`` gave the save up, which then
+        ends undecided."""
+        wait_s = CLOSE_LOOK_S if job.cancelled_by_close else None
+        try:
+            await settle_without_transfer(job.storage, job.plan.spec, error, self.config.distributed, wait_s=wait_s)
+            outcome = TransferOutcome(committed=True)
+        except Exception as exc:
+            outcome = TransferOutcome(committed=False, error=exc)
+        self.finished(job.plan.save_id, outcome)
 
     async def _read_back(self, job: _SaveJob, error: BaseException) -> None:
         """The transfer side died after a save's upload stage: did its commit land?"""
@@ -559,19 +712,8 @@ class Engine:
         rank's view of a multi-rank checkpoint) and its verified tensors (as
         ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
         from one version of the checkpoint."""
-        with self.arena.capturing():  # the staging prewarm waits: a restore is on the critical path too
-            return await self._read(step, allow_pickle, storage, select, view)
 
-    async def _read(
-        self,
-        step: int | None,
-        allow_pickle: bool,
-        storage: Storage,
-        select: Callable[[Manifest], ReadPlan] | None,
-        view: Callable[[Manifest], Manifest] | None,
-    ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        async with storage.reading():
-            manifest = await self.manifest(step, storage)
+        async def fetch(manifest: Manifest) -> tuple[Manifest, dict[int, torch.Tensor]]:
             if view is not None:
                 manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
@@ -579,12 +721,15 @@ class Engine:
             slabs = self._load_slabs(plan)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
 
+        async with storage.reading():  # a step removed meanwhile (another job's retention): see load.consistent
+            return await read_while_committed(storage, step, fetch)
+
     def _load_slabs(self, plan: ReadPlan) -> LoadSlabs:
         """The staging slabs a load borrows (from the saves' pool, under the same RAM
         budget; pinned when it copies into CUDA tensors) for what it cannot read straight
         into its destination."""
         pool = self._slab_pool()
-        targets = [*plan.staged.values(), *(t.dest for t in plan.shards.values())]
+        targets = [*plan.staged.values(), *(t.dest for boxes in plan.shards.values() for t in boxes)]
         if any(t.device.type == "cuda" for t in targets):
             pool.pin()
         return LoadSlabs(pool)
@@ -615,7 +760,10 @@ class Engine:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
-            raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
+            raise TimeoutError(
+                f"{len(pending)} save(s) did not finish within {timeout} s and were cancelled (each handle says how it "
+                "ended: a multi-rank save whose part was delivered may still be committed by its coordinator)"
+            )
 
     async def resume(
         self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None

@@ -59,7 +59,10 @@ def run_ranks(
     results = []
     for rank, (proc, _) in enumerate(procs):
         path = work / f"result-{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"exit": proc.returncode})
+        if path.exists():
+            results.append({**json.loads(path.read_text()), "status": proc.returncode})
+        else:
+            results.append({"exit": proc.returncode})
     return results
 
 

@@ -32,11 +32,14 @@ def test_public_names_are_locked() -> None:
         "Manifest",
         "ManifestError",
         "PickleNotAllowedError",
+        "PlainReadTimeoutError",
         "RNGState",
         "RankFailedError",
         "RankTimeoutError",
         "RanksDisagreeError",
+        "SafetensorsExport",
         "SaveHandle",
+        "SaveProgress",
         "SaveResult",
         "ShardedState",
         "SpoolBusyError",
@@ -53,6 +56,7 @@ def test_public_names_are_locked() -> None:
         "WrongThreadError",
         "export",
         "load_config",
+        "open_safetensors",
     }
 
 

@@ -177,7 +177,7 @@ def test_a_hostile_torch_file_runs_nothing(tmp_path: Path) -> None:
 
 def test_pickled_values_need_allow_pickle_to_change_format(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    with SyncCheckpointer({**SMALL, "storage": {"url": str(root)}}) as ckpt:
+    with SyncCheckpointer({**SMALL, "storage": {"url": str(root)}, "pickle_values": True}) as ckpt:
         ckpt.save({"w": torch.ones(3), "odd": {1, 2}}, step=1).wait(timeout=30)
     with pytest.raises(PickleNotAllowedError):
         export(str(root), str(tmp_path / "o.pt"), to="torch", config=SMALL)

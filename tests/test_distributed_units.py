@@ -12,11 +12,14 @@ import pytest
 import torch
 from aiosnap import SyncCheckpointer, UnsupportedStateError
 from aiosnap.distributed.assign import assign_writers
-from aiosnap.errors import ManifestError
-from aiosnap.format.parts import RankPart, build_part, merge_parts
+from aiosnap.errors import ManifestError, StateMismatchError
+from aiosnap.format.classes import describe
+from aiosnap.format.merge import merge_parts
+from aiosnap.format.parts import RankPart, build_part
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
 from aiosnap.load.ranks import rank_view
+from aiosnap.load.select import refuse_unavailable
 
 SAVE_ID = "0123456789abcdef"
 
@@ -70,19 +73,32 @@ def _spec(rank: int, written: tuple[int, ...], world: int = 2) -> SaveSpec:
     for index, nbytes in ((i, (32 if i == 0 else 16)) for i in written):
         pieces.append(PieceSpec(index, nbytes, offset))
         offset += 64
+    tree = {"t": "dict", "items": [["a", {"t": "tensor", "id": 0}], ["b", {"t": "dtensor", "id": 1}]]}
+    one = describe([("a", "tensor", "float32", (8,), None), ("b", "sharded", "float32", (4, 2), 0)], tree)
     return SaveSpec(
         step=1,
         save_id=SAVE_ID,
         rank=rank,
         world_size=world,
-        tree={"t": "dict", "items": [["a", {"t": "tensor", "id": 0}], ["b", {"t": "dtensor", "id": 1}]]},
+        tree=tree,
         metadata={},
         entries=(
             EntrySpec("a", "tensor", "float32", (8,), (1,), "cpu", 32),
             EntrySpec("b", "sharded", "float32", (2, 2), (2, 1), "cpu", 16),
         ),
         chunks=(ChunkSpec(f"{folder}/0.bin", offset, tuple(pieces)),),
-        distributed=DistSpec(0, 5.0, 2, written, (ShardSpec(1, (2 * rank, 0), (4, 2)),), ()),
+        distributed=DistSpec(
+            0,
+            5.0,
+            2,
+            written,
+            (ShardSpec(1, (2 * rank, 0), (4, 2)),),
+            (),
+            0,
+            one.class_digest,
+            one.buckets,
+            announced=(one.class_digest,) * world if rank == 0 else (),
+        ),  # one class, one writer group
     )
 
 
@@ -149,8 +165,10 @@ def test_rank_view_gives_each_rank_its_own_values() -> None:
     assert view.tree["items"] == [["x", 10], ["y", {"t": "list", "items": [1]}]]
     skipped = rank_view(manifest, 0, 3, skip_rank_local=True)
     assert skipped.tree["items"] == [["x", {"t": "skipped"}], ["y", {"t": "skipped"}]]
-    with pytest.raises(ValueError, match="2 ranks"):
-        rank_view(manifest, 0, 3, skip_rank_local=False)
+    elsewhere = rank_view(manifest, 0, 3, skip_rank_local=False)  # refused only where a load needs them
+    assert [value["t"] for _, value in elsewhere.tree["items"]] == ["unavailable", "unavailable"]
+    with pytest.raises(StateMismatchError, match="2 ranks"):
+        refuse_unavailable(elsewhere.tree)
     with pytest.raises(ValueError, match="rank-local values of 1 ranks"):
         Manifest.model_validate({**manifest.model_dump(), "rank_local": [record(0).model_dump()]})
     with pytest.raises(ValueError, match="no multi-rank parts"):

@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
         "testing",
         "dcp",
     },
-    {"service", "distributed"},
+    {"service", "distributed", "runtime"},
     {"trainer", "transfer"},
     {"catalog", "load", "handoff", "interop"},
     {"format"},

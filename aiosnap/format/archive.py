@@ -26,11 +26,13 @@ __all__ = [
     "ALIGN",
     "ARCHIVE",
     "MANIFEST_RECORD",
+    "MARKS_BYTES",
     "MAX_TRAILER_BYTES",
     "Record",
     "Trailer",
     "build_tail",
     "data_record_name",
+    "has_aiosnap_marks",
     "local_header",
     "parse_trailer",
     "zip_directory",
@@ -59,6 +61,10 @@ _UTF8 = 1 << 11
 _COMMENT = re.compile(rb"aiosnap-archive step=(\d{1,20}) save=([0-9a-f]{16}) manifest=(\d{1,20})\+(\d{1,20})")
 MAX_TRAILER_BYTES = _EOCD.size + 128
 """Bytes at the end of the file that hold the end record and its comment."""
+MARKS_BYTES = 1024
+"""Bytes at the end of the file that hold :func:`has_aiosnap_marks`' marks (the end records,
+the comment and the central directory entry of the manifest, which comes last)."""
+_MARKS = (b"aiosnap-archive ", MANIFEST_RECORD.split("/", 1)[1].encode())
 
 
 def data_record_name(entry: int) -> str:
@@ -195,3 +201,11 @@ def parse_trailer(tail: bytes, file_size: int) -> Trailer | None:
     if offset + nbytes > file_size - len(tail) + found:
         return None
     return Trailer(step, match[2].decode("ascii"), offset, nbytes)
+
+
+def has_aiosnap_marks(tail: bytes) -> bool:
+    """True when the last :data:`MARKS_BYTES` (or fewer) bytes of a file carry aiosnap's
+    marks: the start of the trailer's comment, or the name of the manifest's record in the
+    central directory. A file that has them but no :func:`parse_trailer` trailer is an aiosnap
+    archive whose end is damaged (one byte is enough: ``torch.load`` reads on without it)."""
+    return any(mark in tail for mark in _MARKS)

@@ -29,15 +29,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
 
 from ..core.checksums import crc32c_of
 from ..core.gcpause import gc_paused
-from ..core.names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
+from ..core.names import MANIFEST_FILE, STEP_LIMIT, attempt_prefix, check_object_name, check_save_id, manifest_name
 from ..errors import ManifestError
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
 from .tiling import check_tiling
 from .tree import check_tree
+from .values import MAX_NDIM, check_metadata, json_int
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,6 +55,7 @@ __all__ = [
     "Span",
     "StoredShard",
     "build_manifest",
+    "checked_json",
     "crc_matches",
     "describe_validation",
     "manifest_name",
@@ -78,12 +81,16 @@ class _Frozen(BaseModel):
 class ByteRange(_Frozen):
     """``nbytes`` at ``offset`` of data object ``object``. The name is checked where the
     range is used: it must be one of its manifest's (or rank part's) objects, whose names
-    are checked (once per object, not once per range: 8,192 ranks' shards are 10^5 ranges)."""
+    are checked (once per object, not once per range: 8,192 ranks' shards are 10^5 ranges).
+
+    ``crc32c`` None is an *unverified* range: only manifests translated from a foreign
+    format that records no checksum (safetensors) have them; aiosnap's own commit path
+    refuses a manifest with one (:meth:`Manifest.has_unverified_ranges`)."""
 
     object: str
     offset: int = Field(ge=0, lt=_MAX_INT)
     nbytes: int = Field(gt=0, lt=_MAX_INT)
-    crc32c: Annotated[int, Field(ge=0, lt=2**32)] | None
+    crc32c: int | None = Field(default=None, ge=0, lt=2**32)
     """None only in a manifest translated from a foreign format (see the module docstring)."""
 
 
@@ -134,7 +141,10 @@ class ShardRecord:
         ])  # fmt: skip
 
     def stored(self) -> StoredShard:
-        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c) for r in self.ranges])
+        """As the manifest keeps it (a rank's shard of a save: every range has its crc32c)."""
+        if any(r.crc32c is None for r in self.ranges):
+            raise ValueError("a stored shard's byte ranges all carry a crc32c")
+        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c or 0) for r in self.ranges])
 
 
 class EntryRecord(_Frozen):
@@ -166,7 +176,7 @@ class EntryRecord(_Frozen):
             _check_shards(self, itemsize)
         elif sum(r.nbytes for r in self.ranges) != self.nbytes:
             raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
-        if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > 64:
+        if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > MAX_NDIM:
             raise ValueError(f"{self.path}: invalid shape {self.shape}")
         if len(self.stride) != len(self.shape):
             raise ValueError(f"{self.path}: stride {self.stride} does not match shape {self.shape}")
@@ -211,7 +221,7 @@ class RankLocalRecord(_Frozen):
 class Manifest(_Frozen):
     format: Literal["aiosnap"] = "aiosnap"
     format_version: int
-    step: int = Field(ge=0, lt=10**20)
+    step: int = Field(ge=0, lt=STEP_LIMIT)
     save_id: str
     created_at: float
     world_size: int = Field(ge=1, lt=2**31)
@@ -253,6 +263,10 @@ class Manifest(_Frozen):
                 if start < end:
                     raise ValueError(f"byte ranges overlap in object {name!r}")
         slots = check_tree(self.tree, [e.kind for e in self.entries])
+        try:
+            check_metadata(self.metadata)
+        except ValueError as exc:
+            raise ValueError(f"metadata: {exc}") from None
         if self.rank_local is not None and len(self.rank_local) != self.world_size:
             raise ValueError(f"rank-local values of {len(self.rank_local)} ranks in a world of {self.world_size}")
         if slots and self.rank_local is None:
@@ -282,7 +296,19 @@ class Manifest(_Frozen):
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the step's data objects: what it keeps in storage (a multi-rank
+        save's unreferenced copies, alignment between ranges included)."""
         return sum(o.nbytes for o in self.objects)
+
+    def has_unverified_ranges(self) -> bool:
+        """Whether a byte range carries no crc32c (a manifest translated from a foreign
+        format; never one aiosnap commits)."""
+        return any(r.crc32c is None for _, r in self.all_ranges())
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The bytes its byte ranges name: what a load or a verify reads."""
+        return sum(span.nbytes for _, span in self.all_ranges())
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field. A
@@ -337,6 +363,18 @@ def _check_version(version: Any, where: str) -> None:
         )
 
 
+def checked_json(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
+    """``manifest`` as the bytes to commit, and the manifest the readers' own parser and
+    validator make of them (:meth:`Manifest.from_json`: the size limit, JSON's digit limit,
+    every check): bytes this returns, every reader accepts. :class:`ManifestError` naming
+    ``where`` and the problem otherwise (nothing may be written then)."""
+    try:
+        document = manifest.to_json()
+    except (PydanticSerializationError, ValueError, TypeError) as exc:
+        raise ManifestError(f"{where}: cannot be written as JSON: {str(exc)[:200]}") from None
+    return document, Manifest.from_json(document, where)
+
+
 def signed_json(model: BaseModel) -> bytes:
     """``model`` as JSON (None fields left out) whose last field, ``crc32c``, is the crc32c
     of every byte before it: manifests and rank parts."""
@@ -357,7 +395,7 @@ def parse_json(data: bytes, where: str, limit: int, what: str) -> Any:
     if len(data) > limit:
         raise ManifestError(f"{where}: {len(data)} bytes is too large for {what}")
     try:
-        return json.loads(data)
+        return json.loads(data, parse_int=json_int)  # the same digit bound in every process
     except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
 
@@ -386,14 +424,16 @@ Checksums = dict[tuple[str, int], int]
 
 def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
     """The manifest of ``spec``, every range's crc32c taken from ``crcs`` (KeyError if one is
-    missing; all 0 when ``crcs`` is None). Validated like any manifest read back (with the
-    collector paused, as :meth:`Manifest.from_json`)."""
+    missing; all 0 when ``crcs`` is None). Built, not validated: :func:`checked_json` reads
+    it back as every reader would before anything acts on it (one validation per commit,
+    the readers' own)."""
     with gc_paused():
         return _build_manifest(spec, crcs)
 
 
 def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
     ranges: list[list[ByteRange]] = [[] for _ in spec.entries]
+    make_range = ByteRange.model_construct
     for chunk in spec.chunks:
         for piece in chunk.pieces:
             if not 0 <= piece.entry < len(spec.entries):  # a spec read back from a journal
@@ -403,10 +443,11 @@ def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
                 )
             crc = 0 if crcs is None else crcs[(chunk.object_name, piece.dst_offset)]
             ranges[piece.entry].append(
-                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
+                make_range(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
             )
+    make_entry = EntryRecord.model_construct
     entries = [
-        EntryRecord(
+        make_entry(
             path=e.path,
             kind=e.kind,  # type: ignore[arg-type]
             dtype=e.dtype,
@@ -415,19 +456,22 @@ def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
             device=e.device,
             nbytes=e.nbytes,
             ranges=ranges[index],
+            shards=None,
         )
         for index, e in enumerate(spec.entries)
     ]
     if spec.distributed is not None:
         raise ValueError(f"step {spec.step}: a multi-rank save is committed by its coordinator, from every rank's part")
-    return Manifest(
+    return Manifest.model_construct(
+        format="aiosnap",
         format_version=PLAIN_VERSION,
         step=spec.step,
         save_id=spec.save_id,
         created_at=time.time(),
         world_size=spec.world_size,
-        objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
+        objects=[DataObject.model_construct(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
         entries=entries,
         tree=spec.tree,
         metadata=spec.metadata,
+        rank_local=None,
     )

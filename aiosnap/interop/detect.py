@@ -11,13 +11,15 @@ the caller's loop.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from ..config import Config
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .dcp.api import checkpoint_storage, is_dcp_checkpoint
 from .dcp.metadata import METADATA_FILE
+from .safetensors.layout import INDEX_FILE
+from .safetensors.reader import SafetensorsFolder
 from .singlefile import ArchiveStorage, is_archive
 from .torchfile import is_torch_file, torch_file_storage
 
@@ -37,6 +39,8 @@ def describe(storage: Storage) -> str:
     translator = getattr(storage, "translator", None)
     if translator is not None:
         return str(translator.kind)
+    if isinstance(storage, SafetensorsFolder):
+        return "a safetensors folder"
     return "an aiosnap single-file checkpoint" if storage.single_file else "an aiosnap checkpoint root"
 
 
@@ -56,7 +60,16 @@ def _local(url: str, settings: Config) -> Storage:
         return _local_file(url)
     if is_dcp_checkpoint(path):
         return checkpoint_storage(url, settings)
+    if os.path.isdir(path) and looks_like_safetensors(os.listdir(path)):
+        return SafetensorsFolder(storage_from_url(url, settings))
     return storage_from_url(url, settings)
+
+
+def looks_like_safetensors(names: Sequence[str]) -> bool:
+    """Whether a folder holding ``names`` is a safetensors folder: an index file or
+    ``*.safetensors`` files, and no aiosnap step folders."""
+    has_steps = any(name.isdigit() and len(name) >= 12 for name in names)
+    return not has_steps and (INDEX_FILE in names or any(name.endswith(".safetensors") for name in names))
 
 
 async def open_checkpoint(url: str, config: Config | None = None) -> Storage:
@@ -73,6 +86,8 @@ async def open_checkpoint(url: str, config: Config | None = None) -> Storage:
         if await storage.exists(METADATA_FILE):
             await storage.close()
             return checkpoint_storage(url, settings)
+        if await storage.exists(INDEX_FILE) and looks_like_safetensors(await storage.list_children("")):
+            return SafetensorsFolder(storage)
         parent, _, name = url.rstrip("/").rpartition("/")
         if name and parent.count("/") >= 2:  # s3://bucket/.../name: maybe one object, a torch.save file
             folder = storage_from_url(parent, settings)

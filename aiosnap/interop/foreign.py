@@ -76,6 +76,8 @@ def _read_only(url: str) -> PermissionError:
 class ForeignStorage(Storage):
     """A read-only aiosnap root of one step over a foreign checkpoint (see the module)."""
 
+    read_only = True
+
     def __init__(self, inner: Storage, translator: Translator, url: str | None = None) -> None:
         self.inner = inner
         self.translator = translator

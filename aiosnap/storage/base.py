@@ -18,6 +18,7 @@ import abc
 import asyncio
 import bisect
 import contextlib
+import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +27,32 @@ from typing import Any
 from ..core.checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
 
-__all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
+__all__ = [
+    "PART_BYTES",
+    "BytesLike",
+    "ObjectInfo",
+    "PartRecord",
+    "ScatterTarget",
+    "Storage",
+    "check_spool_file",
+    "in_control_lane",
+    "preadv_all",
+]
 
 BytesLike = bytes | bytearray | memoryview
+PartRecord = dict[str, Any]
+"""What writing one part of an object in parts returned (JSON-able, so that the process that
+completes the object can be another than the one that wrote the part)."""
+PART_BYTES = 8 * 1024**2
+"""Default part size of an object written in parts."""
+
+_CONTROL_LANE: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_control_lane", default=False)
+
+
+def in_control_lane() -> bool:
+    """Whether the write running now is a :meth:`Storage.write_marker` (backends serve those
+    apart from data writes: they must never queue behind them)."""
+    return _CONTROL_LANE.get()
 
 
 def _read_file(path: str) -> bytes:
@@ -65,6 +89,7 @@ class ScatterTarget:
 
 
 _IOV_MAX = 1024
+_DELETES_AT_ONCE = 16
 
 
 def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -101,6 +126,14 @@ class Storage(abc.ABC):
     """True when a :meth:`write` that returned, raised or was cancelled can have no effect
     later (local files: the rename happened or it did not). False for object stores, where
     a request abandoned mid-way may still land."""
+    conditional_writes: bool = False
+    """True when ``write(name, data, if_absent=True)`` lets exactly one of several writers of
+    ``name`` win (local files: an atomic link; S3: ``If-None-Match`` with
+    ``s3.conditional_commit``). A multi-rank save needs it: of its coordinator claiming the
+    commit and another rank declaring the save aborted, exactly one must win."""
+    read_only: bool = False
+    """True when the root is only ever read (a translation of a foreign format such as a
+    safetensors folder): saves to it are refused, so it needs no conditional writes."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
     (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): saves to it are planned as one file."""
@@ -115,6 +148,18 @@ class Storage(abc.ABC):
         """Store ``data`` under ``name``, atomically and durably (replaces an old object).
 
         With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
+
+    async def write_marker(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        """:meth:`write` of a small control object of a multi-rank save (a heartbeat, the
+        verdict, a failure report), which must never wait behind data writes: a heartbeat
+        queued behind a rank's uploads would make that live rank look stopped. Backends
+        serve it in a lane of its own (:func:`in_control_lane` is true while it runs); this
+        default is :meth:`write` in that lane."""
+        token = _CONTROL_LANE.set(True)
+        try:
+            await self.write(name, data, if_absent=if_absent)
+        finally:
+            _CONTROL_LANE.reset(token)
 
     async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
         """Store the local file ``path`` under ``name`` (used for spooled chunks); with
@@ -188,11 +233,47 @@ class Storage(abc.ABC):
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``; a missing prefix is not an error."""
 
+    async def delete_many(self, names: Sequence[str]) -> None:
+        """Delete each of ``names`` (missing ones are not an error). This default deletes
+        them one by one, a few at a time; backends with a batch delete use it."""
+        limit = asyncio.Semaphore(_DELETES_AT_ONCE)
+
+        async def one(name: str) -> None:
+            async with limit:
+                await self.delete(name)
+
+        async with asyncio.TaskGroup() as group:
+            for name in names:
+                group.create_task(one(name))
+
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), names relative to the root. Used by
         maintenance (``aiosnap ls --all``, ``aiosnap gc``) and the DCP writer's commit (which
         does without it), not by aiosnap's own saves or loads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
+
+    # -- an object written in parts (a safetensors shard: header first, bytes as they come) --
+
+    def part_size_for(self, size: int) -> int:
+        """The part size for writing a ``size``-byte object with :meth:`start_upload`: every
+        part but the last has this size (S3: at least 5 MiB, at most 10,000 parts)."""
+        return PART_BYTES
+
+    async def start_upload(self, name: str) -> str:
+        """Begin writing object ``name`` in parts, in any order, by any process of the job
+        that holds the returned token (a JSON-able string); nothing is visible under
+        ``name`` until :meth:`complete_upload`, and :meth:`abort_upload` removes every trace."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
+
+    async def upload_part(self, name: str, token: str, number: int, offset: int, data: memoryview) -> PartRecord:
+        """Write part ``number`` (from 1), the bytes at ``offset`` of the object; every part
+        but the last is :meth:`part_size_for` bytes. Returns what completing needs of it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
+
+    async def complete_upload(self, name: str, token: str, parts: list[PartRecord]) -> None:
+        """Make the object whole under ``name`` (replacing an old one), atomically: a reader
+        sees the old object (or none) or the whole new one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
 
     async def stale_uploads(self, older_than: float) -> list[tuple[str, str]]:
         """Unfinished multipart uploads under the root started before ``older_than`` (epoch
@@ -200,7 +281,8 @@ class Storage(abc.ABC):
         return []
 
     async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
-        """Abort one unfinished multipart upload (one already gone is not an error)."""
+        """Abort one unfinished multipart upload, or object written in parts (one already
+        gone is not an error)."""
 
     async def translated_manifest(self, step: int) -> Any:
         """The manifest of ``step`` translated from a foreign checkpoint's own metadata

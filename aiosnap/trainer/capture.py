@@ -17,7 +17,8 @@ from ctypes import memmove
 import torch
 
 from ..core.cudaorder import CudaOrder
-from ..core.tensorio import copy_range_into, host_address, write_constants
+from ..core.tensorio import copy_range_into, host_address, storage_holds, write_constants
+from ..errors import UnsupportedStateError
 from ..handoff.contract import SlabChunk, Staged
 from .chunks import Chunk, SavePlan
 from .slabs import SlabPool
@@ -66,6 +67,11 @@ class Copier:
                     if address:
                         memmove(base + piece.dst_offset, address + piece.src_offset, piece.nbytes)
                         continue
+                if not storage_holds(src):  # a copy would read memory that is not the tensor's
+                    raise UnsupportedStateError(
+                        f"{entries[piece.entry].path}: its storage holds fewer bytes than its view reaches "
+                        "(resized smaller with untyped_storage().resize_()?); nothing was saved"
+                    )
                 if src.device.type == "cuda" and order is not None:
                     stream = self._stream(src.device)
                     if src.device not in used:
@@ -101,13 +107,18 @@ async def capture_chunks(
     """
     loop = asyncio.get_running_loop()
     save_id = plan.save_id
+
+    def fill(chunk: Chunk, buffer: torch.Tensor) -> None:  # copier thread
+        pool.ready_for(buffer)  # pinned: the slab is registered with CUDA before device copies into it
+        copier.copy(plan, chunk, buffer, order)
+
     for chunk in plan.chunks:
         if spool is not None and spool.wants():
             if spool.disk_would_wait(chunk.nbytes):
                 may_upload()  # only landed chunks free spool disk
 
             async def copy_into(buffer: torch.Tensor, chunk: Chunk = chunk) -> None:
-                await loop.run_in_executor(executor, copier.copy, plan, chunk, buffer, order)
+                await loop.run_in_executor(executor, fill, chunk, buffer)
 
             spooled = await spool.capture(chunk, copy_into)
             if spooled is not None:
@@ -117,7 +128,7 @@ async def capture_chunks(
             may_upload()
         slab = await pool.acquire()
         try:
-            await loop.run_in_executor(executor, copier.copy, plan, chunk, pool.tensor(slab), order)
+            await loop.run_in_executor(executor, fill, chunk, pool.tensor(slab))
         except BaseException:
             # Cancelled mid-copy, the copier thread may still be writing into the slab; the
             # executor has one thread, so any later copy into it is queued behind this one.

@@ -20,7 +20,7 @@ import torch
 
 from ..core.aio import complete_before_cancel
 from ..core.tensorio import bytes_view
-from ..format.journal import JOURNAL, JournalWriter
+from ..format.journal import JOURNAL, JournalWriter, begin_record
 from ..handoff.contract import FileChunk
 from ..handoff.spooldir import Spool
 from .chunks import Chunk, SavePlan
@@ -76,7 +76,13 @@ class SpoolSession:
         self._journal: JournalWriter | None = None
         self._journal_ok = True
         self._journal_lock = asyncio.Lock()
+        self._over = False  # finish() began: no record may start the journal's folder again
         self._held = 0  # disk budget of files kept until finish()
+        self._capture_over = False
+        self._captured_journalled = False
+        self._resumable = False
+        self.secured = 0
+        """Chunks held in RAM that were written to the spool too (on preemption)."""
         spool.active.add(plan.save_id)
 
     def wants(self) -> bool:
@@ -148,13 +154,18 @@ class SpoolSession:
 
     async def _record(self, record: dict[str, object]) -> None:
         """Append a record, starting the journal (with what has landed so far) if needed.
-        OSError when the journal cannot be written."""
+        OSError when the journal cannot be written. Nothing once the save is over: the
+        record would make a new folder after :meth:`finish` removed it."""
         async with self._journal_lock:
+            if self._over:
+                return
             if not self._journal_ok:
                 raise OSError("the spool journal of this save could not be written earlier")
             try:
                 if self._journal is None:
-                    self._journal = JournalWriter(self.spool.save_dir(self.plan.save_id) / JOURNAL)
+                    folder = self.spool.save_dir(self.plan.save_id)  # made by the first spill, if any
+                    await asyncio.to_thread(folder.mkdir, exist_ok=True)
+                    self._journal = JournalWriter(folder / JOURNAL)
                     landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
                     await self._journal.append(self._begin(), *landed, record)
                 else:
@@ -164,26 +175,71 @@ class SpoolSession:
                 raise
 
     def _begin(self) -> dict[str, object]:
-        return {
-            "kind": "begin",
-            "format": 3,
-            "save_id": self.plan.save_id,
-            "step": self.plan.step,
-            "storage_url": self.storage_url,
-            "owner_url": self.owner_url,
-            "keep_last": self.keep_last,
-            "spec": self.plan.spec.to_document(),
-        }
+        return begin_record(
+            self.plan.spec, storage_url=self.storage_url, owner_url=self.owner_url, keep_last=self.keep_last
+        )
 
     async def captured(self) -> None:
-        """Capture is complete: if anything went to the spool, journal it (before save()
-        returns, so that a crash from here on loses nothing that is on disk)."""
-        if self._journal is None:
+        """Capture is complete: journal it, before save() returns, so that a crash from here on
+        loses nothing that is on disk: when anything went to the spool, in ``always`` mode
+        whatever the save holds (a state without tensor bytes is all in its journal), and
+        after a preemption in any case (see :meth:`keep_resumable`)."""
+        self._capture_over = True
+        always = self.spool.mode == "always" and self.fallback is None
+        if self._journal is None and not self._resumable and not always:
+            return
+        await self._journal_captured()
+
+    async def keep_resumable(self) -> None:
+        """Preemption: journal this save even if nothing of it is on the spool (every chunk
+        landed already, say, and its commit is under way), so that the next process commits
+        it if this one is killed first: now if capture is over, else once it is (the chunks
+        still in RAM are written by :meth:`secure`)."""
+        self._resumable = True
+        if self._capture_over:
+            await self._journal_captured()
+
+    async def _journal_captured(self) -> None:
+        if self._captured_journalled:
             return
         try:
             await self._record({"kind": "captured"})
+            self._captured_journalled = True
         except OSError as exc:
             self._broken(exc)
+
+    async def secure(self, chunk: Chunk, data: memoryview) -> bool:
+        """Preemption: write ``chunk``, held in RAM as ``data`` (which must not change until
+        this returns), to the spool and journal it, so that the save survives this process:
+        once every chunk has landed or is on the spool, and capture is over, the next
+        process resumes it. False when it was not written (no spool disk budget now, the
+        disk or the journal failed, landed already)."""
+        index, nbytes = chunk.index, chunk.nbytes
+        if not self._journal_ok or index in self._files or index in self._landed:
+            return False
+        if not self.spool.budget.try_acquire(nbytes):
+            log.warning("aiosnap: no spool disk budget left to keep chunk %d of step %d on disk", index, self.plan.step)
+            return False
+        try:
+            path, crc, pieces = await self.spool.spill(
+                self.plan.save_id, index, data, [(p.dst_offset, p.nbytes) for p in chunk.pieces]
+            )  # fmt: skip
+            await self._record({"kind": "spooled", "chunk": index, "crc": crc, "pieces": pieces})
+        except OSError as exc:
+            self.spool.budget.release(nbytes)
+            log.warning("aiosnap: could not keep chunk %d of step %d on the spool disk: %r", index, self.plan.step, exc)
+            return False
+        except BaseException:
+            self.spool.budget.release(nbytes)
+            raise
+        self.secured += 1
+        if index in self._landed:  # it landed meanwhile: only finish() removes the file now
+            self._held += nbytes
+        else:
+            self._files[index] = Path(path)
+        if self._capture_over:
+            await self._journal_captured()
+        return True
 
     def _broken(self, exc: OSError) -> None:
         self.fallback = self.fallback or f"{type(exc).__name__}: {exc}"
@@ -217,8 +273,10 @@ class SpoolSession:
 
     async def finish(self) -> None:
         """The save is over: its spool folder goes (unless :attr:`keep`), its disk budget
-        comes back."""
+        comes back. A record being appended ends first (the lock); none starts after."""
         try:
+            async with self._journal_lock:
+                self._over = True
             if not self.keep:
                 await self.spool.discard(self.plan.save_id)  # also the folder of a save cancelled mid-spill
         finally:

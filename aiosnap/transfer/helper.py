@@ -8,7 +8,8 @@ the trainer is gone (the socket reaches end of file, or -- should a process fork
 trainer still hold the socket -- it is no longer the trainer's child), so it never outlives
 its trainer.
 Its own process group keeps a Ctrl-C in the terminal from killing uploads the trainer is
-still waiting for.
+still waiting for; with ``preemption.enabled`` it ignores the preemption signals (a cluster
+may send them to every process of the job): the trainer finishes its saves first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -55,6 +57,9 @@ class _Reports:
     def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
         self.send("done_with", save_id, index, pieces)
 
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        self.send("sent", save_id, index, nbytes)
+
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         self.send("stage", save_id, stage, nbytes, seconds)
 
@@ -90,6 +95,10 @@ def _dispatch(transfer: LocalTransfer, message: tuple[Any, ...]) -> None:
 PARENT_POLL_S = 0.5
 """How often the upload process checks that its trainer is still its parent."""
 
+PING_LAPSE = 2.0
+"""Heartbeat intervals without a ping from the trainer after which the upload process stops
+writing heartbeats (until the pings come again)."""
+
 
 async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int | None = None) -> None:
     """Run commands until ``close`` or end of file (the trainer is gone)."""
@@ -99,6 +108,10 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
     stop = asyncio.Event()
     gone = False
 
+    pinged = [time.monotonic()]
+    lapse = PING_LAPSE * config.distributed.heartbeat_interval
+    transfer.trainer_alive = lambda: time.monotonic() - pinged[0] <= lapse
+
     def read() -> None:  # a reader thread: commands go to the loop in order
         nonlocal gone
         try:
@@ -106,6 +119,9 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
                 message = conn.recv()
                 if message[0] == "close":
                     break
+                if message[0] == "ping":  # noted here, so that a busy loop does not hide it
+                    pinged[0] = time.monotonic()
+                    continue
                 loop.call_soon_threadsafe(_dispatch, transfer, message)
         except (EOFError, OSError):
             gone = True
@@ -140,6 +156,11 @@ def main(argv: list[str]) -> int:
     kind, config = conn.recv()  # the config (secrets included) never goes through argv
     if kind != "config":
         return 2
+    if config.preemption.enabled:  # the trainer decides when it ends (and this process with it)
+        ignored = [signal.Signals[name] for name in config.preemption.signals]
+        for number in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)  # blocked until now (see ProcessTransfer)
     arena = Arena(slab_bytes, count, shared=True, fd=arena_fd)
     try:
         import uvloop
