@@ -17,6 +17,7 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.spec import SaveSpec
+from aiosnap.format.values import key_text
 from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 
@@ -43,6 +44,7 @@ class FaultyStorage(Storage):
         self.inner = inner
         self.url = inner.url
         self.settled_writes = inner.settled_writes
+        self.conditional_writes = inner.conditional_writes
         self.single_file = inner.single_file
         self.fail_when = fail_when
         self.error = error
@@ -205,9 +207,9 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             else True
         ), path
     elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        assert list(a) == list(b), f"{path}: keys {[key_text(k) for k in a]} != {[key_text(k) for k in b]}"
         for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
+            assert_same(a[k], b[k], f"{path}/{key_text(k)}")  # any key: an int of 5,000 digits too
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
