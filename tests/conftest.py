@@ -165,6 +165,17 @@ class FaultyStorage(Storage):
         self.writes.append(what)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test
+    that talks to LocalStack runs in one worker, so one LocalStack server starts, not two
+    (it takes 20 s and several hundred MiB)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_localstack = callspec is not None and callspec.params.get("s3_server") == "localstack"
+        if on_localstack or "localstack" in item.name or "localstack_endpoint" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("localstack"))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")
     parser.addoption("--soak-rounds", type=int, default=12, help="saves per in-process soak (make soak raises it)")
