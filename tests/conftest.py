@@ -165,6 +165,22 @@ class FaultyStorage(Storage):
         self.writes.append(what)
 
 
+_REPOSITORY = str(Path(__file__).resolve().parent.parent)
+# child processes (ranks, upload helpers, scripts) import this checkout's tests.* helpers too,
+# whatever their working directory and however the workers of pytest-xdist were started
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPOSITORY, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_left_as_found() -> Iterator[None]:
+    """Lightning's ``Trainer(deterministic=True)`` turns torch's deterministic algorithms on
+    for the whole process: put the mode back, so no test runs in another's."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test
     that talks to LocalStack runs in one worker, so one LocalStack server starts, not two

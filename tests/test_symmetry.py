@@ -505,3 +505,17 @@ def test_what_a_folder_does_not_keep_is_documented_and_so(tmp_path: Path) -> Non
     assert back["o"]._metadata == {"": {"version": 1}} and not hasattr(back["o"], "note")
     assert not hasattr(back["t"], "note") and not back["g"].requires_grad and torch.equal(back["g"], state["g"])
     assert list(back["d"].values()) == [1] and next(iter(back["d"])) != next(iter(back["d"]))
+
+
+def test_loads_work_with_torch_deterministic_algorithms_on(tmp_path: Path) -> None:
+    """Lightning's ``Trainer(deterministic=True)`` turns them on for the process; torch then
+    fills new tensors, which it cannot for bit-packed dtypes: load() allocates them as bytes."""
+    raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    state = {"packed": raw.view(torch.int3), "w": torch.randn(5, 3), "scalar": torch.tensor(2.5)}
+    with SyncCheckpointer(_config(tmp_path)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        torch.use_deterministic_algorithms(True)  # put back by the conftest fixture
+        loaded = ckpt.load()
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name

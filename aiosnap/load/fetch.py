@@ -55,7 +55,10 @@ def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
     try:
         if entry.kind == "pickle":
             return torch.empty(entry.nbytes, dtype=torch.uint8)
-        return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+        # as bytes, then viewed: torch fills new memory where deterministic algorithms are on
+        # (Lightning's deterministic=True), which it cannot do for bit-packed dtypes (int1..int7)
+        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
     except RuntimeError as exc:  # cannot allocate: refuse the checkpoint, not crash the caller
         raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
 
