@@ -114,6 +114,8 @@ def slow_coordinator_and_retention(rank: int, world: int, work: str, params: dic
         handles = [(s, ckpt.save(_state(s, rank), step=s, rank_local=["me"])) for s in (20, 21)]
         for step, handle in handles:
             result[str(step)] = _outcome(handle, started)
+        # a follower's wait ends when it sees the commit; the coordinator's, after its retention
+        torch.distributed.barrier()  # (which may remove step 20 while a follower lists or loads it)
         result["steps"] = ckpt.steps()
         result["loads"] = _verify_all(ckpt, rank)
     return result

@@ -120,7 +120,7 @@ def test_close_timeout_cancels_a_stuck_save(small_config: Config, faulty: Faulty
     faulty.hold()  # the target never answers
     ckpt = SyncCheckpointer(small_config, storage=faulty)
     handle = ckpt.save({"x": torch.ones(10)}, step=1)
-    with pytest.raises(TimeoutError, match="did not commit"):
+    with pytest.raises(TimeoutError, match="did not finish within 0.2 s and were cancelled"):
         ckpt.close(timeout=0.2)
     with pytest.raises(concurrent.futures.CancelledError):
         handle.wait(timeout=5)
