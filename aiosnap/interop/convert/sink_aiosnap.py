@@ -16,9 +16,10 @@ import secrets
 import time
 from typing import Any
 
-from ...catalog.steps import committed_save_id
+from ...catalog.commit import commit_manifest, whose_commit
+from ...catalog.steps import committed_save_id, latest_committed
 from ...core.names import attempt_prefix, manifest_name, object_prefix
-from ...errors import AiosnapError
+from ...errors import AiosnapError, StepOrderError
 from ...format.manifest import PLAIN_VERSION, Manifest
 from ...storage.base import Storage
 from .copier import DestObject, Piece, Slice
@@ -42,6 +43,7 @@ class AiosnapSink:
         self._crcs: dict[tuple[str, int], int] = {}
         self._selection: Selection | None = None
         self._objects: list[DestObject] = []
+        self._committing = False
 
     async def layout(self, selection: Selection, object_bytes: int) -> list[DestObject]:
         """The data objects (see the module); refuses a root that holds the step."""
@@ -49,6 +51,12 @@ class AiosnapSink:
             manifest_name(self.step)
         ):
             raise AiosnapError(f"{self.url} already holds step {self.step}; not replacing it (export elsewhere)")
+        latest = await latest_committed(self.storage)
+        if latest is not None and self.step < latest:
+            raise StepOrderError(
+                f"{self.url}: step {self.step} is older than its latest step {latest}: load() would never return it "
+                "(export into another root)"
+            )
         self._selection = selection
         prefix = object_prefix(self.step, self.save_id, 0)
         objects: list[DestObject] = []
@@ -103,16 +111,19 @@ class AiosnapSink:
         return Manifest.from_json(built.to_json(), f"{self.url} (export)")  # what a reader will parse
 
     async def commit(self) -> None:
-        document = self.manifest().to_json()
-        name = manifest_name(self.step)
-        try:
-            await self.storage.write(name, document, if_absent=True)
-        except FileExistsError:
-            if await committed_save_id(self.storage, self.step) != self.save_id:
-                raise FileExistsError(
-                    f"{self.url}: step {self.step} was committed by another writer meanwhile"
-                ) from None
+        """The commit point, as every writer of steps makes it (:func:`commit_manifest`:
+        read back as a reader would, written only if absent)."""
+        manifest = self.manifest()
+        self._committing = True
+        await commit_manifest(self.storage, manifest, replace=False)
 
     async def abort(self) -> None:
+        """Remove what this export wrote, unless its commit began and may have landed (a
+        cancelled manifest write can finish): then only a read-back naming another writer's
+        save lets the data go."""
+        if self._committing:
+            with contextlib.suppress(Exception):
+                if await whose_commit(self.storage, self.step, self.save_id, write_interrupted=True) != "other":
+                    return
         with contextlib.suppress(Exception):  # the export's own failure is what the caller hears
             await self.storage.delete_prefix(attempt_prefix(self.step, self.save_id))

@@ -36,7 +36,7 @@ from ...load.decode import torch_dtype
 from ...storage.base import Storage
 from ..dcp.blobs import payload_of_value, tensor_blob
 from ..dcp.checksums import SaveChecksums
-from ..dcp.commit import CommitPlan, commit
+from ..dcp.commit import CommitPlan, commit, current_metadata
 from ..dcp.metadata import METADATA_FILE
 from ..dcp.tiles import tile_boxes
 from ..dcp.upload import data_file_name
@@ -106,6 +106,7 @@ class DcpSink:
         self._described: dict[str, Any] = {}
         self._mapping: dict[str, tuple[Any, ...]] = {}
         self._crcs: dict[tuple[str, int], tuple[int, int]] = {}  # (file, item offset) -> (item crc, payload crc)
+        self._metadata: bytes | None = None  # what its commit writes as .metadata, once the commit began
         self._partial: dict[str, bytearray] = {}
 
     def _value(self, fqn: str, node: Any, selection: Selection) -> _Item:
@@ -198,9 +199,16 @@ class DcpSink:
         )  # fmt: skip
         document = SaveChecksums(save_id=self.save_id, items=checksums).to_json()
         own = sorted({item.file for item in self._items})
-        await commit(self.storage, CommitPlan(if_absent=True), pickle.dumps(metadata), document, self.save_id, own)
+        self._metadata = pickle.dumps(metadata)
+        await commit(self.storage, CommitPlan(if_absent=True), self._metadata, document, self.save_id, own)
 
     async def abort(self) -> None:
+        """Remove this export's files, unless its ``.metadata`` write began and may have
+        landed (a cancelled write can finish): then they stay unless another's is there."""
+        if self._metadata is not None:
+            current = await current_metadata(self.storage)
+            if current is None or current == self._metadata:
+                return
         for name in sorted({item.file for item in self._items}):
             try:
                 await self.storage.delete(name)

@@ -35,7 +35,7 @@ from ...storage.base import Storage
 from .checksums import checksums_name, is_aiosnap_save_id
 from .metadata import MAX_METADATA_BYTES, METADATA_FILE, parse_metadata
 
-__all__ = ["CommitPlan", "abandon", "commit", "look"]
+__all__ = ["CommitPlan", "abandon", "commit", "current_metadata", "look"]
 
 log = logging.getLogger("aiosnap")
 READ_BACK_TIMEOUT_S = 10.0
@@ -85,6 +85,12 @@ async def _read_back(storage: Storage) -> bytes | None:
     except Exception as exc:  # down: undecided
         log.warning("aiosnap: cannot read back %s/%s (%r)", storage.url, METADATA_FILE, exc)
         return None
+
+
+async def current_metadata(storage: Storage) -> bytes | None:
+    """The ``.metadata`` under ``storage`` now (empty when there is none); None when it cannot
+    be read in time (undecided)."""
+    return await _read_back(storage)
 
 
 async def _remove(storage: Storage, names: list[str], why: str) -> None:
