@@ -67,3 +67,24 @@ def test_save_pretrained_imports_equal_and_export_loads_with_from_pretrained(tmp
     half = transformers.LlamaForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
     assert next(half.parameters()).dtype == torch.bfloat16
     assert torch.equal(half.state_dict()["lm_head.weight"], source.state_dict()["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_a_stored_copy_of_a_translated_manifest_is_refused_while_the_folder_is_open(tmp_path: Path) -> None:
+    """A safetensors folder's translated manifest lives in memory only: an aiosnap root whose
+    manifest.json holds the same bytes (crc32c-less ranges) is refused, folder open or not
+    (review of the merge: it was taken from the trusted-manifest table unvalidated)."""
+    import safetensors.torch as st
+    from aiosnap import ManifestError, SyncCheckpointer
+    from aiosnap.interop.safetensors.api import open_safetensors
+
+    (tmp_path / "hf").mkdir()
+    st.save_file({"w": torch.arange(8.0)}, str(tmp_path / "hf" / "model.safetensors"))
+    with SyncCheckpointer(str(tmp_path / "unused"), storage=open_safetensors(str(tmp_path / "hf"))) as hf:
+        manifest = hf.manifest()
+        served = hf._loop.run(hf._storage.read("000000000000/manifest.json"))
+        forged = tmp_path / "forged"
+        (forged / manifest.objects[0].name).parent.mkdir(parents=True)
+        (forged / "000000000000" / "manifest.json").write_bytes(served)
+        st.save_file({"w": torch.full((8,), 666.0)}, str(forged / manifest.objects[0].name))
+        with SyncCheckpointer(str(forged)) as other, pytest.raises(ManifestError, match="never names a foreign format"):
+            other.load()

@@ -37,7 +37,6 @@ __all__ = [
     "remove_steps_after",
     "step_folders",
     "trust_committed",
-    "trust_translated",
 ]
 
 log = logging.getLogger("aiosnap")
@@ -134,7 +133,7 @@ async def not_committed(storage: Storage, step: int, purpose: str = "") -> Check
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
     where = f"{storage.url}/{manifest_name(step)}"
     known = _TRUSTED.manifest(step, data)
-    if known is not None:
+    if known is not None and known.foreign is None:  # stored bytes never stand for a translation
         return known
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
@@ -194,13 +193,6 @@ def trust_committed(step: int, document: bytes, save_id: str) -> None:
     parser and validator before writing it (:func:`~aiosnap.format.manifest.checked_json`):
     the same bytes read back need no second validation."""
     _TRUSTED.learn(step, document, save_id)
-
-
-def trust_translated(step: int, document: bytes, manifest: Manifest) -> None:
-    """``manifest`` (built by this process from a foreign format's checked metadata, and
-    kept alive by its builder) is ``document`` parsed: the same bytes read back give this
-    object, neither parsed nor validated again (a safetensors folder of 10^5 tensors)."""
-    _TRUSTED.keep_object(step, document, manifest)
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:

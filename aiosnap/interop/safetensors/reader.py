@@ -35,7 +35,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ...catalog.steps import trust_translated
 from ...core.names import MANIFEST_FILE, attempt_prefix, manifest_name, step_dir
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest, signed_json
@@ -153,7 +152,6 @@ class SafetensorsFolder(Storage):
                     manifest = await self._translate()
                     # served from memory, never stored (to_json refuses a translated manifest)
                     self._document = await asyncio.to_thread(signed_json, manifest)
-                    trust_translated(STEP, self._document, manifest)
                     self._manifest = manifest
         return self._manifest
 
