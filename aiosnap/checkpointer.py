@@ -627,14 +627,14 @@ class Checkpointer(_Core):
                     try:
                         found: list[int] = await self._call(self._engine.steps(self._storage))
                         latest = found[-1] if found else None
-                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                    except BaseException as exc:  # cancelled too: the other ranks must hear of it (load_step)
                         failure = exc
                 scope.step = chosen = self._job.load_step(step, latest, failure)
                 read = self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
                 try:
                     manifest, tensors = await self._call(read)
-                except Exception as exc:
-                    if attempt.again(chosen, exc):
+                except BaseException as exc:  # cancelled too: the other ranks hear of it
+                    if attempt.again(chosen, exc) and isinstance(exc, Exception):
                         continue
                     raise
                 if attempt.again(chosen, None):
@@ -669,7 +669,7 @@ class Checkpointer(_Core):
         if self._looks_up_latest():
             try:
                 latest = await self._call(latest_committed(self._storage))
-            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+            except BaseException as exc:  # cancelled too: the other ranks must hear of it (_agreed_latest)
                 failure = exc
         step = self._agreed_latest(latest, failure)
         if step is None:
@@ -809,15 +809,15 @@ class SyncCheckpointer(_Core):
                     try:
                         found = self._loop.run(self._engine.steps(self._storage))
                         latest = found[-1] if found else None
-                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                    except BaseException as exc:  # cancelled too: the other ranks must hear of it (load_step)
                         failure = exc
                 scope.step = chosen = self._job.load_step(step, latest, failure)
                 try:
                     manifest, tensors = self._loop.run(
                         self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
                     )
-                except Exception as exc:
-                    if attempt.again(chosen, exc):
+                except BaseException as exc:  # cancelled too: the other ranks hear of it
+                    if attempt.again(chosen, exc) and isinstance(exc, Exception):
                         continue
                     raise
                 if attempt.again(chosen, None):
@@ -847,7 +847,7 @@ class SyncCheckpointer(_Core):
         if self._looks_up_latest():
             try:
                 latest = self._loop.run(latest_committed(self._storage))
-            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+            except BaseException as exc:  # cancelled too: the other ranks must hear of it (_agreed_latest)
                 failure = exc
         step = self._agreed_latest(latest, failure)
         if step is None:

@@ -432,3 +432,44 @@ def local_faults(rank: int, world: int, work: str, params: dict[str, Any]) -> di
         "gc": gc_during_save(rank, world, work, {**params, "root": params["gc_root"]}),
         "stall": stall_after_claim_and_failed_lookup(rank, world, work, {**params, "root": params["stall_root"]}),
     }
+
+
+def cancelled_lookup(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's ``load()`` is cancelled while it looks up the latest step (a slow listing):
+    the other ranks hear of it at once instead of waiting ``agree_timeout``, and the next
+    loads of every rank pair up again."""
+    import aiosnap
+    from aiosnap.storage.local import LocalStorage
+
+    root = params["root"]
+
+    class SlowListing(LocalStorage):
+        slow = False
+
+        async def list_children(self, prefix: str = "") -> list[str]:
+            if self.slow:
+                await asyncio.sleep(2)
+            return await super().list_children(prefix)
+
+    storage = SlowListing(root)
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with aiosnap.Checkpointer(config(root, agree_timeout=30), storage=storage) as ckpt:
+            await (await ckpt.save({"w": torch.arange(4.0)}, step=3))
+            storage.slow = rank == 0
+            started = time.monotonic()
+            try:
+                if rank == 0:
+                    await asyncio.wait_for(ckpt.load(), 0.5)
+                else:
+                    await ckpt.load()
+                out["first"] = "loaded"
+            except BaseException as exc:  # what each rank raised is the result
+                out["first"] = type(exc).__name__
+            out["first_s"] = time.monotonic() - started
+            storage.slow = False
+            out["second"] = torch.equal((await asyncio.wait_for(ckpt.load(), 40))["w"], torch.arange(4.0))
+
+    asyncio.run(main())
+    return out

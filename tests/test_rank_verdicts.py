@@ -376,3 +376,13 @@ def test_markers_read_back_are_untrusted_input(request: pytest.FixtureRequest) -
         for data in (mutated_text(verdict, rng), mutate_bytes(json.dumps(verdict).encode(), rng), b"x" * 9000):
             found = Verdict.from_json(data)
             assert found is None or found.verdict in ("commit", "abort")
+
+
+def test_a_cancelled_load_on_rank_0_is_told_to_every_rank(tmp_path: Path) -> None:
+    """Review of the merge: a load cancelled on rank 0 while it looked up the latest step left
+    the others waiting agree_timeout, and broke the group for every later call."""
+    first, second = ok(run_ranks("cancelled_lookup", 2, tmp_path / "job", timeout=90, root=str(tmp_path / "root")),
+                       tmp_path / "job")  # fmt: skip
+    assert first["first"] in ("TimeoutError", "CancelledError"), first
+    assert second["first"] == "RankFailedError" and second["first_s"] < 10, second
+    assert first["second"] is True and second["second"] is True
