@@ -30,7 +30,7 @@ from .core.loop import LoopThread
 from .core.preemption import Preemption
 from .core.progress import ProgressTracker, SaveProgress
 from .distributed.job import DistributedJob
-from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
+from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError, UnsupportedCheckpointError
 from .format.manifest import Manifest
 from .handoff.spooldir import Spool
 from .interop.safetensors.live import SafetensorsExport, also_spec, plan_live
@@ -388,6 +388,11 @@ class _Core:
         agree = self._job.agreement(step)
         try:
             self._check_open()
+            if self._storage.read_only:  # a DCP folder, a safetensors folder: read, never written
+                raise UnsupportedCheckpointError(
+                    f"{self.url} is read-only here (a checkpoint of another format): save to an aiosnap root, or "
+                    "convert it with aiosnap.export / `aiosnap export`"
+                )
             if agree is not None:  # an earlier save's failure, raised here rather than after agreeing
                 failure = self._engine.failures.take()
                 if failure is not None:

@@ -44,9 +44,13 @@ def export_command(
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="safetensors: convert floating tensors (bf16, fp16, fp32)")
     ] = None,
-    strip: Annotated[str, typer.Option("--strip", help="safetensors: prefix removed from paths")] = "model/",
-    prefix: Annotated[str, typer.Option("--prefix", help="where a safetensors source's tensors go")] = "model/",
-    dest_step: Annotated[int, typer.Option("--dest-step", help="step of a safetensors import")] = 0,
+    strip: Annotated[
+        str | None, typer.Option("--strip", help="safetensors: prefix removed from paths (model/)")
+    ] = None,
+    prefix: Annotated[
+        str | None, typer.Option("--prefix", help="where a safetensors source's tensors go (model/)")
+    ] = None,
+    dest_step: Annotated[int | None, typer.Option("--dest-step", help="step of a safetensors import (0)")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="safetensors: replace an export in DEST")] = False,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (RAM budget, S3)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON document (for scripts)")] = False,
@@ -55,15 +59,21 @@ def export_command(
     under the RAM budget with no local staging; multi-rank sources are consolidated into
     full tensors. Safetensors: shards and their index (written last)."""
     from .interop.convert import ExportResult
-    from .interop.exporting import export, is_safetensors_folder  # torch: imported only when one runs
+    from .interop.exporting import EXPORT_OPTIONS, IMPORT_OPTIONS, export, is_safetensors_folder  # torch: lazily
 
     if to not in FORMATS:
         raise typer.BadParameter(f"{to!r}: choose one of {', '.join(FORMATS)}", param_hint="--to")
     settings = load_config(config) if config is not None else Config()
-    options: dict[str, Any] = {}
-    if to == "safetensors" or (to == "aiosnap" and is_safetensors_folder(src, settings)):
-        options = {"max_shard_size": max_shard_size, "dtype": dtype, "strip": strip, "prefix": prefix,
-                   "overwrite": overwrite, "dest_step": dest_step}  # fmt: skip
+    given = {"max_shard_size": max_shard_size, "dtype": dtype, "strip": strip, "prefix": prefix,
+             "overwrite": overwrite or None, "dest_step": dest_step}  # fmt: skip
+    options: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
+    importing = to == "aiosnap" and is_safetensors_folder(src, settings)
+    allowed = IMPORT_OPTIONS if importing else EXPORT_OPTIONS if to == "safetensors" else frozenset()
+    wrong = [name for name in options if name not in allowed]
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        what = "a safetensors import" if importing else f"--to {to}"
+        raise typer.BadParameter(f"{flags}: not option(s) of {what}", param_hint="options")
     console = Console(stderr=True)
     bar = None
     if not as_json and console.is_terminal:

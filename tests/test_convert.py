@@ -342,3 +342,15 @@ def test_an_export_into_a_root_never_commits_a_step_older_than_its_latest(tmp_pa
         export(str(tmp_path / "src.pt"), str(tmp_path / "root"), to="aiosnap")
     with SyncCheckpointer(str(tmp_path / "root")) as ckpt:
         assert ckpt.steps() == [10]
+
+
+def test_save_to_a_foreign_checkpoint_is_refused_in_save_itself(tmp_path: Path) -> None:
+    """A DCP folder opened as a root is read-only: save() refuses on the caller's thread, with
+    aiosnap's error, before anything is captured (it failed at wait() with a PermissionError)."""
+    from aiosnap import UnsupportedCheckpointError
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    with SyncCheckpointer(str(tmp_path / "dcp")) as ckpt:
+        assert ckpt.steps() == [0]
+        with pytest.raises(UnsupportedCheckpointError, match="read-only"):
+            ckpt.save({"w": torch.zeros(2)}, step=1)

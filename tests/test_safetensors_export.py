@@ -292,3 +292,27 @@ def test_a_safetensors_folder_converts_to_every_format(tmp_path: Path) -> None:
     listed = subprocess.run([sys.executable, "-m", "aiosnap", "ls", str(tmp_path / "hf")],
                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert listed.returncode == 0 and "a safetensors folder" in listed.stderr, listed.stderr
+
+
+def test_options_for_another_target_are_refused_not_ignored(tmp_path: Path) -> None:
+    """Review of the merge: --dtype with --to torch wrote float32, --prefix on a conversion
+    was dropped, export(hf, root, to="aiosnap", dtype=...) ignored the dtype."""
+    from aiosnap import export as export_any
+    from safetensors.torch import save_file
+
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "src.pt")
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "hf" / "model.safetensors"))
+    for args in (
+        ["export", str(tmp_path / "src.pt"), str(tmp_path / "o.pt"), "--to", "torch", "--dtype", "bf16"],
+        ["export", str(tmp_path / "src.pt"), str(tmp_path / "dcp"), "--to", "dcp", "--max-shard-size", "1MB"],
+        ["export", str(tmp_path / "hf"), str(tmp_path / "d2"), "--to", "dcp", "--prefix", "weights/"],
+        ["export", str(tmp_path / "hf"), str(tmp_path / "root"), "--to", "aiosnap", "--dtype", "bf16"],
+        ["export", str(tmp_path / "src.pt"), str(tmp_path / "hf2"), "--dest-step", "7"],
+    ):
+        assert main(args) == 2, args
+    assert not any((tmp_path / name).exists() for name in ("o.pt", "dcp", "d2", "root", "hf2"))
+    with pytest.raises(ValueError, match="dtype: not option"):
+        export_any(str(tmp_path / "hf"), str(tmp_path / "root"), to="aiosnap", dtype="bf16")
+    with pytest.raises(ValueError, match="dtype: option"):
+        export_any(str(tmp_path / "src.pt"), str(tmp_path / "o.pt"), to="torch", dtype="bf16")

@@ -159,3 +159,19 @@ def test_what_a_killed_export_left_blocks_the_folder_then_goes(
     with SyncCheckpointer(config, storage=open_safetensors(f"s3://{s3_bucket}/hf", config)) as ckpt:
         loaded = ckpt.load()
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+
+
+@pytest.mark.moto_only
+def test_an_s3_folder_of_one_safetensors_file_and_no_index_is_a_source(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3_client: Any
+) -> None:
+    """Review of the merge: locally such a folder converted to every format, on S3 only with
+    an index file."""
+    from aiosnap import export as export_any
+    from safetensors.torch import save
+
+    weights = {"w": torch.arange(6.0)}
+    s3_client.put_object(Bucket=s3_bucket, Key="single/model.safetensors", Body=save(weights))
+    config = _config(s3_endpoint, s3_bucket)
+    export_any(f"s3://{s3_bucket}/single", str(tmp_path / "o.pt"), to="torch", config=config)
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["w"], weights["w"])

@@ -86,7 +86,7 @@ async def open_checkpoint(url: str, config: Config | None = None) -> Storage:
         if await storage.exists(METADATA_FILE):
             await storage.close()
             return checkpoint_storage(url, settings)
-        if await storage.exists(INDEX_FILE) and looks_like_safetensors(await storage.list_children("")):
+        if looks_like_safetensors(await storage.list_children("")):  # an index, or *.safetensors files
             return SafetensorsFolder(storage)
         parent, _, name = url.rstrip("/").rpartition("/")
         if name and parent.count("/") >= 2:  # s3://bucket/.../name: maybe one object, a torch.save file

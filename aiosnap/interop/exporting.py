@@ -23,7 +23,7 @@ from .convert import export as convert
 from .detect import looks_like_safetensors
 from .safetensors.export import ExportReport
 
-__all__ = ["FORMATS", "export"]
+__all__ = ["EXPORT_OPTIONS", "FORMATS", "IMPORT_OPTIONS", "export", "is_safetensors_folder"]
 
 FORMATS = ("safetensors", "aiosnap", "dcp", "torch")
 """What ``to`` may be."""
@@ -40,6 +40,8 @@ _HF_ONLY = (
     "process_group",
 )
 """Options of safetensors exports and imports only."""
+EXPORT_OPTIONS = frozenset(_HF_ONLY) - {"dest_step"}
+IMPORT_OPTIONS = frozenset({"prefix", "dest_step"})
 
 
 def export(
@@ -77,6 +79,11 @@ def export(
 
         if allow_pickle:
             raise ValueError("allow_pickle: a safetensors export or import holds tensors only")
+        allowed = IMPORT_OPTIONS if to == "aiosnap" else EXPORT_OPTIONS
+        wrong = [name for name in safetensors if name not in allowed]
+        if wrong:
+            what = "a safetensors import (to='aiosnap')" if to == "aiosnap" else "a safetensors export"
+            raise ValueError(f"{', '.join(wrong)}: not option(s) of {what}")
         written = [0]
 
         def told(nbytes: int) -> None:

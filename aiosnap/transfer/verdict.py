@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from ..errors import CorruptCheckpointError, RankFailedError, RanksDisagreeError
+from ..errors import CorruptCheckpointError, RankFailedError, RanksDisagreeError, UnsupportedStateError
 from ..format.markers import MAX_VERDICT_BYTES, Verdict, verdict_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
@@ -74,6 +74,7 @@ _MERGE_VERDICTS: dict[str, type[Exception]] = {
     "RanksDisagreeError": RanksDisagreeError,
     "CorruptCheckpointError": CorruptCheckpointError,
     "ManifestError": CorruptCheckpointError,  # a part that is no part (as the coordinator saw it)
+    "UnsupportedStateError": UnsupportedStateError,  # the merged manifest is one no reader would take
 }
 """Errors of the coordinator's merge, about every rank's parts together: each rank raises
 them with their own type, as the coordinator does; any other reason is a RankFailedError."""
