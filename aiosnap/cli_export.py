@@ -40,7 +40,9 @@ def export_command(
     allow_pickle: Annotated[
         bool, typer.Option("--allow-pickle", help="unpickle the source's pickled objects to write them")
     ] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="safetensors: tensor bytes per file")] = "5GB",
+    max_shard_size: Annotated[
+        str | None, typer.Option("--max-shard-size", help="safetensors: tensor bytes per file (5GB)")
+    ] = None,
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="safetensors: convert floating tensors (bf16, fp16, fp32)")
     ] = None,
