@@ -16,7 +16,7 @@ LOCALSTACK_VENV ?= .venv-localstack
 LOCALSTACK_SPEC ?= "localstack-core[runtime]==4.12.0" "cbor2<6" "pyopenssl<24.3"
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed-4.12.0
 
-.PHONY: install localstack demo test lint bench soak clean
+.PHONY: install localstack demo test lint docs bench soak clean
 
 install: $(STAMP)
 
@@ -41,7 +41,11 @@ lint: install
 	$(VENV)/bin/ruff format --check aiosnap tests examples
 	$(VENV)/bin/mypy
 
-test: lint localstack
+# The documentation site (Material for MkDocs, API pages from the docstrings), warnings as errors.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+
+test: lint docs localstack
 	TEST_LOCALSTACK_PYTHON=$(LOCALSTACK_VENV)/bin/python TEST_REQUIRE_LOCALSTACK=1 $(PY) -m pytest
 
 # The fault soak and the fuzzers, long: many saves through failing storage, the fault proxy
@@ -63,4 +67,4 @@ bench: install
 	$(PY) -m aiosnap.bench distributed --simulate
 
 clean:
-	rm -rf $(VENV) $(LOCALSTACK_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints
+	rm -rf $(VENV) $(LOCALSTACK_VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints
