@@ -1,13 +1,22 @@
 # aiosnap developer tasks. `make demo` and `make test` work on a fresh clone.
 PYTHON ?= python3
 VENV ?= .venv
-# torch is installed first, pinned: a loose requirement would pull a multi-GB CUDA build.
+# torch is installed first, pinned, in the build you choose. From PyPI, torch==2.13.0 on Linux
+# x86_64 is the CUDA build (several GB of CUDA libraries); macOS and Windows get a CPU build.
+# Pick a build with PyTorch's own index:
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu install     # CPU only (small)
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cu128 install   # a CUDA 12.8 build; the
+#     suffixes each torch release has (cu126, cu128, ...) are on pytorch.org's install page
+# or name any requirement yourself: make TORCH_SPEC="torch==2.5.1" install.
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# A local wheel cache, when this machine has one (the CPU torch build lives there).
+# A local wheel cache, when this machine has one (this project's build machines keep the CPU
+# torch build there, which pip then prefers: 2.13.0+cpu sorts above 2.13.0).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 # LocalStack's S3 (a second test server, one that checks request checksums) in a virtualenv
 # of its own: its dependencies would clash with the project's. 4.12 is the last release
@@ -16,13 +25,13 @@ LOCALSTACK_VENV ?= .venv-localstack
 LOCALSTACK_SPEC ?= "localstack-core[runtime]==4.12.0" "cbor2<6" "pyopenssl<24.3"
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed-4.12.0
 
-.PHONY: install localstack demo test lint docs bench soak clean
+.PHONY: install localstack demo test lint docs bench soak gpu-check clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet $(FIND_LINKS) "$(TORCH_SPEC)"
+	$(PIP) install --quiet $(FIND_LINKS) $(TORCH_FROM) "$(TORCH_SPEC)"
 	$(PIP) install --quiet $(FIND_LINKS) -e ".[dev]"
 	touch $@
 
@@ -65,6 +74,15 @@ bench: install
 	$(PY) -m aiosnap.bench interference
 	$(PY) -m aiosnap.bench distributed
 	$(PY) -m aiosnap.bench distributed --simulate
+
+# The CUDA tests and the D2H staging benchmark (pinned staging: aiosnap against DCP's pinned
+# stager), one table, within 8 minutes on one GPU. Without CUDA the tests skip, the benchmark
+# says so, and it exits 0 (CI may run it anywhere). `make gpu-check PY=python3` uses an
+# interpreter that already has torch and aiosnap's requirements, and installs nothing.
+gpu-check: $(if $(filter command line,$(origin PY)),,install)
+	@$(PY) -c "import torch; print('CUDA device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (torch ' + torch.__version__ + '): the gpu tests skip, the benchmark measures nothing')"
+	timeout 240 $(PY) -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 200 tests/test_gpu.py tests/test_bench_gpu.py
+	timeout 230 $(PY) -m aiosnap.bench gpu
 
 clean:
 	rm -rf $(VENV) $(LOCALSTACK_VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -36,9 +36,12 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .checkpointer import Checkpointer, SaveHandle, SaveResult, SyncCheckpointer, SyncSaveHandle
     from .config import Config, load_config
     from .core.events import Event, JsonlHandler, LoggingHandler
+    from .core.progress import SaveProgress
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
+    from .interop.safetensors.api import export, open_safetensors
+    from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -53,7 +56,11 @@ _LAZY = {
     "LoggingHandler": "core.events",
     "Manifest": "format.manifest",
     "RNGState": "core.rng",
+    "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
+    "SafetensorsExport": "interop.safetensors.live",
+    "export": "interop.safetensors.api",
+    "open_safetensors": "interop.safetensors.api",
 }
 
 
@@ -91,7 +98,9 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
+    "SafetensorsExport",
     "SaveHandle",
+    "SaveProgress",
     "SaveResult",
     "ShardedState",
     "SpoolBusyError",
@@ -105,5 +114,7 @@ __all__ = [
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
+    "export",
     "load_config",
+    "open_safetensors",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -20,21 +21,27 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .catalog.steps import latest_committed
 from .config import Config
+from .core.console import SaveLineHandler, save_line
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, EventHandler, JsonlHandler, LoggingHandler, ProcessGroupInfo
 from .core.failures import FailureLedger
 from .core.loop import LoopThread
+from .core.preemption import Preemption
+from .core.progress import ProgressTracker, SaveProgress
 from .distributed.job import DistributedJob
 from .errors import CheckpointerClosedError, ConfigError, ForkedProcessError
 from .format.manifest import Manifest
 from .handoff.spooldir import Spool
+from .interop.safetensors.live import SafetensorsExport, also_spec, plan_live
 from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
 from .load.apply import apply_state, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
+from .runtime.attachments import Attachments
 from .service import Engine, ResumeReport, SaveResult, slab_bytes_for
 from .storage.base import Storage
 from .trainer.chunks import SavePlan
@@ -57,11 +64,16 @@ class SaveHandle:
     reported: neither the next ``save()`` nor ``close()`` raises it again)."""
 
     def __init__(
-        self, step: int, durable: concurrent.futures.Future[SaveResult], failures: FailureLedger | None = None
+        self,
+        step: int,
+        durable: concurrent.futures.Future[SaveResult],
+        failures: FailureLedger | None = None,
+        progress: ProgressTracker | None = None,
     ) -> None:
         self.step = step
         self._durable = durable
         self._failures = failures
+        self._progress = progress if progress is not None else ProgressTracker(step, 0)
         self._pid = os.getpid()
 
     def _check_process(self) -> None:
@@ -82,6 +94,12 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save has committed or failed."""
         return self._durable.done()
+
+    def progress(self) -> SaveProgress:
+        """How far the save has got now: bytes captured, staged in RAM, spooled, uploaded,
+        of its total; its stage; the upload rate. Cheap, never blocks, any thread; a
+        snapshot, so compare two of them to see it move."""
+        return self._progress.snapshot()
 
     @property
     def future(self) -> concurrent.futures.Future[SaveResult]:
@@ -168,8 +186,10 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
         if not callable(handler):
             raise TypeError(f"event_handlers: {handler!r} is not callable")
     handlers: list[EventHandler] = []
-    if config.events.log:
-        handlers.append(LoggingHandler())
+    if config.events.log:  # (what the line per save says is not said twice: see LoggingHandler)
+        handlers.append(LoggingHandler(said_on_stderr=save_line if config.events.stderr else None))
+    if config.events.stderr:
+        handlers.append(SaveLineHandler())
     if config.events.jsonl is not None:
         try:
             handlers.append(JsonlHandler(config.events.jsonl))
@@ -217,6 +237,7 @@ class _Core:
         self._closed = False
         self.resume_report = ResumeReport()
         """What resuming the spool at start did (``spool.resume``): steps committed, saves discarded."""
+        self._loaded_step: int | None = None
         events = EventBus(_handlers_for(self.config, event_handlers), group, storage.url)
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
@@ -229,6 +250,8 @@ class _Core:
             self._engine = Engine(self.config, storage, ram_budget, events, spool)
             undo.callback(lambda: self._loop.run(self._engine.shutdown()))
             self._loop.run(self._engine.start())
+            self._attachments = Attachments(self.config, self._engine, self._loop)
+            undo.callback(self._attachments.close)
             if spool is not None and self.config.spool.resume:
                 self.resume_report = self._loop.run(self._engine.resume())
             undo.pop_all()
@@ -258,6 +281,7 @@ class _Core:
         view._owner = self
         view._closed = False
         view.resume_report = ResumeReport()
+        view._loaded_step = None
         self._views = [v for v in self._views if not v._closed] + [view]
         return view
 
@@ -279,9 +303,38 @@ class _Core:
         return self._engine.events.flush(timeout)
 
     @property
+    def loaded_step(self) -> int | None:
+        """The step the latest successful ``load()`` or ``load_latest()`` of this checkpointer
+        restored (the step training resumed from); None before any."""
+        return self._loaded_step
+
+    def _looks_up_latest(self) -> bool:
+        """Whether this rank looks up the latest step for :meth:`_agreed_latest` (one rank
+        alone; rank 0 of several)."""
+        return self._job.group is None or self._job.needs_latest(None)
+
+    def _agreed_latest(self, latest: int | None) -> int | None:
+        """The latest committed step for every rank: this rank's own lookup alone, else rank
+        0's (collective: every rank calls it). Caller's thread."""
+        return latest if self._job.group is None else self._job.load_step(None, latest)
+
+    @property
     def loop_kind(self) -> str:
         """``uvloop`` or ``asyncio``: the background loop actually running."""
         return self._loop.kind
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal has arrived (``preemption.enabled``): take a last
+        save and stop; the process then exits as the signal would have (see
+        :mod:`aiosnap.core.preemption`). Always False when preemption is not enabled."""
+        return self._attachments.preempted
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """The process's preemption handling (its ``event``, ``signal``,
+        ``seconds_left()``), or None when ``preemption.enabled`` is off."""
+        return self._attachments.preemption
 
     @property
     def ram_high_water(self) -> int:
@@ -300,6 +353,7 @@ class _Core:
         step: int,
         metadata: dict[str, Any] | None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> tuple[SavePlan, CudaOrder | None]:
         """Runs on the caller's thread: take state dicts, flatten, (with several ranks)
         agree with the other ranks, lay out chunks. A rank that fails before the ranks agree
@@ -331,6 +385,9 @@ class _Core:
                 agree=agree,
                 memo=self._layouts,
             )
+            if also_as is not None:  # a live export (interop.safetensors.live), checked here
+                plan.spec = dataclasses.replace(plan.spec, also=also_spec(also_as))
+                plan_live(plan.spec)
         except BaseException:
             if agree is not None:
                 agree.abandon()
@@ -413,6 +470,7 @@ class _Core:
     def _end_close(self, raise_failure: bool) -> None:
         if self._owner is not None:  # a view: the owner's loop and engine stay
             return
+        self._attachments.close()
         self._loop.stop()
         self._engine.events.close()
         self._job.close()
@@ -466,6 +524,7 @@ class Checkpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SaveHandle:
         """Capture ``state`` and return once every byte is captured (the state may then be
         mutated). ``await`` the handle for durability. Waits first while
@@ -475,11 +534,18 @@ class Checkpointer(_Core):
         With several ranks every rank calls it for the same step: replicated values are
         written once, DTensors as their shards, and ``rank_local`` path patterns (added to
         ``distributed.rank_local``) name values each rank saves for itself. The handle
-        resolves when the step is committed (every rank's data landed) on every rank."""
+        resolves when the step is committed (every rank's data landed) on every rank.
+
+        ``also_as="safetensors"`` (or a :class:`~aiosnap.interop.safetensors.live.SafetensorsExport`
+        naming the paths) also writes the Hugging Face layout of the state's tensors, from
+        the same capture, into ``<step>/<save id>/safetensors/``, committed with the step."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = await self._call(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = await self._call(
+                self._engine.save(plan, order, started, self._storage, self._keep_last, progress)
+            )
         except asyncio.CancelledError as exc:
             self._abort_on_interrupt(plan.save_id)
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
@@ -487,7 +553,7 @@ class Checkpointer(_Core):
         except BaseException as exc:
             await asyncio.to_thread(self._leave_distributed_save, plan, exc)
             raise
-        return SaveHandle(step, durable, self._engine.failures)
+        return SaveHandle(step, durable, self._engine.failures, progress)
 
     async def load(
         self,
@@ -516,6 +582,19 @@ class Checkpointer(_Core):
         read from whichever saved shards overlap it; a load without ``state`` returns full
         tensors. Rank-local values go back to the rank that saved them; with another world
         size that is an error unless ``skip_rank_local`` (they are then left as they are)."""
+        loaded, _ = await self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    async def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -527,7 +606,37 @@ class Checkpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded, manifest.step
+
+    async def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if the root holds one and
+        return that step; return None, leaving ``state`` as it is, when it holds none (the
+        first run). A training loop then goes on with the step after it::
+
+            done = await ckpt.load_latest(state)     # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+
+        With several ranks every rank calls it and all get the same step (rank 0's view of
+        the latest). Loading works as :meth:`load` with ``state`` (the keyword arguments
+        are its own); a latest step that cannot be loaded raises, it never falls back to an
+        older one. :attr:`loaded_step` keeps the step afterwards."""
+        self._check_open()
+        latest = await self._call(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None  # one rank reads "the latest" itself (one removed meanwhile: the next)
+        _, restored = await self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored  # this call's own step (loaded_step may be another thread's by now)
 
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -612,18 +721,20 @@ class SyncCheckpointer(_Core):
         step: int,
         metadata: dict[str, Any] | None = None,
         rank_local: Sequence[str] | None = None,
+        also_as: str | SafetensorsExport | None = None,
     ) -> SyncSaveHandle:
         """Block until every byte of ``state`` is captured; ``handle.wait()`` for durability.
-        Same waiting, failure and multi-rank rules as :meth:`Checkpointer.save`."""
+        Same waiting, failure, multi-rank and ``also_as`` rules as :meth:`Checkpointer.save`."""
         started = time.perf_counter()
-        plan, order = self._plan(state, step, metadata, rank_local)
+        plan, order = self._plan(state, step, metadata, rank_local, also_as)
+        progress = ProgressTracker(step, plan.total_bytes, started)
         try:
-            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last))
+            durable = self._loop.run(self._engine.save(plan, order, started, self._storage, self._keep_last, progress))
         except BaseException as exc:
             self._abort_on_interrupt(plan.save_id)
             self._leave_distributed_save(plan, exc)
             raise
-        return SyncSaveHandle(step, durable, self._engine.failures)
+        return SyncSaveHandle(step, durable, self._engine.failures, progress)
 
     def load(
         self,
@@ -636,6 +747,19 @@ class SyncCheckpointer(_Core):
         skip_rank_local: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.load`."""
+        loaded, _ = self._restore(state, step, allow_pickle, paths, atomic, skip_rank_local)
+        return loaded
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        step: int | None,
+        allow_pickle: bool,
+        paths: Sequence[str] | None,
+        atomic: bool,
+        skip_rank_local: bool,
+    ) -> tuple[Any, int]:
+        """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
         if self._job.needs_latest(step):
@@ -647,7 +771,32 @@ class SyncCheckpointer(_Core):
         with self._load_events(step) as scope:
             manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
             scope.fetched(manifest, tensors)
-            return self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+        self._loaded_step = manifest.step
+        return loaded, manifest.step
+
+    def load_latest(
+        self,
+        state: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+        atomic: bool = False,
+        skip_rank_local: bool = False,
+    ) -> int | None:
+        """Resume: load the latest committed step into ``state`` if there is one and return
+        that step, else None (``state`` untouched). See :meth:`Checkpointer.load_latest`::
+
+            done = ckpt.load_latest(state)           # None on the first run
+            start = 1 if done is None else done + 1  # save(step=n) after n steps
+        """
+        self._check_open()
+        latest = self._loop.run(latest_committed(self._storage)) if self._looks_up_latest() else None
+        step = self._agreed_latest(latest)
+        if step is None:
+            return None
+        single = self._job.group is None
+        _, restored = self._restore(state, None if single else step, allow_pickle, None, atomic, skip_rank_local)
+        return restored
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""

@@ -1,6 +1,7 @@
 """The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``. URLs are storage
+Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``,
+``export`` (:mod:`aiosnap.interop.safetensors.cli`). URLs are storage
 roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
 (S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
 and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import logging
 import math
@@ -26,15 +28,18 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .catalog.garbage import collect_garbage
 from .catalog.maintenance import list_steps, verify_step
-from .catalog.steps import committed_steps, manifest_of, remove_steps_after
+from .catalog.steps import committed_steps, manifest_of, not_committed, remove_steps_after
 from .config import Config, load_config
-from .errors import AiosnapError, CheckpointNotFoundError
+from .core.units import format_bytes, format_rate
+from .errors import AiosnapError
 from .format.manifest import Manifest
+from .interop.safetensors.cli import register as register_export
 from .interop.singlefile import storage_for
 from .load.select import entries_under
 from .storage.base import Storage
@@ -47,12 +52,33 @@ __all__ = ["app", "main"]
 T = TypeVar("T")
 app = typer.Typer(
     name="aiosnap",
-    help="List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts as written: "[options]" is not markup
 )
-out = Console(highlight=False, soft_wrap=True)
+
+
+def _real_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal itself (``FORCE_COLOR`` may ask Rich for colours in
+    a file or a pipe, never for a terminal's width there)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
+class _Output:
+    """Standard output, as it is when a command prints: on a terminal, tables fit its width
+    (long entry paths fold onto a second line); redirected to a file or a pipe, lines are as
+    long as they need to be, so nothing is ever cut (``exp_avg`` and ``exp_avg_sq`` stay two
+    names). Text is printed as it is: no Rich markup (``blocks[attn]`` stays whole)."""
+
+    def print(self, *objects: Any) -> None:
+        width = None if _real_terminal(sys.stdout) else UNLIMITED_WIDTH
+        Console(highlight=False, markup=False, soft_wrap=True, width=width).print(*objects)
+
+
+UNLIMITED_WIDTH = 1 << 20
+out = _Output()
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML config (S3 endpoint, credentials, concurrency)")
@@ -83,32 +109,59 @@ def _when(epoch: float) -> str:
 
 
 def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return format_bytes(nbytes)
+
+
+def _table(*headers: str) -> Table:
+    """A plain table whose cells fold onto more lines rather than lose characters (fill it
+    with :func:`_add_row`)."""
+    table = Table(box=None, header_style="bold")
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
+
+
+def _add_row(table: Table, *cells: str) -> None:
+    """A row of plain text: entry paths, keys and metadata are never read as Rich markup."""
+    table.add_row(*(Text(cell) for cell in cells))
 
 
 def _emit_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, default=str))
 
 
-def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
-    """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
-    console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
-        return None, lambda n: None
-    bar = Progress(
+class AverageRateColumn(ProgressColumn):
+    """Bytes per second since the task started. Rich's own speed column estimates from the
+    updates of the last 30 s alone, which shows many times the real rate when bytes are
+    reported in bursts (several files finishing together)."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed
+        if not elapsed or not task.completed:
+            return Text("?", style="progress.data.speed")
+        return Text(format_rate(task.completed / elapsed), style="progress.data.speed")
+
+
+def bytes_bar(console: Console, get_time: Callable[[], float] | None = None) -> Progress:
+    """The commands' progress bar of bytes (``get_time``: its clock, for tests)."""
+    return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        DownloadColumn(binary_units=True),
+        AverageRateColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=True,
+        get_time=get_time,
     )
+
+
+def _progress(total: int | None, what: str, enabled: bool) -> tuple[Progress | None, Callable[[int], None]]:
+    """A bytes progress bar on a terminal; a no-op when piped or for JSON output."""
+    console = Console(stderr=True)
+    if not enabled or not _real_terminal(sys.stderr):
+        return None, lambda n: None
+    bar = bytes_bar(console)
     task = bar.add_task(what, total=total)
     return bar, lambda n: bar.advance(task, n)
 
@@ -125,10 +178,11 @@ def list_command(
     if as_json:
         _emit_json([dataclasses.asdict(info) for info in steps])
     elif steps:
-        table = Table("step", "state", "time", "size", "world size", "save id", box=None, header_style="bold")
+        table = _table("step", "state", "time", "size", "world size", "save id")
         for info in steps:
             note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
-            table.add_row(
+            _add_row(
+                table,
                 str(info.step),
                 info.state + note,
                 "" if info.state == "unreadable" else _when(info.time),
@@ -157,21 +211,22 @@ def info_command(
         return
     out.print(
         f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
-        f"{_size(manifest.total_bytes)} in {len(manifest.objects)} object(s), world size {manifest.world_size}, "
+        f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} stored "
+        f"in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
         f"save id {manifest.save_id}"
     )
     if manifest.metadata:
         out.print(f"metadata: {json.dumps(manifest.metadata)}")
     if by_key:
-        keys = Table("top-level key", "bytes", box=None, header_style="bold")
+        keys = _table("top-level key", "bytes")
         for key, nbytes in by_key.items():
-            keys.add_row(key, _size(nbytes))
+            _add_row(keys, key, _size(nbytes))
         out.print(keys)
-    table = Table("entry", "kind", "dtype", "shape", "bytes", "device", box=None, header_style="bold")
+    table = _table("entry", "kind", "dtype", "shape", "bytes", "device")
     for entry in manifest.entries:
         shape = "" if entry.kind == "pickle" else "x".join(map(str, entry.shape)) or "scalar"
         kind = f"sharded ({len(entry.shards)})" if entry.shards is not None else entry.kind
-        table.add_row(entry.path, kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
+        _add_row(table, entry.path, kind, entry.dtype, shape, _size(entry.nbytes), entry.device)
     out.print(table)
     if manifest.rank_local is not None:
         each = [sum(e.nbytes for e in part.entries) for part in manifest.rank_local]
@@ -218,7 +273,7 @@ def verify_command(
     async def run(storage: Storage) -> tuple[Manifest, list[str]]:
         async with storage.reading():  # one version of a single-file checkpoint a writer may replace
             manifest = await manifest_of(storage, step)
-            bar, advance = _progress(manifest.total_bytes, f"verifying step {manifest.step}", not as_json)
+            bar, advance = _progress(manifest.referenced_bytes, f"verifying step {manifest.step}", not as_json)
             if bar is None:
                 return manifest, await verify_step(storage, manifest, concurrency=settings.upload.concurrency)
             with bar:
@@ -229,13 +284,16 @@ def verify_command(
 
     manifest, problems = _on_storage(url, settings, run)
     if as_json:
-        _emit_json({"step": manifest.step, "ok": not problems, "bytes": manifest.total_bytes, "problems": problems})
+        _emit_json({
+            "step": manifest.step, "ok": not problems, "bytes": manifest.referenced_bytes,
+            "stored_bytes": manifest.total_bytes, "problems": problems,
+        })  # fmt: skip
     elif problems:
         for problem in problems:
             print(problem, file=sys.stderr)
         print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
     else:
-        checked = f"{_size(manifest.total_bytes)} in {len(manifest.entries)} entries"
+        checked = f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries"
         out.print(f"step {manifest.step}: ok, {checked} verified")
     if problems:
         raise typer.Exit(1)
@@ -249,7 +307,7 @@ def download_command(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Copy a step to another root (e.g. S3 to local disk), checking every checksum; the
+    """Copy a step to another root (from S3 to local disk, say), checking every checksum; the
     copy is committed (manifest written) only once complete."""
     settings = _config(config)
 
@@ -292,15 +350,21 @@ def resume_command(
     settings = load_config(config)
     if settings.spool.effective_mode == "off":
         raise AiosnapError(f"{config}: no spool configured (spool.dir), nothing to resume")
-    settings = settings.model_copy(update={"spool": settings.spool.model_copy(update={"resume": False})})
+    settings = settings.model_copy(
+        update={
+            "spool": settings.spool.model_copy(update={"resume": False}),
+            "events": settings.events.model_copy(update={"stderr": False}),  # this command reports itself
+        }
+    )
     from .checkpointer import SyncCheckpointer  # torch: only the commands that need it import it
 
     with SyncCheckpointer(settings) as ckpt:
         bar, advance = _progress(None, "uploading spooled chunks", not as_json)
+        done_before = 0  # bytes of the roots resumed before this one
 
-        def landed(nbytes: int, total: int) -> None:
+        def landed(nbytes: int, total: int) -> None:  # total: this root's
             if bar is not None:
-                bar.update(bar.task_ids[0], total=total)
+                bar.update(bar.task_ids[0], total=done_before + total)
             advance(nbytes)
 
         targets = [ckpt, *(ckpt.at(root) for root in roots or [])]
@@ -308,6 +372,7 @@ def resume_command(
         with bar if bar is not None else contextlib.nullcontext():
             for target in targets:
                 reports.append(target.resume_spool(landed if bar is not None else None))
+                done_before = 0 if bar is None else int(bar.tasks[0].completed)
         everywhere = set.intersection(*({save_id for save_id, _ in r.skipped} for r in reports))
         report = ResumeReport(
             resumed=[step for r in reports for step in r.resumed],
@@ -347,7 +412,7 @@ def rollback_command(
         if dry_run:
             steps = await committed_steps(storage)
             if to not in steps:
-                raise CheckpointNotFoundError(f"step {to} has no committed checkpoint in {storage.url}")
+                raise await not_committed(storage, to, " to roll back to")
             return [s for s in steps if s > to]
         return await remove_steps_after(storage, to)
 
@@ -405,39 +470,121 @@ def gc_command(
     out.print(f"{'would free' if dry_run else 'freed'} {_size(report.freed_bytes)}")
 
 
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False,
+             short_help="Run a benchmark: aiosnap bench NAME [options] (--help: the list)")  # fmt: skip
 def bench_command(
     ctx: typer.Context,
     which: Annotated[
-        str,
-        typer.Argument(
-            help="local | s3 | spool | lightning | load | interference | distributed; options go to that benchmark"
-        ),
-    ] = "local",
+        str | None,
+        typer.Argument(help="the benchmark; its options follow (aiosnap bench NAME --help)", show_default=False),
+    ] = None,
 ) -> None:
-    """Run a benchmark and print its figures (``aiosnap bench s3 --help`` for its options)."""
-    from .bench import BENCHMARKS, run
+    """Run a benchmark and print its figures: aiosnap bench NAME [options]; aiosnap bench NAME
+    --help for its options; aiosnap bench --help for the list."""
+    from .bench import BENCHMARKS, describe_benchmarks, run
 
+    if which is None or which in ("-h", "--help"):
+        print(
+            f"usage: aiosnap bench NAME [options]   (aiosnap bench NAME --help: its options)\n\n{describe_benchmarks()}"
+        )
+        return
     if which not in BENCHMARKS:
-        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="WHICH")
-    run(which, list(ctx.args))
+        raise typer.BadParameter(f"{which!r}: choose one of {', '.join(BENCHMARKS)}", param_hint="NAME")
+    if "--json" not in ctx.args:
+        run(which, list(ctx.args))
+        return
+    with contextlib.redirect_stderr(_Tee(sys.stderr)) as said:
+        try:
+            run(which, list(ctx.args))
+        except SystemExit as done:
+            if done.code == 2:  # the benchmark's own usage error (argparse): scripts get JSON too
+                message = said.text.strip().splitlines()[-1:] or ["usage error"]
+                print(json.dumps({"error": message[0], "type": "UsageError"}))
+            raise
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``stream`` and keeps what was written."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._kept = io.StringIO()
+
+    @property
+    def text(self) -> str:
+        return self._kept.getvalue()
+
+    def write(self, text: str) -> int:
+        self._kept.write(text)
+        return int(self._stream.write(text))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from . import __version__
+
+        try:
+            torch = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            torch = "no torch"
+        print(f"aiosnap {__version__} (Python {sys.version.split()[0]}, {torch})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="print the version and exit", is_eager=True, callback=_version)
+    ] = False,
+) -> None:
+    """List, inspect, verify, copy, resume and clean aiosnap checkpoints; run the benchmarks."""
+
+
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as typer returns it)."""
+
+_CLICK_ERROR: type[Any] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+"""Click's error class: the click that typer runs on (its own copy in recent typer releases)."""
+
+
+register_export(app)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args  # scripts parse stdout: every error is a JSON document there too
     try:
-        app(args=argv, prog_name="aiosnap")  # usage errors: message and exit status 2
-    except SystemExit as done:
+        code = app(args=args, prog_name="aiosnap", standalone_mode=False)
+        if code == INTERRUPTED:  # typer's answer to Ctrl-C (KeyboardInterrupt)
+            print("aiosnap: interrupted", file=sys.stderr)
+            if as_json:
+                print(json.dumps({"error": "interrupted", "type": "KeyboardInterrupt"}))
+    except _CLICK_ERROR as exc:  # a usage error (exit status 2): the message, then JSON if asked
+        exc.show()
+        if as_json:
+            print(json.dumps({"error": exc.format_message(), "type": type(exc).__name__}))
+        return int(exc.exit_code)
+    except typer.Abort:
+        print("aiosnap: aborted", file=sys.stderr)
+        return 1
+    except SystemExit as done:  # a benchmark's own argument parser (its --help, its usage errors)
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except Exception as exc:  # one line, whatever failed (no traceback for an operator)
         known = isinstance(exc, (AiosnapError, OSError, NotImplementedError, ValueError))
         message = str(exc) if known else f"{type(exc).__name__}: {exc}"
         print(f"aiosnap: error: {message}", file=sys.stderr)
-        if "--json" in (argv if argv is not None else sys.argv[1:]):  # scripts parse stdout
+        if as_json:
             print(json.dumps({"error": message, "type": type(exc).__name__}))
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -4,19 +4,24 @@ Precedence, highest first: arguments passed to :class:`Config` > ``AIOSNAP_*`` e
 variables (nested fields with ``__``, e.g. ``AIOSNAP_UPLOAD__CONCURRENCY=4``) > the YAML file
 given to :func:`load_config` > the defaults below. Sizes accept integers (bytes) or strings
 with units (``"512MiB"``, ``"2GB"``); ``ram_budget`` also accepts a share of the memory
-available when the checkpointer starts (``"25%"``).
+available when the checkpointer starts (``"25%"``). Relative paths in a YAML file are taken
+relative to the file's folder (as docker-compose does); paths given in code or in the
+environment stay relative to the working directory.
 """
 
 from __future__ import annotations
 
 import contextvars
+import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import psutil
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
@@ -30,6 +35,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from .core.sources import source_of
+from .core.units import format_bytes
 from .errors import ConfigError
 
 __all__ = ["Config", "load_config"]
@@ -38,37 +45,84 @@ MIN_RAM_BUDGET = 64 * 1024
 ENV_PREFIX = "AIOSNAP_"
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
+URL_SCHEMES: set[str] = {"file", "s3"}
+"""Schemes ``storage.url`` may use; :func:`aiosnap.storage.registry.register_scheme` adds to it."""
+
+
+class _RelativeToFile:
+    """Marks a setting that holds a path (or a URL that may be one): relative in a YAML file,
+    it is taken relative to that file's folder by :func:`load_config`."""
+
+    def __repr__(self) -> str:
+        return "RELATIVE_TO_FILE"
+
+
+RELATIVE_TO_FILE = _RelativeToFile()
+
 
 def parse_size(value: Any) -> int:
     """Parse ``1024``, ``"512MiB"`` or ``"2GB"`` into a positive number of bytes."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as 1048576 or '512MiB', got a boolean")
+    if _is_negative(value):
+        raise ValueError(f"a size cannot be negative, got {value!r:.40}")
     try:
         size = int(_BYTE_SIZE.validate_python(value))
     except ValidationError as exc:
         raise ValueError(f"expected a size such as 1048576 or '512MiB', got {value!r:.40}") from exc
     if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r:.40}")
+        raise ValueError(f"a size must be positive, got {value!r:.40}")
     return size
 
 
-def at_least(minimum: int, hint: str) -> BeforeValidator:
+def _is_negative(value: Any) -> bool:
+    """``-5``, ``"-1GiB"``, ``" -2 MB"``: a size with a minus sign, which is not a format error."""
+    if isinstance(value, int | float):
+        return value < 0
+    if isinstance(value, str) and value.strip().startswith("-"):
+        try:
+            _BYTE_SIZE.validate_python(value.strip()[1:])
+        except ValidationError:
+            return False
+        return True
+    return False
+
+
+_UNIT_BYTES = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _too_small(value: Any, size: int, minimum: int, unit: str) -> str:
+    """Why ``value`` (``size`` bytes) is below a size's minimum. A plain number most likely
+    lacks its unit (``ram_budget: 512`` meant 512MiB, not 512 bytes); one of four digits or
+    more, the next smaller unit where that is still enough (``60000``: 60000KiB, not 58 GiB)."""
+    if not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+        return f"{value!r:.40} is {format_bytes(size)}, below the minimum of {format_bytes(minimum)}"
+    units = list(_UNIT_BYTES)
+    index = units.index(unit)
+    if index > 0 and size >= 1024 and size * _UNIT_BYTES[units[index - 1]] >= minimum:
+        index -= 1
+    return (
+        f"{size} bytes? did you mean {size}{units[index]}? (a size without a unit is in bytes; "
+        f"the minimum is {format_bytes(minimum)})"
+    )
+
+
+def at_least(minimum: int, unit: str = "MiB") -> BeforeValidator:
     """A size of at least ``minimum`` bytes (a bare small number is most likely a unit
-    forgotten: ``chunk_size: 64`` meant 64MiB, not 64 bytes)."""
+    forgotten: ``chunk_size: 64`` meant 64MiB, not 64 bytes; ``unit`` is the one suggested)."""
 
     def check(value: Any) -> int:
         size = parse_size(value)
         if size < minimum:
-            raise ValueError(
-                f"{size} bytes is below the minimum of {minimum} ({hint}; did you forget a unit, as in 64MiB?)"
-            )
+            raise ValueError(_too_small(value, size, minimum, unit))
         return size
 
     return BeforeValidator(check)
 
 
-def parse_budget(value: Any) -> int | str:
-    """Parse a byte budget: a size (see :func:`parse_size`) or a share such as ``"25%"``."""
+def parse_budget(value: Any, minimum: int = 1, unit: str = "MiB") -> int | str:
+    """Parse a byte budget: a size (see :func:`parse_size`) of at least ``minimum`` bytes, or
+    a share such as ``"25%"``."""
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             share = float(value.strip()[:-1])
@@ -77,23 +131,54 @@ def parse_budget(value: Any) -> int | str:
         if not 0 < share <= 100:
             raise ValueError(f"a share of memory must be in (0%, 100%], got {value!r}")
         return f"{share:g}%"
-    return parse_size(value)
+    size = parse_size(value)
+    if size < minimum:
+        raise ValueError(_too_small(value, size, minimum, unit))
+    return size
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 Budget = Annotated[int | str, BeforeValidator(parse_budget)]
-ChunkSize = Annotated[int, at_least(64 * 1024, "64 KiB")]
-PartSize = Annotated[int, at_least(5 * 1024**2, "S3's smallest part, 5 MiB")]
+RamBudget = Annotated[int | str, BeforeValidator(lambda value: parse_budget(value, MIN_RAM_BUDGET))]
+ChunkSize = Annotated[int, at_least(64 * 1024)]
+PartSize = Annotated[int, at_least(5 * 1024**2)]
+SpoolBudget = Annotated[int | str, BeforeValidator(lambda value: parse_budget(value, 1024**2, "GiB"))]
 
 
-def parse_spool_budget(value: Any) -> int | str:
-    budget = parse_budget(value)
-    if isinstance(budget, int) and budget < 1024**2:
-        raise ValueError(f"{budget} bytes is below the minimum of 1 MiB (did you forget a unit, as in 10GiB?)")
-    return budget
+def redacted(url: str) -> str:
+    """``url`` as a message may show it: without the credentials a URL can carry (``user:
+    password@``, a query string that may hold a token), each replaced by ``***``."""
+    parsed = urlparse(url)
+    if not parsed.scheme or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
+        return url
+    netloc = parsed.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    shown = parsed._replace(
+        netloc=netloc, query="***" if parsed.query else "", fragment="***" if parsed.fragment else ""
+    )
+    ending = url[-1] if url.endswith(("?", "#")) and not (parsed.query or parsed.fragment) else ""
+    return shown.geturl() + ending
 
 
-SpoolBudget = Annotated[int | str, BeforeValidator(parse_spool_budget)]
+def check_url(url: str) -> str:
+    """A storage URL whose scheme some backend serves (a plain path has none)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and url[1:3] in (":\\", ":/")):
+        return url  # a plain path (or a Windows drive)
+    if parsed.scheme not in URL_SCHEMES:
+        known = ", ".join(f"{s}://" for s in sorted(URL_SCHEMES))
+        hint = " (Google Cloud Storage: s3:// with s3.endpoint_url set to its S3 interop endpoint)"
+        raise ValueError(
+            f"unsupported scheme {parsed.scheme!r} in {redacted(url)!r:.200}: use a path or {known}"
+            + (hint if parsed.scheme in ("gs", "gcs") else "")
+        )
+    return url
+
+
+StorageUrl = Annotated[str, Field(min_length=1), AfterValidator(check_url), RELATIVE_TO_FILE]
+LocalFolder = Annotated[str | None, RELATIVE_TO_FILE]
+LocalFile = Annotated[Path | None, RELATIVE_TO_FILE]
 
 
 class _Section(BaseModel):
@@ -103,7 +188,7 @@ class _Section(BaseModel):
 class StorageConfig(_Section):
     """Where checkpoints go."""
 
-    url: str = Field("./checkpoints", min_length=1)
+    url: StorageUrl = "./checkpoints"
     """A directory path, ``file:///abs/path``, or ``s3://bucket/prefix``."""
 
 
@@ -133,7 +218,7 @@ class SpoolConfig(_Section):
     """Local-disk spool: captured chunks that RAM cannot hold go to local disk, so save()
     returns at disk speed while a slow target (S3, NFS, Lustre) catches up."""
 
-    dir: str | None = None
+    dir: LocalFolder = None
     """Spool directory on fast local disk (one checkpointer at a time: a lock file)."""
     budget: SpoolBudget = "50%"
     """Most bytes on spool disk: a size, or a share such as "50%" of the free space of the
@@ -163,9 +248,17 @@ class EventsConfig(_Section):
     passed to the checkpointer in code."""
 
     log: bool = True
-    """Send events to the standard logger ``aiosnap.core.events`` (INFO; failures at WARNING)."""
-    jsonl: Path | None = None
+    """Send events to the standard logger ``aiosnap.events`` (INFO; failures at WARNING;
+    while logging is not set up, not the failures that ``stderr`` below reports already)."""
+    jsonl: LocalFile = None
     """Append every event as one JSON line to this file."""
+    stderr: bool = True
+    """One line on stderr as each save commits (rank 0 only) or fails (every rank), whatever
+    logging is set up: ``aiosnap: step 200 committed: 503.0 MiB in 1.2 s (419 MiB/s) to ...``."""
+    live: bool = False
+    """A live progress display on stderr (Rich) while saves upload, once one has run for 2 s;
+    only when stderr is a terminal. Off by default: training loops often draw a progress bar
+    of their own, and two live displays on one terminal garble each other."""
 
 
 class DistributedConfig(_Section):
@@ -182,6 +275,22 @@ class DistributedConfig(_Section):
     """Path patterns (``fnmatch``, keys joined by ``/``: ``"rng"``, ``"loader/*"``) whose
     values each rank saves for itself and gets back (RNG states, data-loader positions);
     ``save(rank_local=...)`` adds to these."""
+
+
+class PreemptionConfig(_Section):
+    """What a preemption signal (SIGTERM from Kubernetes, SLURM, a spot-instance reclaim)
+    does to a training process with a checkpointer (see :mod:`aiosnap.core.preemption`)."""
+
+    enabled: bool = False
+    """Handle the signals below: finish (or, with a spool, secure on local disk) the saves
+    in flight, let the trainer see ``ckpt.preempted`` and take a last save, then exit as the
+    signal would have. Off by default: the signals keep their usual effect."""
+    signals: list[Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"]] = Field(["SIGTERM"], min_length=1)
+    """Which signals mean preemption."""
+    grace_period: float = Field(20.0, gt=0, le=3600)
+    """Seconds from the signal to the exit, at most: set it a few seconds below what the
+    cluster gives (Kubernetes ``terminationGracePeriodSeconds``, 30 by default; SLURM
+    ``KillWait``, 30 by default; the ``--signal`` lead time of sbatch)."""
 
 
 class S3Config(_Section):
@@ -236,7 +345,7 @@ class Config(BaseSettings):
     )
 
     storage: StorageConfig = StorageConfig()
-    ram_budget: Budget = 1024**3
+    ram_budget: RamBudget = 1024**3
     """Most bytes of host RAM held by staging buffers: a size, or a share such as "25%" of
     the memory available when the checkpointer starts."""
     max_pending_saves: int = Field(1, ge=1, le=64)
@@ -249,6 +358,7 @@ class Config(BaseSettings):
     spool: SpoolConfig = SpoolConfig()
     events: EventsConfig = EventsConfig()
     distributed: DistributedConfig = DistributedConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
 
     def __init__(self, **values: Any) -> None:
         """Validate ``values`` over the environment, the YAML file being loaded and the
@@ -259,7 +369,7 @@ class Config(BaseSettings):
             super().__init__(**values)
             return
         except ValidationError as exc:
-            problem = describe(exc)
+            problem = describe(exc, values)
         except SettingsError as exc:  # an AIOSNAP_* variable whose JSON cannot be parsed
             problem = f"environment: {str(exc).split(':', 1)[0]}"
         raise ConfigError(problem)  # outside the handler: no chained error holding the input
@@ -283,9 +393,14 @@ class Config(BaseSettings):
         else:
             budget = self.ram_budget
         if budget < MIN_RAM_BUDGET:
-            raise ConfigError(f"ram_budget: {budget} bytes is below the minimum of {MIN_RAM_BUDGET}")
+            raise ConfigError(
+                f"ram_budget: {self.ram_budget} of the available memory is {format_bytes(budget)}, "
+                f"below the minimum of {format_bytes(MIN_RAM_BUDGET)}"
+            )
         if budget > memory.total:
-            raise ConfigError(f"ram_budget: {budget} bytes exceeds this machine's memory ({memory.total} bytes)")
+            raise ConfigError(
+                f"ram_budget: {format_bytes(budget)} exceeds this machine's memory ({format_bytes(memory.total)})"
+            )
         return budget
 
     @classmethod
@@ -296,7 +411,7 @@ class Config(BaseSettings):
         if isinstance(value, Config):
             return value
         if isinstance(value, (str, Path)):
-            return cls(storage=StorageConfig(url=str(value)))
+            return cls(storage={"url": str(value)})
         if isinstance(value, dict):
             return cls(**value)
         raise ConfigError(f"expected a Config, a URL or a dict, got {type(value).__name__}")
@@ -308,10 +423,46 @@ def _known_settings(model: type[BaseModel], prefix: str = "") -> set[str]:
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
         known.add(path)
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            known |= _known_settings(annotation, path + ".")
+        section = _section_model(info)
+        if section is not None:
+            known |= _known_settings(section, path + ".")
     return known
+
+
+def _section_model(info: FieldInfo) -> type[BaseModel] | None:
+    annotation = info.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _model_at(where: tuple[str, ...]) -> type[BaseModel] | None:
+    """The section model at the dotted location ``where`` (``()`` is :class:`Config`)."""
+    model: type[BaseModel] | None = Config
+    for name in where:
+        info = None if model is None else model.model_fields.get(name)
+        model = None if info is None else _section_model(info)
+    return model
+
+
+def did_you_mean(where: tuple[str, ...]) -> str:
+    """``" (did you mean retention.keep_last?)"`` for a setting that does not exist: a close
+    spelling in its section, else the same name in another section, else a close spelling
+    anywhere; ``""`` when nothing is close."""
+    name, parent = where[-1], where[:-1]
+    section = _model_at(parent)
+    prefix = "".join(f"{part}." for part in parent)
+    close = [] if section is None else _closest(name, list(section.model_fields), cutoff=0.6)
+    known = sorted(_known_settings(Config))
+    options = [prefix + c for c in close] or [k for k in known if k.rsplit(".", 1)[-1] == name]
+    options = options or _closest(".".join(where), known, cutoff=0.75)
+    return f" (did you mean {' or '.join(options)}?)" if options else ""
+
+
+def _closest(word: str, choices: list[str], cutoff: float) -> list[str]:
+    """Up to three spellings close to ``word``, only those nearly as close as the best one
+    (``retension`` suggests ``retention``, not also ``preemption``)."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in choices), reverse=True)
+    scored = [(score, c) for score, c in scored if score >= cutoff]
+    return [c for score, c in scored[:3] if score >= scored[0][0] - 0.1]
 
 
 def _check_environment() -> None:
@@ -323,12 +474,12 @@ def _check_environment() -> None:
             continue
         setting = ".".join(name[len(ENV_PREFIX) :].lower().split("__"))
         if setting not in known:
-            close = sorted(k for k in known if k.split(".")[-1][:3] == setting.split(".")[-1][:3])
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            hint = did_you_mean(tuple(setting.split(".")))
             raise ConfigError(f"environment variable {name} names no aiosnap setting {setting!r}{hint}")
 
 
 _file_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_file_data", default=None)
+_file_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("_file_name", default=None)
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -341,12 +492,24 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(_file_data.get() or {})
 
 
-def describe(exc: ValidationError) -> str:
-    """Each problem as ``field: message``; input values are left out (they may be secrets)."""
+def describe(exc: ValidationError, code: dict[str, Any] | None = None) -> str:
+    """Each problem as ``field: message``, after the source that gave the field (the YAML
+    file being loaded, an ``AIOSNAP_*`` variable; nothing for ``code``, the arguments, and
+    the defaults); input values are left out (they may be secrets)."""
+    data, name = _file_data.get(), _file_name.get()
+    file = (name, data) if name is not None and data is not None else None
     parts = []
     for err in exc.errors(include_input=False, include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        parts.append(f"{where}: {err['msg']}")
+        loc = tuple(str(p) for p in err["loc"])
+        where = ".".join(loc) or "(top level)"
+        source = source_of(loc, code=code or {}, environ=os.environ, prefix=ENV_PREFIX, file=file)
+        if err["type"] == "extra_forbidden":
+            message = "unknown setting" + did_you_mean(tuple(str(p) for p in err["loc"]))
+        elif err["type"] in ("value_error", "assertion_error") and "error" in err.get("ctx", {}):
+            message = str(err["ctx"]["error"])  # our own words, without pydantic's "Value error, "
+        else:
+            message = err["msg"]
+        parts.append(f"{source}{where}: {message}")
     return "; ".join(parts)
 
 
@@ -389,7 +552,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_config(path: str | Path) -> Config:
-    """Read a YAML file into a :class:`Config`; errors name the file and the field."""
+    """Read a YAML file into a :class:`Config`; errors name the file and the field. Relative
+    paths in it (``storage.url``, ``spool.dir``, ``events.jsonl``) are taken relative to the
+    file's folder."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -406,11 +571,30 @@ def load_config(path: str | Path) -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    token = _file_data.set(data)
+    _resolve_paths(data, Config, Path(os.path.abspath(path)).parent)
+    tokens = _file_data.set(data), _file_name.set(str(path))
     try:
-        return Config()
-    except ConfigError as exc:
-        problem = str(exc)
+        return Config()  # its errors name the file, or the environment variable, at fault
     finally:
-        _file_data.reset(token)
-    raise ConfigError(f"{path}: {problem}")
+        _file_data.reset(tokens[0])
+        _file_name.reset(tokens[1])
+
+
+def _resolve_paths(data: dict[str, Any], model: type[BaseModel], folder: Path) -> None:
+    """Make the relative paths among ``data``'s settings (those marked ``RELATIVE_TO_FILE``)
+    relative to ``folder``, in place. Values of the wrong type are left to validation."""
+    for name, info in model.model_fields.items():
+        value = data.get(name)
+        section = _section_model(info)
+        if section is not None and isinstance(value, dict):
+            _resolve_paths(value, section, folder)
+        elif RELATIVE_TO_FILE in info.metadata and isinstance(value, str) and _is_relative_path(value):
+            data[name] = str(folder / value)
+
+
+def _is_relative_path(value: str) -> bool:
+    """A path relative to some folder: not a URL, not absolute, not ``~/...``, not empty."""
+    if not value.strip() or value.startswith("~") or os.path.isabs(value):
+        return False
+    scheme = urlparse(value).scheme
+    return scheme == "" or (len(scheme) == 1 and value[1:3] in (":\\", ":/"))

@@ -19,8 +19,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,11 +33,13 @@ from .core.budget import ByteBudget
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
+from .core.progress import ProgressBoard, ProgressTracker
 from .errors import StepOrderError
 from .format.manifest import Manifest
-from .handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
+from .handoff.contract import FileChunk, SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
 from .load.apply import check_pickles
+from .load.consistent import read_while_committed
 from .load.fetch import ReadPlan, fetch_entries
 from .storage.base import Storage
 from .trainer.capture import Copier, capture_chunks
@@ -111,6 +114,7 @@ class _SaveJob:
     emit: ScopeEmitter
     preflight: asyncio.Future[Preflight]
     outcome: asyncio.Future[TransferOutcome]
+    progress: ProgressTracker
     task: asyncio.Task[None] | None = None
     capture: asyncio.Task[None] | None = None
     session: SpoolSession | None = None
@@ -144,8 +148,7 @@ class Engine:
         self.slab_bytes = slab_bytes_for(config, ram_budget)
         self.in_process = config.upload.executor == "process"
         count = max(1, ram_budget // self.slab_bytes)
-        self.arena = Arena(self.slab_bytes, count, shared=self.in_process)
-        self.arena.prewarm()  # pages resident before the first save needs them
+        self.arena = Arena(self.slab_bytes, count, shared=self.in_process)  # reserved; resident where written
         self.budget = ByteBudget(self.arena.size, "ram_budget")
         self.pool: SlabPool | None = None  # made on the loop (it holds an asyncio queue)
         self._bounce: Bounce | None = None
@@ -158,6 +161,11 @@ class Engine:
         done_with, which may arrive after its save has ended (chunks staged after the
         transfer side gave the save up)."""
         self.transfer: Transfer | None = None
+        self.board = ProgressBoard()
+        """The progress of the saves in flight (a live display reads it)."""
+        self._told_over_budget = False
+        self._securing = False
+        """Preempted: chunks held in RAM are written to the spool too (see :meth:`preempted`)."""
 
     async def start(self) -> None:
         """Make the slab pool and the transfer side (starting the upload process in
@@ -191,6 +199,21 @@ class Engine:
                     self._bounce = Bounce(self.pool)
         return self.pool
 
+    def _say_if_over_budget(self, plan: SavePlan) -> None:
+        """Once per engine: a state larger than the RAM budget, with no spool to spill to,
+        makes save() wait for uploads (said through logging at WARNING, which Python shows
+        on stderr even when logging is not set up)."""
+        if self._told_over_budget or self.spool is not None or plan.total_bytes <= self.budget.capacity:
+            return
+        self._told_over_budget = True
+        over = plan.total_bytes - self.budget.capacity
+        log.warning(
+            "aiosnap: the state of step %d (%.1f MiB) is larger than the RAM budget (%.1f MiB) and no spool is "
+            "configured: save() returns only once %.1f MiB have reached storage. Raise ram_budget, or set "
+            "spool.dir to spill to local disk and return at disk speed (said once).",
+            plan.step, plan.total_bytes / 2**20, self.budget.capacity / 2**20, over / 2**20,
+        )  # fmt: skip
+
     def raise_unobserved(self) -> None:
         """Raise the oldest background failure nobody has been told about (once)."""
         failure = self.failures.take()
@@ -216,12 +239,15 @@ class Engine:
         started: float,
         storage: Storage,
         keep_last: int | None,
+        progress: ProgressTracker | None = None,
     ) -> concurrent.futures.Future[SaveResult]:
         """Start a save to ``storage``; returns once every byte is captured, with a future
-        for durability. ``keep_last`` is the retention applied there after the commit.
-        Cancelled before it returns, the save is aborted: nothing of it is committed."""
+        for durability. ``keep_last`` is the retention applied there after the commit;
+        ``progress`` hears how far the save has got. Cancelled before it returns, the save
+        is aborted: nothing of it is committed."""
         self.raise_unobserved()
         self._check_order(plan.step, storage)
+        self._say_if_over_budget(plan)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
         await self._pending.acquire()
@@ -241,9 +267,11 @@ class Engine:
         job = _SaveJob(
             plan, order, started, storage, keep_last, loop.create_future(), durable,
             self.events.scope("save", plan.step, storage.url, plan.save_id), loop.create_future(),
-            loop.create_future(),
+            loop.create_future(), progress or ProgressTracker(plan.step, plan.total_bytes, started),
         )  # fmt: skip
         job.transfer = transfer
+        job.progress.stage("capturing")
+        self.board.add(job.progress)
         self._jobs[plan.save_id] = job
         job.emit("start")
         try:
@@ -251,6 +279,8 @@ class Engine:
             plan.handed_over = True
         except BaseException as exc:  # the upload process is gone: this save never started
             self._jobs.pop(plan.save_id, None)
+            self.board.discard(job.progress)
+            job.progress.stage("failed")
             self._pending.release()
             job.emit("exception", exception=exc)
             durable.set_exception(exc)
@@ -310,6 +340,8 @@ class Engine:
         assert self._pending is not None
         self._jobs.pop(job.plan.save_id, None)
         self._pending.release()
+        self.board.discard(job.progress)
+        job.progress.stage("cancelled")  # (a save that ended otherwise stays as it ended)
         if not job.captured.done():
             job.captured.cancel()
         if not job.durable.done():
@@ -372,14 +404,15 @@ class Engine:
         if job.outcome.done():  # refused by the transfer side before anything was copied
             return
         job.session = self._spool_session(plan, job.storage, job.keep_last)
+        if self._securing:  # a save started after a preemption (the trainer's last one)
+            self._keep_resumable(job)
         capture_started = time.perf_counter()
-        with self.arena.capturing():
-            await capture_chunks(
-                plan, pool, self._executor, self._copier, job.order,
-                stage=lambda chunk: self._stage(job, chunk),
-                may_upload=lambda: transfer.may_upload(plan.save_id),
-                spool=job.session,
-            )  # fmt: skip
+        await capture_chunks(
+            plan, pool, self._executor, self._copier, job.order,
+            stage=lambda chunk: self._stage(job, chunk),
+            may_upload=lambda: transfer.may_upload(plan.save_id),
+            spool=job.session,
+        )  # fmt: skip
         if job.session is not None:
             await job.session.captured()  # the journal says so before save() returns
         capture_done = time.perf_counter()
@@ -389,6 +422,7 @@ class Engine:
         job.blocked = time.perf_counter() - job.started
         job.stages["capture"] = capture_done - capture_started
         job.captured.set_result(job.blocked)
+        job.progress.stage("uploading")
         job.emit("end", stage="capture", nbytes=plan.total_bytes, seconds=job.stages["capture"])
         if job.session is not None and job.session.spooled:
             job.stages["spool"] = job.session.spool_seconds
@@ -398,7 +432,58 @@ class Engine:
     def _stage(self, job: _SaveJob, chunk: Staged) -> None:
         assert job.transfer is not None
         self._lent[(job.plan.save_id, chunk.index)] = (chunk, job.transfer)
+        job.progress.captured(job.plan.chunks[chunk.index].payload, spooled=isinstance(chunk, FileChunk))
         job.transfer.staged(chunk)
+        if self._securing and isinstance(chunk, SlabChunk):
+            self._secure(job, chunk)
+
+    def preempted(self) -> None:
+        """A preemption signal came (:mod:`aiosnap.core.preemption`); loop thread. The saves
+        in flight go on; with a spool, every chunk they hold in RAM, and every one staged
+        from now on, is written to the spool disk as well, so that a save the grace period
+        is too short for is resumed by the next process. (Multi-rank saves are not resumed
+        from a spool: their ranks only try to finish.) Every such save is journalled, even
+        one with nothing left in RAM (its commit under way)."""
+        if self._securing:
+            return
+        self._securing = True
+        for (save_id, _), (chunk, _) in list(self._lent.items()):
+            job = self._jobs.get(save_id)
+            if job is not None and isinstance(chunk, SlabChunk):
+                self._secure(job, chunk)
+        for job in list(self._jobs.values()):
+            self._keep_resumable(job)
+
+    def _keep_resumable(self, job: _SaveJob) -> None:
+        """Preempted: journal ``job`` whatever it holds in RAM (see SpoolSession.keep_resumable)."""
+        if job.session is not None and job.plan.spec.distributed is None and not job.aborted:
+            self._journalling(job, job.session.keep_resumable())
+
+    def _secure(self, job: _SaveJob, chunk: SlabChunk) -> None:
+        """Write ``chunk`` (in RAM) to the save's spool folder, holding its slab meanwhile."""
+        session, pool = job.session, self.pool
+        if session is None or pool is None or job.plan.spec.distributed is not None or job.aborted:
+            return
+        pool.hold(chunk.slab)
+
+        async def write() -> None:
+            try:
+                data = self.arena.view(chunk.slab, chunk.nbytes)
+                if await session.secure(job.plan.chunks[chunk.index], data):
+                    job.progress.spooled(job.plan.chunks[chunk.index].payload)
+            except Exception as exc:  # the save itself goes on
+                log.warning("aiosnap: keeping chunk %d of step %d on the spool: %r", chunk.index, job.plan.step, exc)
+            finally:
+                pool.unhold(chunk.slab)
+
+        self._journalling(job, write())
+
+    @staticmethod
+    def _journalling(job: _SaveJob, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (spool and journal writes) as a task the end of ``job`` waits for."""
+        task = asyncio.get_running_loop().create_task(work)
+        job.journalling.add(task)
+        task.add_done_callback(job.journalling.discard)
 
     @staticmethod
     async def _check_preflight(job: _SaveJob) -> None:
@@ -432,6 +517,7 @@ class Engine:
             stage_seconds={**job.stages, **outcome.stage_seconds},
             spool_high_water=None if self.spool is None else self.spool.budget.high_water,
         )
+        job.progress.stage("committed")
         job.emit("end", nbytes=result.nbytes, seconds=result.durable_s)
         if not job.captured.done():
             job.captured.set_result(result.blocked_s)
@@ -441,8 +527,9 @@ class Engine:
         """Report ``failure`` once: by save() itself when it has not returned yet, else to
         whoever waits for the handle, else by the next save() or close()."""
         step = job.plan.step
-        job.emit("exception", exception=failure)
         cancelled = isinstance(failure, asyncio.CancelledError)
+        job.progress.stage("cancelled" if cancelled else "failed")
+        job.emit("exception", exception=failure)
         if not job.captured.done():
             if cancelled:
                 job.captured.cancel()
@@ -480,15 +567,24 @@ class Engine:
         job = self._jobs.get(save_id)
         if job is None:
             return
+        if pieces is not None:
+            job.progress.landed(index, job.plan.chunks[index].payload)
+        else:
+            job.progress.dropped(index)
         if job.session is not None and (chunk is not None or pieces is not None):
-            task = asyncio.get_running_loop().create_task(job.session.done_with(index, pieces))
-            job.journalling.add(task)
-            task.add_done_callback(job.journalling.discard)
+            self._journalling(job, job.session.done_with(index, pieces))
+
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        job = self._jobs.get(save_id)
+        if job is not None and 0 <= index < len(job.plan.chunks):
+            job.progress.sending(index, nbytes, job.plan.chunks[index].payload)
 
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         job = self._jobs.get(save_id)
         if job is not None:
             job.stages[stage] = seconds
+            if stage == "upload":
+                job.progress.stage("committing")
             job.emit("end", stage=stage, nbytes=nbytes, seconds=seconds)
 
     def finished(self, save_id: str, outcome: TransferOutcome) -> None:
@@ -517,9 +613,7 @@ class Engine:
             if job.outcome.done():
                 continue
             if "upload" in job.stages:  # its commit may have begun, or landed
-                task = asyncio.get_running_loop().create_task(self._read_back(job, error))
-                job.journalling.add(task)
-                task.add_done_callback(job.journalling.discard)
+                self._journalling(job, self._read_back(job, error))
             else:
                 self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
 
@@ -559,19 +653,8 @@ class Engine:
         rank's view of a multi-rank checkpoint) and its verified tensors (as
         ``select(manifest)`` plans: a partial load, reads into the caller's tensors), all
         from one version of the checkpoint."""
-        with self.arena.capturing():  # the staging prewarm waits: a restore is on the critical path too
-            return await self._read(step, allow_pickle, storage, select, view)
 
-    async def _read(
-        self,
-        step: int | None,
-        allow_pickle: bool,
-        storage: Storage,
-        select: Callable[[Manifest], ReadPlan] | None,
-        view: Callable[[Manifest], Manifest] | None,
-    ) -> tuple[Manifest, dict[int, torch.Tensor]]:
-        async with storage.reading():
-            manifest = await self.manifest(step, storage)
+        async def fetch(manifest: Manifest) -> tuple[Manifest, dict[int, torch.Tensor]]:
             if view is not None:
                 manifest = view(manifest)
             plan = ReadPlan() if select is None else select(manifest)
@@ -579,12 +662,15 @@ class Engine:
             slabs = self._load_slabs(plan)
             return manifest, await fetch_entries(storage, manifest, self.config.upload.concurrency, plan, slabs)
 
+        async with storage.reading():  # a step removed meanwhile (another job's retention): see load.consistent
+            return await read_while_committed(storage, step, fetch)
+
     def _load_slabs(self, plan: ReadPlan) -> LoadSlabs:
         """The staging slabs a load borrows (from the saves' pool, under the same RAM
         budget; pinned when it copies into CUDA tensors) for what it cannot read straight
         into its destination."""
         pool = self._slab_pool()
-        targets = [*plan.staged.values(), *(t.dest for t in plan.shards.values())]
+        targets = [*plan.staged.values(), *(t.dest for boxes in plan.shards.values() for t in boxes)]
         if any(t.device.type == "cuda" for t in targets):
             pool.pin()
         return LoadSlabs(pool)

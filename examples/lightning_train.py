@@ -1,7 +1,9 @@
 """Lightning training checkpointed through aiosnap's CheckpointIO plugin (CPU is enough).
 
-Fits a small regression model for 3 epochs with ModelCheckpoint (top-2 by loss, plus last),
-then resumes from ``last`` for 2 more epochs, and shows what is on disk. Needs
+Fits a small regression model with ModelCheckpoint (top-2 by loss, plus last) for 3 epochs,
+resuming from ``last.ckpt`` when an earlier run left one (Lightning's ``ckpt_path="last"``,
+read through aiosnap), then restarts and resumes from ``last`` for 2 more epochs, and shows
+what is on disk. Run it again with the same ``--dir`` and it goes on where it stopped. Needs
 ``pip install 'aiosnap[lightning]'``. Run: ``python examples/lightning_train.py [--dir D]``.
 """
 
@@ -36,24 +38,38 @@ class Regressor(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
+class MoreEpochs(pl.Callback):
+    """Train ``epochs`` epochs more than the checkpoint resumed from holds (all of them on a
+    fresh start): the run's length counts from where it resumed."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+        self.resumed_at = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.resumed_at = trainer.current_epoch  # restored by then
+        trainer.fit_loop.max_epochs = trainer.current_epoch + self.epochs
+
+
 def data() -> DataLoader[Any]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=generator)
     return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=32)
 
 
-def fit(epochs: int, folder: Path, config: Config, resume: str | None) -> pl.Trainer:
+def fit(epochs: int, folder: Path, config: Config) -> tuple[pl.Trainer, MoreEpochs]:
+    more = MoreEpochs(epochs)
     trainer = pl.Trainer(
-        max_epochs=epochs,
+        max_epochs=-1,  # MoreEpochs sets the limit once the checkpoint is restored
         accelerator="cpu",
         logger=False,
         enable_model_summary=False,
         default_root_dir=str(folder),
         plugins=[AiosnapCheckpointIO(config)],
-        callbacks=[ModelCheckpoint(dirpath=folder / "ckpt", monitor="train_loss", save_top_k=2, save_last=True)],
+        callbacks=[ModelCheckpoint(dirpath=folder / "ckpt", monitor="train_loss", save_top_k=2, save_last=True), more],
     )
-    trainer.fit(Regressor(), data(), ckpt_path=resume)
-    return trainer
+    trainer.fit(Regressor(), data(), ckpt_path="last")  # resumes when folder/ckpt holds last.ckpt
+    return trainer, more
 
 
 def main() -> None:
@@ -62,12 +78,15 @@ def main() -> None:
     parser.add_argument("--config", help="aiosnap YAML config (RAM budget, events, S3 settings)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*there is no last checkpoint available.*")  # a first run: a fresh start
     config = load_config(args.config) if args.config else Config(ram_budget="64MiB")
     folder = Path(args.dir or tempfile.mkdtemp(prefix="aiosnap-lightning-"))
     torch.manual_seed(0)
-    fit(3, folder, config, resume=None)
-    trainer = fit(5, folder, config, resume="last")
-    print(f"resumed and finished at epoch {trainer.current_epoch}, global step {trainer.global_step}")
+    first, more = fit(3, folder, config)
+    print(f"trained epochs {more.resumed_at}-{first.current_epoch - 1}")
+    trainer, more = fit(2, folder, config)  # a restart: a new Trainer resumes from last.ckpt
+    print(f"resumed at epoch {more.resumed_at} and finished at epoch {trainer.current_epoch}, "
+          f"global step {trainer.global_step}")  # fmt: skip
     for path in sorted((folder / "ckpt").iterdir()):
         print(f"  {path.name}  (inspect it: aiosnap info {path})")
 

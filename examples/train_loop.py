@@ -1,8 +1,10 @@
 """A plain training loop checkpointed with aiosnap's sync API (what `make demo` runs).
 
-Trains a small model for a few hundred steps, saving every N steps into a local
-directory (./checkpoints unless --config points elsewhere), then restores the newest
-checkpoint into freshly built objects and checks they equal the trained ones.
+Resumes from the latest checkpoint when there is one (``ckpt.load_latest``: the model,
+optimizer, LR scheduler and RNG state come back as they were), trains ``--steps`` more steps,
+saving every ``--every`` into a local directory (./checkpoints unless --config points
+elsewhere), then restores the newest checkpoint into freshly built objects and checks they
+equal the trained ones. Run it again and it goes on where the last run stopped.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_sche
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="YAML config file (default: built-in, ./checkpoints)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="steps to train in this run")
     parser.add_argument("--every", type=int, default=50)
     args = parser.parse_args()
     config = aiosnap.load_config(args.config) if args.config else aiosnap.Config()
@@ -35,18 +37,15 @@ def main() -> int:
     target = torch.randn(64, 10)
     handles = []
     with aiosnap.SyncCheckpointer(config) as ckpt:
-        earlier = ckpt.steps()
-        if earlier:  # steps only move forward: this run starts again at step 1
-            if args.config:
-                print(f"{ckpt.url} already holds steps {earlier}; use an empty root (or `aiosnap rollback`)")
-                return 1
-            print(f"{ckpt.url} holds steps {earlier} of an earlier demo run: removing them to start afresh")
-            ckpt.purge()
+        state = {"model": model, "optim": optim, "sched": sched, "rng": aiosnap.RNGState()}
+        done = ckpt.load_latest(state)  # the steps an earlier run saved; None on the first run
+        start = 1 if done is None else done + 1
+        resumed = "a fresh start" if done is None else f"resumed from step {done}"
         print(
-            f"aiosnap demo: {args.steps} steps, a checkpoint every {args.every}, into {ckpt.url} "
-            f"(loop: {ckpt.loop_kind})"
+            f"aiosnap demo: {resumed}; steps {start}-{start + args.steps - 1}, a checkpoint every {args.every}, "
+            f"into {ckpt.url} (loop: {ckpt.loop_kind})"
         )
-        for step in range(1, args.steps + 1):
+        for step in range(start, start + args.steps):
             x = torch.randn(32, 64)
             loss = torch.nn.functional.cross_entropy(model(x), (x @ target).argmax(1))
             optim.zero_grad()
@@ -54,7 +53,6 @@ def main() -> int:
             optim.step()
             sched.step()
             if step % args.every == 0:
-                state = {"model": model, "optim": optim, "sched": sched, "rng": aiosnap.RNGState()}
                 started = time.perf_counter()
                 handles.append(ckpt.save(state, step=step, metadata={"loss": loss.item()}))
                 blocked_ms = (time.perf_counter() - started) * 1e3
@@ -62,14 +60,14 @@ def main() -> int:
         for handle in handles:
             result = handle.wait()
             print(
-                f"  step {result.step:4d} durable: {result.nbytes / 1e6:.2f} MB in {result.objects} object(s), "
+                f"  step {result.step:4d} durable: {result.nbytes / 2**20:.2f} MiB in {result.objects} object(s), "
                 f"{result.durable_s * 1e3:.1f} ms after save()"
             )
         print(f"committed steps kept (retention keep_last={config.retention.keep_last}): {ckpt.steps()}")
 
         fresh_model, fresh_optim, fresh_sched = build()
         ckpt.load({"model": fresh_model, "optim": fresh_optim, "sched": fresh_sched})
-        manifest = ckpt.manifest()
+        manifest = ckpt.manifest(ckpt.loaded_step)
     same_model = all(
         torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True)
     )

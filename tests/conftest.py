@@ -135,6 +135,33 @@ class FaultyStorage(Storage):
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.inner.walk(prefix)
 
+    # objects written in parts: ``fail_when`` sees ``<name>#part<number>`` and ``<name>#complete``
+
+    def part_size_for(self, size: int) -> int:
+        return self.inner.part_size_for(size)
+
+    async def start_upload(self, name: str) -> str:
+        return await self.inner.start_upload(name)
+
+    async def upload_part(self, name: str, token: str, number: int, offset: int, data: memoryview) -> dict[str, Any]:
+        await self._maybe_fail(f"{name}#part{number}")
+        return await self.inner.upload_part(name, token, number, offset, data)
+
+    async def complete_upload(self, name: str, token: str, parts: list[dict[str, Any]]) -> None:
+        await self._maybe_fail(f"{name}#complete")
+        await self.inner.complete_upload(name, token, parts)
+
+    async def abort_upload(self, name: str, upload_id: str) -> None:
+        await self.inner.abort_upload(name, upload_id)
+
+    async def _maybe_fail(self, what: str) -> None:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_when is not None and self.fail_when(what):
+            assert self.error is not None
+            raise self.error
+        self.writes.append(what)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")

@@ -42,9 +42,19 @@ def arange(shape: list[int], dtype: torch.dtype = torch.float32, base: float = 0
 
 
 def placements_of(spec: list[str]) -> list[Any]:
+    """``"R"``, ``"S<dim>"``, ``"SS<dim>:<split factor>"`` (``_StridedShard``) placements."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
+    def one(p: str) -> Any:
+        if p == "R":
+            return Replicate()
+        if p.startswith("SS"):
+            dim, factor = p[2:].split(":")
+            return _StridedShard(int(dim), split_factor=int(factor))
+        return Shard(int(p[1:]))
+
+    return [one(p) for p in spec]
 
 
 def known(name: str, layout: list[Any], index: int) -> torch.Tensor:
@@ -344,8 +354,8 @@ def disagree(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[s
 
     state = {"model": {"a": torch.zeros(4), "b": torch.zeros(3 if rank == 0 else 5)}}
     with aiosnap.SyncCheckpointer(config(params["root"])) as ckpt:
-        try:
-            ckpt.save(state, step=1)
+        try:  # the ranks may hold different keys: the coordinator's merge finds the conflict
+            ckpt.save(state, step=1).wait(timeout=40)
             return {"outcome": "saved"}
         except Exception as exc:
             return {"outcome": f"{type(exc).__name__}: {exc}", "steps": ckpt.steps()}
@@ -391,7 +401,34 @@ def events_in_subgroup(rank: int, world: int, work: str, params: dict[str, Any])
     }
 
 
-def main() -> None:
+def preempted(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Each rank gets its own SIGTERM (sent to itself, at a different step on each rank, as
+    ranks notice a cluster's signal at different moments), the ranks agree on it every four
+    steps over the job's group, and all take one last save at the same step."""
+    import signal
+
+    import aiosnap
+
+    settings = {**config(params["root"]), "preemption": {"enabled": True, "grace_period": 30}}
+    state = {"w": torch.full((1000,), float(rank)), "step": 0}
+    with aiosnap.SyncCheckpointer(settings) as ckpt:
+        for step in range(100):
+            state["step"] = step
+            if step == 1 + rank:
+                os.kill(os.getpid(), signal.SIGTERM)  # the cluster's signal reaches this rank
+            if step % 4 == 0:  # the docs' agreement (docs/guides/preemption.md, multi-rank)
+                flag = torch.tensor([1 if ckpt.preempted else 0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item():
+                    ckpt.save(state, step=step, rank_local=["w"]).wait(timeout=40)
+                    return {"last": step, "preempted": ckpt.preempted, "steps": ckpt.steps()}
+            time.sleep(0.01)  # one training step
+    raise AssertionError("never preempted")
+
+
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run the scenario named on the command line (a function of ``scenarios``, this
+    module's own by default: :mod:`layout_child` passes its own)."""
     scenario, rank, world, port, work, raw = sys.argv[1:7]
     params = json.loads(raw)
     out = Path(work) / f"result-{rank}.json"
@@ -400,7 +437,7 @@ def main() -> None:
         timeout=__import__("datetime").timedelta(seconds=60),
     )  # fmt: skip
     try:
-        result = {"ok": globals()[scenario](int(rank), int(world), work, params)}
+        result = {"ok": (scenarios or globals())[scenario](int(rank), int(world), work, params)}
     except BaseException as exc:
         result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
     out.write_text(json.dumps(result))

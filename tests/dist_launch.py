@@ -25,9 +25,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **params: Any) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` ranks; each rank's result (``{"ok": ...}`` or
-    ``{"error": type, "message": ...}``; ``{"exit": code}`` for a rank that wrote none)."""
+def run_ranks(
+    scenario: str, world: int, work: Path, timeout: float = 50, child: Path = CHILD, **params: Any
+) -> list[dict[str, Any]]:
+    """Run ``scenario`` (of the ``child`` module) on ``world`` ranks; each rank's result
+    (``{"ok": ...}`` or ``{"error": type, "message": ...}``; ``{"exit": code}`` for a rank
+    that wrote none)."""
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("result-*.json"):
         old.unlink()
@@ -37,7 +40,7 @@ def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **para
     procs = []
     for rank in range(world):
         log = open(work / f"rank-{rank}.log", "w")  # noqa: SIM115 - closed below
-        args = [sys.executable, str(CHILD), scenario, str(rank), str(world), str(port), str(work), json.dumps(params)]
+        args = [sys.executable, str(child), scenario, str(rank), str(world), str(port), str(work), json.dumps(params)]
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs.append((proc, log))
     deadline = time.monotonic() + timeout
@@ -56,7 +59,10 @@ def run_ranks(scenario: str, world: int, work: Path, timeout: float = 50, **para
     results = []
     for rank, (proc, _) in enumerate(procs):
         path = work / f"result-{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"exit": proc.returncode})
+        if path.exists():
+            results.append({**json.loads(path.read_text()), "status": proc.returncode})
+        else:
+            results.append({"exit": proc.returncode})
     return results
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Sequence
 from typing import Any
 
 INTERESTING: list[Any] = [
@@ -44,13 +45,15 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
     return doc
 
 
-def mutate_document(doc: Any, rng: random.Random) -> Any:
+def mutate_document(doc: Any, rng: random.Random, extra: Sequence[Any] = ()) -> Any:
     """A copy of ``doc`` with one to three structural mutations, still a document JSON can
     write (deep nesting applied twice can outgrow Python's recursion limit in ``deepcopy`` or
-    ``json.dumps``: such a draw is made again)."""
+    ``json.dumps``: such a draw is made again). ``extra``: more values worth trying, beside
+    :data:`INTERESTING` (a format's own hostile values)."""
+    interesting = INTERESTING + list(extra) if extra else INTERESTING
     for _ in range(10):
         try:
-            mutated = _mutate(copy.deepcopy(doc), rng)
+            mutated = _mutate(copy.deepcopy(doc), rng, interesting)
             json.dumps(mutated)
             return mutated
         except RecursionError:
@@ -58,14 +61,14 @@ def mutate_document(doc: Any, rng: random.Random) -> Any:
     return copy.deepcopy(doc)
 
 
-def _mutate(doc: Any, rng: random.Random) -> Any:
+def _mutate(doc: Any, rng: random.Random, interesting: list[Any]) -> Any:
     for _ in range(rng.randint(1, 3)):
         paths = _paths(doc)
         path = rng.choice(paths)
         target = _get(doc, path)
         action = rng.randrange(9)
         if action == 0:
-            doc = _set(doc, path, copy.deepcopy(rng.choice(INTERESTING)))
+            doc = _set(doc, path, copy.deepcopy(rng.choice(interesting)))
         elif action == 1 and isinstance(target, int) and not isinstance(target, bool):
             doc = _set(doc, path, target + rng.choice([-1, 1, 64, -(2**20), 2**40]))
         elif action == 2 and path:  # delete a key or an item
@@ -73,7 +76,7 @@ def _mutate(doc: Any, rng: random.Random) -> Any:
             del parent[path[-1]]
         elif action == 3 and isinstance(target, dict):
             target[rng.choice(["t", "id", "items", "v", "meta", "extra", "kind"])] = copy.deepcopy(
-                rng.choice(INTERESTING)
+                rng.choice(interesting)
             )
         elif action == 4 and isinstance(target, list) and target:
             target.append(copy.deepcopy(rng.choice(target)))

@@ -1,7 +1,9 @@
 """Run as a child process (:func:`run_probe`): save a state 4x the RAM budget and report
 the budget's high-water mark and the process's peak RSS increase (Linux /proc). With
 ``staged-load [cuda]``: load 160 MiB into strided (or CUDA) tensors through the staging
-slabs and report the load's peak RSS increase."""
+slabs and report the load's peak RSS increase. With ``small-state``: a default checkpointer
+(a RAM budget far above the state) saving a 10x10 ``Linear`` and then a 96 MiB state, with
+the RSS it adds once made (idle), after the small saves and at its peak."""
 
 from __future__ import annotations
 
@@ -81,8 +83,38 @@ def staged_load(root: str, budget_mib: int, device: str = "cpu") -> None:
     print(json.dumps({"state_bytes": total, "budget": budget, "rss_increase": rss.increase, "values_equal": equal}))
 
 
+def small_state(root: str, budget_mib: int) -> None:
+    """The staging memory is sized by what the saves need, not by the budget."""
+    tiny = torch.nn.Linear(10, 10)
+    medium = {f"t{i}": torch.randn(MiB // 4) for i in range(96)}  # 96 MiB
+    config = Config(storage={"url": root}, ram_budget=budget_mib * MiB, upload={"chunk_size": "16MiB"})
+    figures: dict[str, Any] = {"budget": budget_mib * MiB, "state_bytes": 96 * MiB}
+    with PeakRSS() as whole:
+        base = _rss()
+        with SyncCheckpointer(config) as ckpt:
+            figures["idle_increase"] = _rss() - base
+            for step in range(3):  # what a first save leaves resident, and what later saves add
+                ckpt.save({"model": tiny}, step=step).wait()
+            figures["after_small_saves_increase"] = _rss() - base
+            with PeakRSS() as save:
+                result = ckpt.save(medium, step=10).wait()
+            figures["save_peak_increase"] = save.increase
+            figures["budget_high_water"] = result.ram_high_water
+    figures["run_peak_increase"] = whole.increase
+    print(json.dumps(figures))
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
 if __name__ == "__main__":
-    if sys.argv[3:4] == ["staged-load"]:
+    if sys.argv[3:4] == ["small-state"]:
+        small_state(sys.argv[1], int(sys.argv[2]))
+    elif sys.argv[3:4] == ["staged-load"]:
         staged_load(sys.argv[1], int(sys.argv[2]), *sys.argv[4:5])
     else:
         main(sys.argv[1], int(sys.argv[2]))

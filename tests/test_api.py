@@ -35,7 +35,9 @@ def test_public_names_are_locked() -> None:
         "RankFailedError",
         "RankTimeoutError",
         "RanksDisagreeError",
+        "SafetensorsExport",
         "SaveHandle",
+        "SaveProgress",
         "SaveResult",
         "ShardedState",
         "SpoolBusyError",
@@ -49,7 +51,9 @@ def test_public_names_are_locked() -> None:
         "UnsupportedStateError",
         "UploadProcessError",
         "WrongThreadError",
+        "export",
         "load_config",
+        "open_safetensors",
     }
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import mmap
+
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap.core import arena as arena_module
 from aiosnap.core.arena import Arena
+from aiosnap.core.budget import ByteBudget
+from aiosnap.trainer.slabs import SlabPool
 from tests.conftest import FaultyStorage
 
 
@@ -47,21 +51,85 @@ def test_model_and_optimizer_mutated_by_training_after_save(small_config: Config
     assert not torch.equal(model.weight, before["weight"])  # training really did move on
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["anonymous", "memfd"])
-@pytest.mark.parametrize("populate", ["madvise", "fallback"])
-def test_the_prewarm_never_changes_what_a_slab_holds(
-    shared: bool, populate: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found by a flaky round trip: the prewarm's fallback wrote a zero into each page while
-    (or after) a capture filled it. Whatever the prewarm does, a slab keeps its bytes."""
-    if populate == "fallback":
-        monkeypatch.setattr(arena_module, "_POPULATE_WRITE", None)
-    arena = Arena(4 * 1024 * 1024, 4, shared=shared)
+async def test_the_pool_lends_the_lowest_free_slab_so_only_what_was_needed_at_once_is_resident() -> None:
+    """Slabs come back in any order; lending the lowest free one keeps the slabs ever
+    written (the resident part of the arena) to as many as were lent at once."""
+    arena = Arena(64 * 1024, 8, shared=False)
+    pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
     try:
-        pattern = torch.randint(1, 256, (arena.size,), dtype=torch.uint8)
-        torch.frombuffer(arena.buffer, dtype=torch.uint8).copy_(pattern)  # a capture before the prewarm
-        arena.prewarm()
-        assert arena.wait_resident(30)
-        assert torch.equal(torch.frombuffer(arena.buffer, dtype=torch.uint8), pattern)
+        first = [await pool.acquire() for _ in range(3)]
+        assert first == [0, 1, 2]
+        pool.release(2)
+        pool.release(0)
+        assert [await pool.acquire(), pool.try_acquire()] == [0, 2]
+        for slab in (0, 1, 2):
+            pool.release(slab)
+        for _ in range(20):  # save after save of a state of two slabs: the same two slabs
+            pair = [await pool.acquire(), await pool.acquire()]
+            assert pair == [0, 1]
+            pool.release(pair[1])
+            pool.release(pair[0])
+        assert pool.budget.high_water == 3 * arena.slab_bytes
     finally:
+        pool.close()
         arena.close()
+
+
+async def test_a_held_slab_is_not_lent_again_until_every_hold_ends() -> None:
+    arena = Arena(64 * 1024, 2, shared=False)
+    pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
+    try:
+        slab = await pool.acquire()
+        pool.hold(slab)
+        pool.hold(slab)
+        pool.release(slab)  # the transfer side is done with it, a second reader is not
+        assert pool.try_acquire() == 1 and pool.try_acquire() is None
+        pool.unhold(slab)
+        assert pool.try_acquire() is None
+        pool.unhold(slab)
+        assert pool.try_acquire() == slab and pool.budget.used == arena.size
+    finally:
+        pool.close()
+        arena.close()
+
+
+async def test_pinning_registers_one_growing_extent_as_slabs_are_first_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registration arithmetic, with CUDA's runtime replaced by a recorder (this machine
+    may have no GPU; tests/test_gpu.py pins for real): extents start where the last one
+    ended, on page boundaries, and cover the slabs written, not the budget."""
+    calls: list[tuple[str, int, int]] = []
+
+    class Runtime:
+        def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+            calls.append(("register", address, size))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            calls.append(("unregister", address, 0))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    arena = Arena(64 * 1024 + 64, 8, shared=False)  # slabs that are not whole pages
+    pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
+    base = pool.tensor(0).data_ptr()
+    try:
+        pool.ready(0)
+        assert calls == []  # not pinned: nothing to register
+        pool.pin()
+        slabs = [await pool.acquire() for _ in range(3)]
+        for slab in slabs:
+            pool.ready_for(pool.tensor(slab)[10:])
+        pool.ready(1)  # already covered
+        extents = [(address - base, size) for kind, address, size in calls]
+        assert [kind for kind, _, _ in calls] == ["register"] * 3
+        assert extents[0][0] == 0
+        for (start, size), (following, _) in itertools.pairwise(extents):
+            assert following == start + size
+        assert all(start % mmap.PAGESIZE == 0 and size % mmap.PAGESIZE == 0 for start, size in extents)
+        end = extents[-1][0] + extents[-1][1]
+        assert 3 * arena.slab_bytes <= end < 3 * arena.slab_bytes + mmap.PAGESIZE < arena.size
+    finally:
+        pool.close()
+        arena.close()
+    assert sorted(a for kind, a, _ in calls if kind == "unregister") == sorted(base + s for s, _ in extents)

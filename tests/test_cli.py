@@ -193,7 +193,8 @@ def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     finally:
         os.close(primary)
     assert proc.returncode == 0
-    assert b"verifying step 1" in on_terminal and b"MB" in on_terminal  # bytes and rate
+    assert b"verifying step 1" in on_terminal and b"MiB" in on_terminal  # bytes and rate, binary units
+    assert b"MB" not in on_terminal and b"/s" in on_terminal
     piped = aiosnap_process("verify", str(root))
     assert piped.returncode == 0 and piped.stderr == "" and "\x1b" not in piped.stdout
 
@@ -286,3 +287,162 @@ def test_commands_that_read_a_root_never_import_torch(command: list[str], filled
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:]
+
+
+def test_version_names_aiosnap_python_and_torch(aiosnap: Runner) -> None:
+    import aiosnap as package
+
+    done = aiosnap("--version")
+    assert done.returncode == 0 and done.stdout.startswith(f"aiosnap {package.__version__} (Python 3.")
+    assert f"torch {torch.__version__}" in done.stdout
+
+
+def test_bench_help_lists_every_benchmark_and_each_benchmarks_own_options(aiosnap: Runner) -> None:
+    from aiosnap.bench import BENCHMARKS
+
+    for listing in (aiosnap("bench", "--help"), aiosnap("bench")):
+        assert listing.returncode == 0
+        assert all(f"  {name} " in listing.stdout for name in BENCHMARKS) and "  many " in listing.stdout
+    own = aiosnap("bench", "s3", "--help")
+    assert own.returncode == 0 and own.stdout.startswith("usage: aiosnap bench s3")
+    assert "--cap-mb-s" in own.stdout and "--endpoint" in own.stdout
+    assert aiosnap("bench", "many", "--no-such-option").returncode == 2
+
+
+def test_usage_errors_with_json_print_a_json_document(aiosnap: Runner, tmp_path: Path) -> None:
+    for args, where in (
+        (["gc", str(tmp_path), "--keep-last", "0", "--json"], "--keep-last"),
+        (["ls", str(tmp_path), "--json", "--bogus"], "--bogus"),
+        (["info", "--json"], "URL"),
+    ):
+        failed = aiosnap(*args)
+        assert failed.returncode == 2, args
+        doc = json.loads(failed.stdout)
+        assert where.lower() in doc["error"].lower() and doc["type"], (args, doc)
+        assert where.lower() in failed.stderr.lower()  # and the usual message for people
+    assert aiosnap("gc", str(tmp_path), "--keep-last", "0").stdout == ""  # no JSON unless asked
+
+
+def test_a_wrong_step_lists_the_committed_ones(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+    root, _ = filled
+    missing = aiosnap("info", str(root), "--step", "25")
+    assert missing.returncode == 1
+    assert "step 25 has no committed checkpoint" in missing.stderr
+    assert "the committed steps are 10, 20, 30, 40" in missing.stderr
+    back = aiosnap("rollback", str(root), "--to", "25", "--dry-run", "--json")
+    assert "the committed steps are 10, 20, 30, 40" in json.loads(back.stdout)["error"]
+    from aiosnap import CheckpointNotFoundError
+
+    with SyncCheckpointer(str(root)) as ckpt, pytest.raises(CheckpointNotFoundError, match="are 10, 20, 30, 40$"):
+        ckpt.load(step=25)
+
+
+def test_redirected_output_never_cuts_an_entry_path(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    deep = {"an_encoder_block_with_a_long_name": {"and_a_longer_sublayer_name": model}}
+    with SyncCheckpointer(str(root)) as ckpt:
+        ckpt.save({"model": deep, "optimizer_with_a_long_name": optim}, step=1).wait()
+    shown = aiosnap_process("info", str(root))  # stdout is a pipe, as in `aiosnap info ... | less`
+    assert shown.returncode == 0, shown.stderr
+    paths = [line.split()[0] for line in shown.stdout.splitlines() if line.strip().startswith(("model/", "optim"))]
+    assert "model/an_encoder_block_with_a_long_name/and_a_longer_sublayer_name/0.weight" in paths
+    assert {"optimizer_with_a_long_name/state/0/exp_avg", "optimizer_with_a_long_name/state/0/exp_avg_sq"} <= set(paths)
+    assert "…" not in shown.stdout
+
+
+def test_keys_and_metadata_print_as_they_are_even_with_force_color(tmp_path: Path) -> None:
+    """Rich markup in user data (``blocks[attn]``, ``[bold]``) is printed, not interpreted;
+    FORCE_COLOR (colours asked for in a pipe) never makes a pipe as narrow as a terminal."""
+    root = tmp_path / "ckpt"
+    long_key = "very_long_" * 30 + "end"
+    state = {"blocks[attn]": torch.zeros(2), "blocks[mlp]": torch.ones(2), long_key: torch.zeros(1)}
+    with SyncCheckpointer(str(root)) as ckpt:
+        ckpt.save(state, step=1, metadata={"note": "lr [bold]3e-4"}).wait()
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "80"}
+    shown = subprocess.run([sys.executable, "-m", "aiosnap", "info", str(root)], capture_output=True, text=True,
+                           timeout=120, env=env, check=False)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    words = shown.stdout.split()
+    assert words.count("blocks[attn]") == 2 and words.count("blocks[mlp]") == 2  # the key table and the entries
+    assert 'metadata: {"note": "lr [bold]3e-4"}' in shown.stdout
+    assert words.count(long_key) == 2  # whole, on one line each time
+
+
+def test_help_texts_keep_their_brackets(aiosnap: Runner) -> None:
+    shown = aiosnap("--help")
+    assert shown.returncode == 0
+    assert "aiosnap bench NAME [options]" in " ".join(shown.stdout.split())
+
+
+def test_a_benchmarks_usage_error_with_json_prints_a_json_document(aiosnap: Runner) -> None:
+    failed = aiosnap("bench", "gpu", "--json", "--tensors", "x")
+    assert failed.returncode == 2
+    doc = json.loads(failed.stdout)
+    assert doc["type"] == "UsageError" and "--tensors" in doc["error"] and "invalid" in doc["error"]
+    assert "usage: aiosnap bench gpu" in failed.stderr  # and the usual message for people
+
+
+def test_ctrl_c_says_so_and_with_json_prints_a_json_document(tmp_path: Path) -> None:
+    """A listing that hangs (a store that stopped answering), then SIGINT: exit status 130,
+    a line on stderr, and under --json a JSON document on stdout."""
+    import signal
+
+    hang = (
+        "import asyncio, sys\n"
+        "import aiosnap.cli as cli\n"
+        "async def hangs(storage, include_incomplete=False):\n"
+        "    print('listing', file=sys.stderr, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "cli.list_steps = hangs\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    for json_args in ([], ["--json"]):
+        child = subprocess.Popen([sys.executable, "-c", hang, "ls", str(tmp_path), *json_args],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert child.stderr is not None and child.stderr.readline() == "listing\n"
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+        finally:
+            child.kill()
+        assert child.returncode == 130 and "aiosnap: interrupted" in err, (out, err)
+        if json_args:
+            assert json.loads(out) == {"error": "interrupted", "type": "KeyboardInterrupt"}
+        else:
+            assert out == ""
+
+
+def test_verify_and_info_count_what_a_multi_rank_step_references(aiosnap: Runner, tmp_path: Path) -> None:
+    """Two writer groups hold one value, so each wrote a copy; one is referenced. verify
+    reads and counts the referenced bytes (its progress reaches its total); info and ls say
+    both what is referenced and what is stored."""
+    import asyncio
+
+    from aiosnap.catalog.maintenance import verify_step
+    from aiosnap.storage.local import LocalStorage
+    from tests.simulated_ranks import save_as_ranks
+    from tests.test_layouts_values import _in_bucket_of
+
+    states = [{"norm": torch.ones(1000)}, {"norm": torch.ones(1000), _in_bucket_of("norm"): torch.ones(2)}]
+    manifest = save_as_ranks(tmp_path, states)
+    report = json.loads(aiosnap("verify", str(tmp_path), "--json").stdout)
+    assert report["ok"] and report["bytes"] == manifest.referenced_bytes == 4008
+    assert report["stored_bytes"] == manifest.total_bytes >= 8008
+    seen: list[int] = []
+
+    async def verify() -> list[str]:
+        storage = LocalStorage(str(tmp_path))
+        try:
+            return await verify_step(storage, manifest, progress=seen.append)
+        finally:
+            await storage.close()
+
+    assert asyncio.run(verify()) == [] and sum(seen) == report["bytes"]
+    assert "3.9 KiB in 2 entries verified" in aiosnap("verify", str(tmp_path)).stdout
+    assert "3.9 KiB in 2 entries (7.9 KiB stored in 2 object(s))" in aiosnap("info", str(tmp_path)).stdout
+    listed = json.loads(aiosnap("ls", str(tmp_path), "--json").stdout)
+    assert (listed[0]["nbytes"], listed[0]["referenced_bytes"]) == (manifest.total_bytes, 4008)

@@ -34,6 +34,9 @@ LAYOUTS_4 = {
     "hsdp": [[6, 4], [2, 2], ["R", "S0"]],
     "grid": [[6, 10], [2, 2], ["S0", "S1"]],
     "replicated": [[3, 3], [4], ["R"]],
+    "strided": [[8, 6], [2, 2], ["SS0:2", "S0"]],  # FSDP2 over column-wise TP
+    "stretches": [[8, 6], [2, 2], ["S1", "SS0:2"]],  # each rank holds two stretches of rows
+    "mesh3d": [[8, 6], [2, 1, 2], ["R", "SS0:2", "S0"]],  # HSDP over TP on a 3-D mesh
 }
 LAYOUTS_2 = {
     "rows": [[8, 6], [2], ["S1"]],
@@ -43,6 +46,9 @@ LAYOUTS_2 = {
     "hsdp": [[6, 4], [2], ["S1"]],
     "grid": [[6, 10], [2], ["S0"]],
     "replicated": [[3, 3], [2], ["S0"]],
+    "strided": [[8, 6], [2], ["S1"]],
+    "stretches": [[8, 6], [2], ["SS0:2"]],
+    "mesh3d": [[8, 6], [2], ["R"]],
 }
 
 
@@ -349,14 +355,16 @@ def test_cli_info_and_verify_cover_shards_and_every_ranks_values(
     assert "rng/torch: checksum mismatch" in capsys.readouterr().err
 
 
-def test_the_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
+def test_the_distributed_example_runs_under_torchrun_twice_and_resumes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
     example = Path(__file__).resolve().parent.parent / "examples" / "distributed_train.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
-               "--root", str(tmp_path / "root"), "--steps", "12", "--every", "3"]  # fmt: skip
+               "--root", str(tmp_path / "root"), "--steps", "9", "--every", "3"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("losses equal to an uninterrupted run: True") == 2
+    # three saves a run: the restart comes after the first (halfway is a save, not step 4.5)
+    for steps in ("steps 0-9, resumed at step 3", "steps 9-18, resumed at step 12"):  # run 2 goes on from run 1
+        run = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env, check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert run.stdout.count(f"{steps}; losses equal to an uninterrupted run: True") == 2, run.stdout

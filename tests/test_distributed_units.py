@@ -13,7 +13,9 @@ import torch
 from aiosnap import SyncCheckpointer, UnsupportedStateError
 from aiosnap.distributed.assign import assign_writers
 from aiosnap.errors import ManifestError
-from aiosnap.format.parts import RankPart, build_part, merge_parts
+from aiosnap.format.classes import describe
+from aiosnap.format.merge import merge_parts
+from aiosnap.format.parts import RankPart, build_part
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
 from aiosnap.load.ranks import rank_view
@@ -70,19 +72,32 @@ def _spec(rank: int, written: tuple[int, ...], world: int = 2) -> SaveSpec:
     for index, nbytes in ((i, (32 if i == 0 else 16)) for i in written):
         pieces.append(PieceSpec(index, nbytes, offset))
         offset += 64
+    tree = {"t": "dict", "items": [["a", {"t": "tensor", "id": 0}], ["b", {"t": "dtensor", "id": 1}]]}
+    one = describe([("a", "tensor", "float32", (8,), None), ("b", "sharded", "float32", (4, 2), 0)], tree)
     return SaveSpec(
         step=1,
         save_id=SAVE_ID,
         rank=rank,
         world_size=world,
-        tree={"t": "dict", "items": [["a", {"t": "tensor", "id": 0}], ["b", {"t": "dtensor", "id": 1}]]},
+        tree=tree,
         metadata={},
         entries=(
             EntrySpec("a", "tensor", "float32", (8,), (1,), "cpu", 32),
             EntrySpec("b", "sharded", "float32", (2, 2), (2, 1), "cpu", 16),
         ),
         chunks=(ChunkSpec(f"{folder}/0.bin", offset, tuple(pieces)),),
-        distributed=DistSpec(0, 5.0, 2, written, (ShardSpec(1, (2 * rank, 0), (4, 2)),), ()),
+        distributed=DistSpec(
+            0,
+            5.0,
+            2,
+            written,
+            (ShardSpec(1, (2 * rank, 0), (4, 2)),),
+            (),
+            0,
+            one.class_digest,
+            one.buckets,
+            announced=(one.class_digest,) * world if rank == 0 else (),
+        ),  # one class, one writer group
     )
 
 

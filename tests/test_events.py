@@ -139,23 +139,23 @@ def test_jsonl_and_logging_handlers_from_config(
     events_file = tmp_path / "logs" / "events.jsonl"
     config = Config(**{**small_config.model_dump(), "events": {"log": True, "jsonl": str(events_file)}})
     with (
-        caplog.at_level(logging.INFO, logger="aiosnap.core.events"),
+        caplog.at_level(logging.INFO, logger="aiosnap.events"),
         SyncCheckpointer(config, event_handlers=[seen]) as ckpt,
     ):
         ckpt.save({"w": torch.ones(1000)}, step=3).wait()
     lines = [json.loads(line) for line in events_file.read_text().splitlines()]
     assert [(d["kind"], d["stage"]) for d in lines] == seen.sequence()
     assert all(d["step"] == 3 and d["rank"] == 0 for d in lines)
-    logged = [r for r in caplog.records if r.name == "aiosnap.core.events"]
+    logged = [r for r in caplog.records if r.name == "aiosnap.events"]
     assert len(logged) == len(lines)
     assert logged[-1].aiosnap_event["kind"] == "end"  # type: ignore[attr-defined]
     assert "save step 3 done" in logged[-1].getMessage()
 
     quiet = Config(**{**small_config.model_dump(), "events": {"log": False}})
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="aiosnap.core.events"), SyncCheckpointer(quiet) as ckpt:
+    with caplog.at_level(logging.INFO, logger="aiosnap.events"), SyncCheckpointer(quiet) as ckpt:
         ckpt.save({"w": torch.ones(10)}, step=4).wait()
-    assert not [r for r in caplog.records if r.name == "aiosnap.core.events"]
+    assert not [r for r in caplog.records if r.name == "aiosnap.events"]
 
 
 def test_process_group_info_is_the_group_aiosnap_uses(small_config: Config, tmp_path: Path) -> None:

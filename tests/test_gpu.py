@@ -33,6 +33,19 @@ def test_cuda_tensors_round_trip_and_use_pinned_slabs(small_config: Config) -> N
         assert torch.equal(restored[key], value.contiguous()), key
 
 
+def test_only_the_slabs_a_cuda_save_uses_are_pinned(root: Path) -> None:
+    """Registering pins (and makes resident) what it covers: a state far smaller than the
+    budget registers the slabs it used, not the budget."""
+    config = Config(storage={"url": str(root)}, ram_budget="256MiB", upload={"chunk_size": "4MiB"})
+    state = {"w": torch.randn(2_000_000, device="cuda")}  # 8 MB: two slabs of 4 MiB
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        pool = ckpt._engine.pool
+        assert pool is not None and pool._pinned and not pool._pin_failed
+        assert 0 < pool._pinned_to <= 2 * pool.slab_bytes < pool.arena.size
+        assert torch.equal(ckpt.load()["w"], state["w"].cpu())
+
+
 def test_capture_sees_work_queued_before_save_not_after(small_config: Config) -> None:
     x = torch.zeros(4_000_000, device="cuda")
     torch.cuda._sleep(50_000_000)  # keep the caller's stream busy

@@ -204,3 +204,28 @@ def test_a_save_spec_naming_an_entry_it_does_not_have_is_refused(entry: int) -> 
     doc["chunks"][0]["pieces"][0]["entry"] = entry
     with pytest.raises(ValueError, match="entries"):
         build_manifest(SaveSpec.from_document(doc))
+
+
+@pytest.mark.parametrize(
+    ("keys", "twice"),
+    [
+        (["a", "a"], True),
+        ([1, True], True),  # one key in a Python dict
+        ([1, {"t": "float", "v": "1.0"}], True),
+        ([{"t": "tuple", "items": [1, 2]}, {"t": "size", "items": [1, 2]}], True),  # torch.Size == tuple
+        (["1", 1], False),
+        ([{"t": "dtype", "v": "float32"}, {"t": "tuple", "items": ["dtype", "float32"]}], False),
+        ([{"t": "bytes", "v": "YQ=="}, "a"], False),
+    ],
+)
+def test_a_dict_holding_one_key_twice_is_refused(keys: list[Any], twice: bool) -> None:
+    """A manifest's dict naming one key twice (as Python compares keys) would lose a value
+    on load: the tree is refused instead."""
+    from aiosnap.format.tree import check_tree
+
+    tree = {"t": "dict", "items": [[key, n] for n, key in enumerate(keys)]}
+    if twice:
+        with pytest.raises(ValueError, match="twice"):
+            check_tree(tree, [])
+    else:
+        check_tree(tree, [])

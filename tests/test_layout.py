@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).parent.parent / "aiosnap"
 
 LAYERS: list[set[str]] = [
     {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing"},
-    {"service", "distributed"},
+    {"service", "distributed", "runtime"},
     {"trainer", "transfer"},
     {"catalog", "load", "handoff", "interop"},
     {"format"},

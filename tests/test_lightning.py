@@ -291,17 +291,21 @@ def test_trainer_against_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str, s3
     assert "Contents" not in s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="run/epoch-2.ckpt/")
 
 
-def test_the_example_runs(tmp_path: Path) -> None:
+@pytest.mark.thread_only  # the upload process is covered by the other tests; this one costs two Lightning runs
+def test_the_example_runs_twice_and_resumes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
     example = Path(__file__).parents[1] / "examples" / "lightning_train.py"
-    run = subprocess.run(
-        [sys.executable, str(example), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "resumed and finished at epoch 5" in run.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "last.ckpt"
+    for trained, resumed in (("epochs 0-2", "at epoch 3 and finished at epoch 5"),
+                             ("epochs 5-7", "at epoch 8 and finished at epoch 10")):  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, str(example), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+            check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert f"trained {trained}" in run.stdout and f"resumed {resumed}" in run.stdout, run.stdout[-2000:]
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "last.ckpt"
 
 
 @pytest.mark.thread_only  # wraps a storage in the trainer's process

@@ -110,3 +110,25 @@ def test_a_key_missing_from_the_checkpoint_is_reported_before_reading(saved: tup
     assert counted.read_bytes == 0
     with SyncCheckpointer(config) as again, pytest.raises(ValueError, match="non-empty glob patterns"):
         again.load(paths=[""])
+
+
+@pytest.mark.parametrize(
+    ("state", "where"),
+    [
+        ({"extra": {}}, r"extra: the dict to load into is empty.*holds key\(s\) \['odd'\]"),
+        ({}, r"state: the dict to load into is empty.*\['big', 'extra', 'model', 'optim', 'step'\]"),
+        ({"nothing": {}}, r"state: key\(s\) \['nothing'\] are not in checkpoint step 1"),
+    ],
+)
+def test_a_load_that_would_restore_nothing_is_refused_naming_the_key(
+    saved: tuple[Config, dict[str, Any]], state: dict[str, Any], where: str
+) -> None:
+    config, _ = saved
+    ckpt, counted = _counted(config)
+    with ckpt, pytest.raises(StateMismatchError, match=where):
+        ckpt.load(state)
+    assert counted.read_bytes == 0, "refused before any data is read"
+    with SyncCheckpointer(config) as again:
+        empty_saved = {"extra": {}}
+        again.save({"extra": {}, "w": torch.ones(2)}, step=2).wait()
+        assert again.load(empty_saved) == {"extra": {}}  # empty in the checkpoint too: nothing is missing

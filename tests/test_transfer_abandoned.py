@@ -32,6 +32,9 @@ class _Listener:
     def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
         pass
 
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        pass
+
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         pass
 

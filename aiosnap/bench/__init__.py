@@ -6,9 +6,13 @@ a baseline). Importing this package imports no benchmark.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
-__all__ = ["BENCHMARKS", "run"]
+__all__ = ["BENCHMARKS", "describe_benchmarks", "run"]
 
 BENCHMARKS = {
     "local": "aiosnap.bench.local",
@@ -19,10 +23,30 @@ BENCHMARKS = {
     "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
     "distributed": "aiosnap.bench.distributed",
+    "safetensors": "aiosnap.bench.safetensors",
+    "gpu": "aiosnap.bench.gpu",
 }
 """Benchmark name -> module."""
 
 
 def run(name: str, argv: list[str]) -> None:
-    """Run benchmark ``name`` with its own command-line options."""
-    importlib.import_module(BENCHMARKS[name]).main(argv)
+    """Run benchmark ``name`` with its own command-line options (its usage lines name it as
+    ``aiosnap bench NAME``)."""
+    program = sys.argv[0] if sys.argv else ""
+    sys.argv[:1] = [f"aiosnap bench {name}"]  # argparse's default program name
+    try:
+        importlib.import_module(BENCHMARKS[name]).main(argv)
+    finally:
+        sys.argv[:1] = [program]
+
+
+def describe_benchmarks() -> str:
+    """One line per benchmark: its name and the first line of its module's docstring (read
+    from the source: no benchmark, nor torch, is imported)."""
+    lines = []
+    for name, module in BENCHMARKS.items():
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).read_text(encoding="utf-8") if spec is not None and spec.origin else ""
+        summary = (ast.get_docstring(ast.parse(source)) or "").strip().splitlines()
+        lines.append(f"  {name:<13} {summary[0] if summary else ''}")
+    return "benchmarks:\n" + "\n".join(lines)

@@ -1,13 +1,15 @@
 """Multi-rank benchmark: ``aiosnap bench distributed`` (part of ``make bench``) prints JSON.
 
-Real ranks (separate processes on one gloo job, this machine) save a sharded state of
-``--size-mb`` MB in all (row-sharded DTensors and a small replicated part), with aiosnap and
-with PyTorch DCP ``async_save`` (its thread executor), on the same state and local disk in
-the same run; aiosnap also against the S3 test server (moto, started here; DCP has no S3
+Real ranks (separate processes on one gloo job, this machine) save a state of ``--size-mb``
+MB in all, in each parallel layout (:mod:`.layouts`: ``fsdp`` row-sharded DTensors and a
+small replicated part; ``tp_fsdp`` TP+FSDP2 on a (ranks/2, 2) mesh; ``pipeline`` one stage
+per rank, distinct keys and an embedding tied across the first and last stage), with aiosnap
+and with PyTorch DCP ``async_save`` (its thread executor), on the same state and local disk
+in the same run; aiosnap also against the S3 test server (moto, started here; DCP has no S3
 writer without extra packages). Figures per job (the slowest rank's): seconds blocked in the
-save call and seconds until durable, both on a warm second save. Then 2 ranks load the
-4-rank checkpoints into DTensors of their own mesh (a 4 -> 2 reshard): aiosnap ``load`` vs
-DCP ``load``. Ratios aiosnap / DCP.
+save call and seconds until durable, both on a warm second save. Then 2 ranks load each
+4-rank checkpoint into their own layout (a 4 -> 2 reshard: FSDP2 over 2 ranks, 2 larger
+pipeline stages): aiosnap ``load`` vs DCP ``load``. Ratios aiosnap / DCP.
 
 ``--simulate`` runs the protocol at thousands of simulated ranks instead
 (:mod:`aiosnap.bench.rank_sim`).
@@ -25,6 +27,8 @@ import tempfile
 import uuid
 from typing import Any
 
+from .layouts import LAYOUTS
+
 MiB = 1024 * 1024
 
 
@@ -34,22 +38,24 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_job(world: int, **params: Any) -> dict[str, float]:
-    """Run one measurement on ``world`` ranks; each figure is the slowest rank's."""
+def run_job(world: int, module: str = "aiosnap.bench.distributed_rank", **params: Any) -> dict[str, float]:
+    """Run one measurement on ``world`` ranks (``python -m module PARAMS`` each); each
+    figure is the slowest rank's."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIOSNAP_")}
     env["OMP_NUM_THREADS"] = "1"
     procs = []
     for rank in range(world):
         args = json.dumps({**params, "rank": rank, "world": world, "port": port})
-        command = [sys.executable, "-m", "aiosnap.bench.distributed_rank", args]
+        command = [sys.executable, "-m", module, args]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     figures: list[dict[str, float]] = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
-                raise RuntimeError(f"a rank of {params['tool']} {params['mode']} failed:\n{err[-3000:]}")
+                what = f"{module} {params.get('tool', '')} {params.get('mode', '')}".strip()
+                raise RuntimeError(f"a rank of {what} failed:\n{err[-3000:]}")
             figures.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
@@ -74,29 +80,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--size-mb", type=int, default=256, help="sharded state in all (default 256)")
     parser.add_argument("--ranks", default="2,4", help="job sizes to save with (default 2,4)")
     parser.add_argument("--ram-budget-mib", type=int, default=256, help="each rank's RAM budget")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="layouts to measure (default: all)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 test server")
     parser.add_argument("--simulate", action="store_true", help="simulated ranks instead (see rank_sim)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",")]
+    layouts = [name for name in args.layouts.split(",") if name]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"unknown layout(s) {unknown}: choose from {list(LAYOUTS)}")
     common = {"size_mb": args.size_mb, "ram_budget_mib": args.ram_budget_mib}
     report: dict[str, Any] = {"size_mb": args.size_mb, "save": {}, "reshard_load_4_to_2": {}}
     with tempfile.TemporaryDirectory(prefix="aiosnap-bench-dist-") as folder:
-        for world in worlds:
-            aio = run_job(world, tool="aiosnap", mode="save", url=f"{folder}/aiosnap-{world}", **common)
-            dcp = run_job(world, tool="dcp", mode="save", url=f"{folder}/dcp-{world}", **common)
-            report["save"][f"{world}_ranks_local"] = {
-                "aiosnap": aio, "dcp_async_save": dcp,
-                "blocked_ratio": _ratio(aio["blocked_s"], dcp["blocked_s"]),
-                "durable_ratio": _ratio(aio["durable_s"], dcp["durable_s"]),
-            }  # fmt: skip
-        if 4 in worlds:
-            aio = run_job(2, tool="aiosnap", mode="load", url=f"{folder}/aiosnap-4", **common)
-            dcp = run_job(2, tool="dcp", mode="load", url=f"{folder}/dcp-4", **common)
-            report["reshard_load_4_to_2"] = {"aiosnap": aio, "dcp": dcp, "ratio": _ratio(aio["load_s"], dcp["load_s"])}
+        for layout in layouts:
+            for world in worlds:
+                if layout == "tp_fsdp" and (world < 4 or world % 2):
+                    continue  # a (ranks/2, 2) mesh of at least 2 x 2
+                _compare(report, folder, layout, world, common)
+            if 4 in worlds:
+                where = {"aiosnap": f"{folder}/aiosnap-{layout}-4", "dcp": f"{folder}/dcp-{layout}-4"}
+                aio = run_job(2, tool="aiosnap", mode="load", url=where["aiosnap"], layout=layout, **common)
+                dcp = run_job(2, tool="dcp", mode="load", url=where["dcp"], layout=layout, **common)
+                ratio = _ratio(aio["load_s"], dcp["load_s"])
+                report["reshard_load_4_to_2"][layout] = {"aiosnap": aio, "dcp": dcp, "ratio": ratio}
         if not args.no_s3:
             report["save_s3"] = _s3(worlds, common)
     print(json.dumps(report, indent=2))
     return report
+
+
+def _compare(report: dict[str, Any], folder: str, layout: str, world: int, common: dict[str, Any]) -> None:
+    """aiosnap and DCP saving ``layout`` on ``world`` ranks, side by side."""
+    aio = run_job(world, tool="aiosnap", mode="save", url=f"{folder}/aiosnap-{layout}-{world}", layout=layout, **common)
+    dcp = run_job(world, tool="dcp", mode="save", url=f"{folder}/dcp-{layout}-{world}", layout=layout, **common)
+    report["save"][f"{layout}_{world}_ranks_local"] = {
+        "aiosnap": aio, "dcp_async_save": dcp,
+        "blocked_ratio": _ratio(aio["blocked_s"], dcp["blocked_s"]),
+        "durable_ratio": _ratio(aio["durable_s"], dcp["durable_s"]),
+    }  # fmt: skip
 
 
 def _s3(worlds: list[int], common: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +134,9 @@ def _s3(worlds: list[int], common: dict[str, Any]) -> dict[str, Any]:
             root = f"s3://{bucket}/ranks-{world}"
             found[f"{world}_ranks"] = run_job(world, tool="aiosnap", mode="save", url=root, s3=s3, **common)
         if 4 in worlds:
-            found["reshard_load_4_to_2"] = run_job(2, tool="aiosnap", mode="load", url=f"s3://{bucket}/ranks-4", s3=s3,
-                                                   **common)  # fmt: skip
+            found["reshard_load_4_to_2"] = run_job(
+                2, tool="aiosnap", mode="load", url=f"s3://{bucket}/ranks-4", s3=s3, **common
+            )  # fmt: skip (the fsdp layout)
     return found
 
 

@@ -13,8 +13,7 @@ warm), into a model and optimizer of the same shapes, as a training job resuming
 And a many-tensor state (``--many`` tensors of 1 KB): aiosnap ``load()`` vs ``torch.load``.
 Figures per tool: seconds of the restore (median and all runs) and peak RSS increase
 (Linux) during it; ratios against DCP and ``torch.load``. An aiosnap checkpointer is made
-before the clock starts (a job makes one anyway, to save; its staging prewarm pauses while
-a load runs).
+before the clock starts (a job makes one anyway, to save).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class StepInfo:
     step: int
     state: Literal["committed", "incomplete", "unreadable"]
     nbytes: int
+    """Bytes in storage (a committed step's data objects)."""
     time: float
     """Commit time (committed) or newest object's modification time (incomplete)."""
     world_size: int | None = None
@@ -52,6 +53,9 @@ class StepInfo:
     """Attempt folders beside the committed one (failed or in-progress re-saves)."""
     problem: str | None = None
     """Why an unreadable step's manifest cannot be used."""
+    referenced_bytes: int | None = None
+    """Of a committed step: the bytes its manifest's ranges name (what a load reads; less than
+    ``nbytes`` by the copies of values several ranks wrote that it does not use)."""
 
 
 def split_name(name: str) -> tuple[int, str | None] | None:
@@ -93,6 +97,7 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 step=step,
                 state="committed",
                 nbytes=found.total_bytes,
+                referenced_bytes=found.referenced_bytes,
                 time=found.created_at,
                 world_size=found.world_size,
                 save_id=found.save_id,
@@ -151,7 +156,7 @@ async def verify_step(
                         f"{path}: {r.object!r} is truncated ({done} of {r.nbytes} bytes at offset {r.offset})"
                     )
                     return
-        if crc != r.crc32c:
+        if r.crc32c is not None and crc != r.crc32c:  # None: a foreign format's range, read whole only
             problems.append(
                 f"{path}: checksum mismatch in {r.object!r} at offset {r.offset} "
                 f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x})"

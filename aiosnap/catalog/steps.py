@@ -14,10 +14,12 @@ import asyncio
 import hashlib
 import logging
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
 
@@ -26,12 +28,14 @@ __all__ = [
     "committed_steps",
     "latest_committed",
     "manifest_of",
+    "not_committed",
     "read_manifest",
     "remove_step",
     "retention_victims",
     "remove_steps_after",
     "step_folders",
     "trust_committed",
+    "trust_translated",
 ]
 
 log = logging.getLogger("aiosnap")
@@ -43,21 +47,54 @@ async def step_folders(storage: Storage) -> list[int]:
     return sorted({step for step in map(parse_step_dir, names) if step is not None})
 
 
+LISTINGS = 8
+"""Most listings of a root that one look-up makes while other processes change it."""
+
+
 async def committed_steps(storage: Storage) -> list[int]:
     """Steps with a manifest, ascending. Folders without one (saves in progress or failed)
-    are left out."""
-    candidates = await step_folders(storage)
-    present = await asyncio.gather(*(storage.exists(manifest_name(s)) for s in candidates))
-    return [step for step, ok in zip(candidates, present, strict=True) if ok]
+    are left out. See :func:`latest_committed` for a root that changes meanwhile."""
+
+    async def committed(listed: list[int]) -> list[int]:
+        present = await asyncio.gather(*(storage.exists(manifest_name(s)) for s in listed))
+        return [step for step, ok in zip(listed, present, strict=True) if ok]
+
+    return await _look_until_settled(storage, committed)
 
 
 async def latest_committed(storage: Storage) -> int | None:
     """The newest committed step (None when there is none): one listing, then one HEAD
-    per step folder from the newest down until a manifest is found."""
-    for step in reversed(await step_folders(storage)):
-        if await storage.exists(manifest_name(step)):
-            return step
-    return None
+    per step folder from the newest down until a manifest is found. Folders listed but no
+    manifest found may mean that the root changed during the look (another process
+    committed a newer step and its retention deleted the one looked at): the root is then
+    listed and looked at again, until a look finds nothing in a listing that did not change."""
+
+    async def newest(listed: list[int]) -> list[int]:
+        for step in reversed(listed):
+            if await storage.exists(manifest_name(step)):
+                return [step]
+        return []
+
+    found = await _look_until_settled(storage, newest)
+    return found[0] if found else None
+
+
+async def _look_until_settled(storage: Storage, look: Callable[[list[int]], Awaitable[list[int]]]) -> list[int]:
+    """``look(step folders)``; when it finds nothing among the folders listed, listed and
+    looked at again, until nothing is found in the same listing twice in a row (a commit
+    adds a manifest to a folder listed before: one look can miss it while another process's
+    retention deletes the step it would have found)."""
+    listed, previous = await step_folders(storage), None
+    for _ in range(LISTINGS):
+        found = await look(listed)
+        if found or not listed or listed == previous:
+            return found
+        previous, listed = listed, await step_folders(storage)
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint found in {storage.url}: its step folders changed at each of {LISTINGS} "
+        "listings, each time without a manifest (other processes commit and delete steps faster than they "
+        "can be looked up; try again)"
+    )
 
 
 async def read_manifest(storage: Storage, step: int) -> Manifest:
@@ -69,12 +106,29 @@ async def read_manifest(storage: Storage, step: int) -> Manifest:
 async def _manifest_bytes(storage: Storage, step: int) -> bytes:
     try:
         return await storage.read(manifest_name(step), limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError as exc:
+    except FileNotFoundError as exc:  # one request: the committed steps are listed only for a person
         raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}") from exc
+
+
+async def not_committed(storage: Storage, step: int, purpose: str = "") -> CheckpointNotFoundError:
+    """The error for a ``step`` that is not committed, listing the steps that are: for a
+    message a person reads (it lists the root). A listing that fails is left out of it."""
+    try:
+        steps = await committed_steps(storage)
+    except (OSError, AiosnapError) as exc:
+        available = f"the committed steps could not be listed ({type(exc).__name__}: {exc})"
+    else:
+        shown = ", ".join(map(str, steps[-20:]))
+        more = f"{len(steps) - 20} older and " if len(steps) > 20 else ""
+        available = f"the committed steps are {more}{shown}" if steps else "it holds no committed step"
+    return CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url}{purpose}; {available}")
 
 
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
     where = f"{storage.url}/{manifest_name(step)}"
+    known = _TRUSTED.manifest(step, data)
+    if known is not None:
+        return known
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
@@ -93,6 +147,7 @@ class _TrustedManifests:
 
     def __init__(self) -> None:
         self._known: OrderedDict[tuple[int, bytes], str] = OrderedDict()
+        self._objects: weakref.WeakValueDictionary[tuple[int, bytes], Manifest] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -112,6 +167,17 @@ class _TrustedManifests:
         with self._lock:
             return self._known.get(key)
 
+    def keep_object(self, step: int, data: bytes, manifest: Manifest) -> None:
+        """``manifest`` is ``data`` parsed, for as long as someone else holds it."""
+        key = self._key(step, data)
+        with self._lock:
+            self._objects[key] = manifest
+
+    def manifest(self, step: int, data: bytes) -> Manifest | None:
+        key = self._key(step, data)
+        with self._lock:
+            return self._objects.get(key)
+
 
 _TRUSTED = _TrustedManifests()
 
@@ -122,24 +188,50 @@ def trust_committed(step: int, document: bytes, save_id: str) -> None:
     _TRUSTED.learn(step, document, save_id)
 
 
+def trust_translated(step: int, document: bytes, manifest: Manifest) -> None:
+    """``manifest`` (built by this process from a foreign format's checked metadata, and
+    kept alive by its builder) is ``document`` parsed: the same bytes read back give this
+    object, neither parsed nor validated again (a safetensors folder of 10^5 tensors)."""
+    _TRUSTED.keep_object(step, document, manifest)
+
+
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:
-    """The manifest of ``step``, or of the latest committed step when None. A latest step
-    whose manifest cannot be read is an error (never silently an older step), which names
-    the newest step that can be read."""
+    """The manifest of ``step``, or of the latest committed step when None: for a load, or
+    for a person (a missing ``step``'s error lists the committed steps). A latest step
+    removed between its look-up and its read (retention in another process) is looked up
+    again. A step whose manifest cannot be read is an error (never silently an older step),
+    which names the newest older step that can be read."""
     if step is not None:
-        return await read_manifest(storage, step)
-    latest = await latest_committed(storage)
-    if latest is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
+        try:
+            return await _read_naming_older(storage, step)
+        except CheckpointNotFoundError as exc:
+            raise await not_committed(storage, step) from exc
+    for _ in range(LISTINGS):
+        latest = await latest_committed(storage)
+        if latest is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {storage.url}")
+        try:
+            return await _read_naming_older(storage, latest)
+        except CheckpointNotFoundError:
+            continue  # removed since the look-up: the latest is another step now
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint could be read in {storage.url}: the latest step was removed before its "
+        f"manifest was read, {LISTINGS} times (other processes delete steps as fast as they are looked up)"
+    )
+
+
+async def _read_naming_older(storage: Storage, step: int) -> Manifest:
+    """:func:`read_manifest`; a damaged manifest's error names the newest older step that
+    can be read, and how to go on from it."""
     try:
-        return await read_manifest(storage, latest)
+        return await read_manifest(storage, step)
     except CorruptCheckpointError as exc:
-        older = [s for s in await committed_steps(storage) if s < latest]
-        for candidate in reversed(older):
+        steps = await committed_steps(storage)
+        for candidate in reversed([s for s in steps if s < step]):
             if await committed_save_id(storage, candidate) is not None:
+                again = f", or make it the latest again with rollback({candidate})" if step == steps[-1] else ""
                 raise type(exc)(
-                    f"{exc} -- the newest loadable step is {candidate}: load(step={candidate}), or make it "
-                    f"the latest again with rollback({candidate})"
+                    f"{exc} -- the newest loadable step is {candidate}: load(step={candidate}){again}"
                 ) from exc
         raise
 
@@ -200,7 +292,7 @@ async def remove_steps_after(storage: Storage, step: int) -> list[int]:
     (each manifest before its data). ``step`` must be committed. Returns the steps removed."""
     steps = await committed_steps(storage)
     if step not in steps:
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {storage.url} to roll back to")
+        raise await not_committed(storage, step, " to roll back to")
     newer = [s for s in steps if s > step]
     for doomed in reversed(newer):
         await remove_step(storage, doomed)

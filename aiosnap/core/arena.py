@@ -1,11 +1,14 @@
-"""The staging arena: one memory region, allocated once, cut into equal slabs.
+"""The staging arena: one memory region cut into equal slabs, resident only where used.
 
 Captured chunks are copied into slabs of the arena; the transfer side reads them from
 there. In ``upload.executor: process`` mode the region is a memfd that both processes map
 (one file descriptor, one mapping, whatever the number of tensors); in thread mode it is
-anonymous memory. The whole arena is counted in the RAM budget (it is the RAM budget) and
-its pages are touched in the background when it is made, so the first save copies into
-memory that is already there. No torch here: the upload process maps it without torch.
+anonymous memory. The whole region is reserved when the checkpointer starts, at the RAM
+budget's size, but reserving costs address space only: a page takes memory when a capture
+(or a load) first writes it, and the slab pool lends the lowest free slab first, so the
+resident part is what the saves have needed at once, never more than the budget. Growing
+needs no remapping: the upload process maps the same memfd, whose pages are the trainer's.
+No torch here: the upload process maps it without torch.
 """
 
 from __future__ import annotations
@@ -14,40 +17,16 @@ import ctypes
 import logging
 import mmap
 import os
-import sys
-import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 __all__ = ["Arena", "SlabLease"]
 
 log = logging.getLogger("aiosnap")
 
-_PREWARM_STEP = 16 * 1024 * 1024  # a capture waits for at most one step
-
-_POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
-"""madvise(MADV_POPULATE_WRITE) (Linux 5.14+; Python names it from 3.12): fault pages in,
-writable, without touching what they hold -- a capture may be filling them meanwhile."""
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """libc ``madvise`` through ctypes, which lets go of the GIL for the call (``mmap.madvise``
-    holds it: populating 16 MiB would stall every Python thread, the trainer's included, for
-    milliseconds). False when the kernel refuses the advice."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    return bool(_libc.madvise(address, length, advice) == 0)
-
 
 class Arena:
-    """``count`` slabs of ``slab_bytes`` each, contiguous, in one mapping."""
+    """``count`` slabs of ``slab_bytes`` each, contiguous, in one mapping (reserved, not
+    resident: see the module docstring)."""
 
     def __init__(self, slab_bytes: int, count: int, *, shared: bool, fd: int | None = None) -> None:
         if slab_bytes <= 0 or count <= 0:
@@ -62,16 +41,11 @@ class Arena:
             os.close(fd)
         elif shared:
             self._fd = os.memfd_create("aiosnap-staging", os.MFD_CLOEXEC)
-            os.ftruncate(self._fd, self.size)
+            os.ftruncate(self._fd, self.size)  # a sparse file: no page is allocated yet
             self._map = mmap.mmap(self._fd, self.size)
         else:
             self._map = mmap.mmap(-1, self.size)
         self.buffer = memoryview(self._map)
-        self._prewarm: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._quiet = threading.Event()  # clear while a capture runs: the prewarm waits
-        self._quiet.set()
-        self._captures = 0
 
     @property
     def fd(self) -> int:
@@ -92,64 +66,8 @@ class Arena:
         beyond its own return (a socket's write buffer): see :class:`SlabLease`."""
         return SlabLease(self.view(slab, nbytes))
 
-    def prewarm(self) -> None:
-        """Touch every page on a background thread, slab 0 first (the order the pool lends
-        them), so the pages are resident before the first save needs them; returns at once.
-        It pauses while a capture runs (:meth:`capturing`): on a few cores the two would
-        only slow each other down."""
-
-        def touch() -> None:
-            populate = _POPULATE_WRITE
-            base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))  # the export ends here
-            try:
-                for start in range(0, self.size, _PREWARM_STEP):
-                    self._quiet.wait()
-                    if self._stop.is_set():
-                        return
-                    length = min(_PREWARM_STEP, self.size - start)
-                    if populate is not None:
-                        if _madvise(base + start, length, populate):
-                            continue
-                        populate = None  # an older kernel
-                    # Read, never write: a slab may hold a capture by now (the check above
-                    # and a capture can cross), and a write would clobber it. A read fault
-                    # makes a memfd's pages resident; anonymous memory gets the zero page,
-                    # and its first write still faults (no gain there, no harm).
-                    for page in range(start, start + length, mmap.PAGESIZE):
-                        self.buffer[page]
-            except (ValueError, OSError):  # closed meanwhile
-                pass
-
-        self._prewarm = threading.Thread(target=touch, name="aiosnap-prewarm", daemon=True)
-        self._prewarm.start()
-
-    def wait_resident(self, timeout: float | None = None) -> bool:
-        """Block until the prewarm is over (True), or ``timeout`` seconds (False). Any thread."""
-        thread = self._prewarm
-        if thread is None:
-            return True
-        thread.join(timeout)
-        return not thread.is_alive()
-
-    @contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Around a capture (or a load): the prewarm waits meanwhile. Loop thread."""
-        self._captures += 1
-        self._quiet.clear()
-        try:
-            yield
-        finally:
-            self._captures -= 1
-            if self._captures == 0:
-                self._quiet.set()
-
     def close(self) -> None:
         """Unmap (and close the memfd); idempotent. Views must not be used afterwards."""
-        if self._prewarm is not None:
-            self._stop.set()  # at most one more step of touching
-            self._quiet.set()
-            self._prewarm.join()
-            self._prewarm = None
         if self._map.closed:
             return
         self.buffer.release()

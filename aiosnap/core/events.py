@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from .units import format_bytes, format_rate
+
 __all__ = [
     "Event",
     "ScopeEmitter",
@@ -117,34 +119,49 @@ class Event:
             return f"aiosnap: {what} started ({self.url}, rank {self.rank}/{self.world_size})"
         figures = []
         if self.nbytes is not None:
-            figures.append(f"{self.nbytes / 1e6:.1f} MB")
+            figures.append(format_bytes(self.nbytes))
         if self.seconds is not None:
             figures.append(f"{self.seconds:.3f} s")
         if self.nbytes and self.seconds:
-            figures.append(f"{self.nbytes / self.seconds / 1e6:.0f} MB/s")
+            figures.append(format_rate(self.nbytes / self.seconds))
         return f"aiosnap: {what} done" + (f" ({', '.join(figures)})" if figures else "")
 
 
 class LoggingHandler:
-    """Writes each event to a standard logger (``aiosnap.core.events``): exceptions at WARNING,
-    the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``."""
+    """Writes each event to a standard logger (``aiosnap.events``): exceptions at WARNING,
+    the rest at ``level``; the event's fields ride along as ``record.aiosnap_event``.
 
-    def __init__(self, logger: str = "aiosnap.core.events", level: int = logging.INFO) -> None:
+    ``said_on_stderr(event)``, when given, tells the events another handler writes to
+    stderr already (the line per save): while logging is not set up (no handler would take
+    the record, so Python's last resort would print it on stderr too), those are not
+    logged, and an operator sees one line per event, not two."""
+
+    def __init__(
+        self,
+        logger: str = "aiosnap.events",
+        level: int = logging.INFO,
+        said_on_stderr: Callable[[Event], object] | None = None,
+    ) -> None:
         self.logger = logging.getLogger(logger)
         self.level = level
+        self._said_on_stderr = said_on_stderr
 
     def __call__(self, event: Event) -> None:
         level = logging.WARNING if event.kind == "exception" else self.level
-        if self.logger.isEnabledFor(level):
-            self.logger.log(level, "%s", event.describe(), extra={"aiosnap_event": event.to_dict()})
+        if not self.logger.isEnabledFor(level):
+            return
+        if self._said_on_stderr is not None and not self.logger.hasHandlers() and self._said_on_stderr(event):
+            return
+        self.logger.log(level, "%s", event.describe(), extra={"aiosnap_event": event.to_dict()})
 
 
 class JsonlHandler:
-    """Appends each event as one JSON line to ``path`` (flushed per line; thread-safe). A
-    last line left unfinished by a crash is ended first, so the next event starts a line."""
+    """Appends each event as one JSON line to ``path`` (``~`` is the home folder, as in every
+    path setting; flushed per line; thread-safe). A last line left unfinished by a crash is
+    ended first, so the next event starts a line."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a+b")
         self._lock = threading.Lock()

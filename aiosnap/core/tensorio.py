@@ -10,7 +10,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "write_constants"]
+from .checksums import crc32c_of
+
+__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "value_crc32c", "write_constants"]
+
+_DEVICE_PIECE = 64 * 1024 * 1024
+"""Bytes of a device tensor copied to host at a time by :func:`value_crc32c`."""
 
 
 def bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -29,6 +34,26 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def value_crc32c(tensor: torch.Tensor) -> int:
+    """The CRC32C of ``tensor``'s values as a save stores them (its row-major bytes): what
+    the crc32c of its byte ranges combine to once written. Runs on the calling thread; a
+    device tensor is copied to host :data:`_DEVICE_PIECE` bytes at a time (and waited for)."""
+    values = tensor.detach()
+    if values.is_conj():
+        values = values.resolve_conj()
+    if values.is_neg():
+        values = values.resolve_neg()
+    if not values.is_contiguous():
+        values = values.contiguous()
+    if values.is_cpu and type(values) in _PLAIN_TYPES:
+        return crc32c_of(bytes_view(values))
+    raw = values.reshape(-1).view(torch.uint8)
+    crc = 0
+    for start in range(0, raw.numel(), _DEVICE_PIECE):
+        crc = crc32c_of(bytes_view(raw[start : start + _DEVICE_PIECE].cpu()), crc)
+    return crc
 
 
 def host_address(tensor: torch.Tensor, nbytes: int) -> int:

@@ -8,10 +8,12 @@ process, when the first checkpointer is made, over the ranks of the group the ch
 was given (the default group when none), by those ranks only; later checkpointers share it.
 
 Agreement is one monitored barrier (on timeout it names the ranks that did not arrive) and
-one all-gather of 64 bytes per rank: rank 0's save id, each rank's step, a digest of its
-replicated entries (paths, kinds, dtypes, shapes, DTensor placements), the bytes it writes
-anyway, its number of rank-local values. Ranks that disagree all raise
-:class:`RanksDisagreeError`.
+one all-gather of :data:`EXCHANGE_BYTES` (256) per rank, whatever the state holds: rank 0's
+save id, each rank's step, a digest of its table and tree (its class), the bytes it writes
+anyway, a digest of its rank-local paths, and one digest per bucket of its plain entries
+(:mod:`.ownership`: who else holds them). Ranks saving different steps or declaring
+different rank-local paths all raise :class:`RanksDisagreeError`; ranks may hold different
+entries (their tables are merged by the coordinator, which finds conflicts there).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RankFailedError, RanksDisagreeError, RankTimeoutError
+from ..format.buckets import BUCKETS
 
 __all__ = ["RankGroup", "SaveProposal"]
 
@@ -32,9 +35,10 @@ class SaveProposal:
 
     step: int
     save_id: str
-    digest: str
+    digest: str  # 32 hex digits: its class (table and tree shape)
     preload: int  # bytes this rank writes whatever the assignment (shards, rank-local values)
-    slots: int  # rank-local values it declares
+    local: int  # a digest of its rank-local paths (0: none)
+    buckets: tuple[int, ...] = (0,) * BUCKETS  # per bucket, a digest of its plain entries there
     failed: bool = False  # this rank cannot save (its state or an earlier save failed): nobody does
 
 
@@ -98,10 +102,10 @@ class RankGroup:
     def _gather_proposals(self, mine: SaveProposal) -> list[SaveProposal]:
         return [_decode(words) for words in self._exchange(_SAVE, _encode(mine))]
 
-    def agree_save(self, mine: SaveProposal, signatures: Callable[[], list[str]]) -> list[SaveProposal]:
-        """Every rank's proposal, once all agree on step, state and rank-local values.
-        ``signatures()`` lists this rank's replicated entries ("path: kind dtype shape"): the
-        ranks exchange them only when digests differ, to name the first difference."""
+    def agree_save(self, mine: SaveProposal, local_paths: Callable[[], list[str]]) -> list[SaveProposal]:
+        """Every rank's proposal, once all agree on the step and the rank-local paths.
+        ``local_paths()`` lists this rank's ("path: rank-local value N"): the ranks exchange
+        them only when their digests differ, to name the first difference."""
         self._arrive(f"save(step={mine.step})")
         found = self._gather_proposals(mine)
         failed = [r for r, p in enumerate(found) if p.failed]
@@ -117,15 +121,11 @@ class RankGroup:
                 "ranks called save() for different steps: "
                 + "; ".join(f"step {s} by rank(s) {ranks}" for s, ranks in by_step.items())
             )
-        hint = "every rank must save the same structure (declare values that differ per rank with rank_local=[...])"
-        slots = [r for r, p in enumerate(found) if p.slots != found[0].slots]
-        if slots:
+        if any(p.local != found[0].local for p in found):
+            listed: list[list[str]] = self._gather(local_paths())
             raise RanksDisagreeError(
-                f"step {mine.step}: rank(s) {slots} match a different number of rank-local paths than rank 0"
+                f"step {mine.step}: {_first_difference(listed)}; every rank must declare the same rank-local paths"
             )
-        if any(p.digest != found[0].digest for p in found):
-            listed: list[list[str]] = self._gather(signatures())
-            raise RanksDisagreeError(f"step {mine.step}: {_first_difference(listed)}; {hint}")
         return found
 
     def agree_step(self, step: int | None) -> int | None:
@@ -169,20 +169,23 @@ def _shared_group(ranks: list[int], timeout: datetime.timedelta) -> Any:
 
 
 def _first_difference(listed: list[list[str]]) -> str:
-    """Where the ranks' replicated entries first differ from rank 0's."""
+    """Where the ranks' lists (of rank-local paths) first differ from rank 0's."""
     base = listed[0]
     for rank, theirs in enumerate(listed[1:], start=1):
         for position in range(max(len(base), len(theirs))):
             ours = base[position] if position < len(base) else "nothing"
             other = theirs[position] if position < len(theirs) else "nothing"
             if ours != other:
-                return f"rank {rank} saves {other!r} where rank 0 saves {ours!r} (replicated entry {position})"
-    return "the ranks' replicated entries differ"
+                return f"rank {rank} saves {other!r} where rank 0 saves {ours!r} (rank-local value {position})"
+    return "the ranks' rank-local values differ"
 
 
 _HALF = 2**62
 _SIGNED = 2**63
-_WORDS = 7
+_FIXED = 7
+_WORDS = _FIXED + BUCKETS
+EXCHANGE_BYTES = 8 * (1 + _WORDS)
+"""Bytes each rank sends per agreement: an operation tag and :data:`_WORDS` words."""
 _SAVE, _LOAD = 1, 2
 _OPERATIONS = {_SAVE: "save()", _LOAD: "load()"}
 
@@ -191,14 +194,15 @@ def _encode(p: SaveProposal) -> list[int]:
     digest = int(p.digest, 16)
     return [
         p.step // _HALF, p.step % _HALF, int(p.save_id, 16) - _SIGNED,
-        (digest >> 64) - _SIGNED, (digest & (2**64 - 1)) - _SIGNED, -1 if p.failed else p.preload, p.slots,
+        (digest >> 64) - _SIGNED, (digest & (2**64 - 1)) - _SIGNED, -1 if p.failed else p.preload, p.local,
+        *p.buckets,
     ]  # fmt: skip
 
 
 def _decode(values: list[int]) -> SaveProposal:
-    step_high, step_low, save_id, digest_high, digest_low, preload, slots = values
+    step_high, step_low, save_id, digest_high, digest_low, preload, local = values[:_FIXED]
     digest = ((digest_high + _SIGNED) << 64) | (digest_low + _SIGNED)
     return SaveProposal(
-        step_high * _HALF + step_low, f"{save_id + _SIGNED:016x}", f"{digest:032x}", max(preload, 0), slots,
-        failed=preload < 0,
+        step_high * _HALF + step_low, f"{save_id + _SIGNED:016x}", f"{digest:032x}", max(preload, 0), local,
+        tuple(values[_FIXED:]), failed=preload < 0,
     )  # fmt: skip

@@ -2,13 +2,13 @@
 
 Made with the checkpointer, by every rank of the group it is given (the default group when
 none): with more than one rank, it makes aiosnap's own gloo group (:mod:`.group`). Each
-``save()`` then agrees with the other ranks on a save id and on who writes which replicated
-entry (:mod:`.assign`), and each ``load()`` of the latest step on which step that is.
+``save()`` then agrees with the other ranks on a save id and on who writes which entry
+held by several ranks (:mod:`.ownership`), and each ``load()`` of the latest step on which
+step that is.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,16 +19,14 @@ from ..core.events import ProcessGroupInfo
 from ..format.manifest import Manifest
 from ..load.ranks import rank_view
 from ..trainer.plan import Agreement, Flattened
-from .assign import assign_writers
 from .group import RankGroup, SaveProposal
+from .ownership import decide, holdings
 
 __all__ = ["DistributedJob"]
 
 log = logging.getLogger("aiosnap")
 
 COORDINATOR = 0
-PICKLE_WEIGHT = 4096
-"""Bytes a pickled entry counts for when balancing writers (its size may differ per rank)."""
 
 
 class DistributedJob:
@@ -116,19 +114,9 @@ class _SaveAgreement:
             log.debug("aiosnap: rank %d left save(step=%d): %r", self.job.rank, self.step, exc)
 
     def __call__(self, flat: Flattened) -> Agreement:
-        signatures = flat.signatures()
-        digest = hashlib.blake2b("\n".join(signatures).encode(), digest_size=16).hexdigest()
-        main = flat.main_entries
-        preload = sum(flat.entries[i].nbytes for i, shard in flat.shards.items() if shard.writes)
-        preload += sum(e.nbytes for e in flat.entries[main:])
-        mine = SaveProposal(self.step, uuid.uuid4().hex[:16], digest, preload, len(flat.local_values))
+        held = holdings(flat)
+        mine = SaveProposal(self.step, uuid.uuid4().hex[:16], held.class_digest, held.preload, held.local_digest,
+                            held.buckets)  # fmt: skip
         self.done = True
-        found = self.group.agree_save(mine, lambda: signatures)
-        sizes = [
-            None if e.index in flat.shards else (e.nbytes if e.kind == "tensor" else PICKLE_WEIGHT)
-            for e in flat.entries[:main]
-        ]
-        writers = assign_writers(sizes, [p.preload for p in found])
-        written = {i for i, w in enumerate(writers) if w == self.job.rank}
-        written |= {i for i, shard in flat.shards.items() if shard.writes}
-        return Agreement(found[COORDINATOR].save_id, frozenset(written), COORDINATOR, self.job.config.commit_timeout)
+        found = self.group.agree_save(mine, flat.local_lines)
+        return decide(flat, self.job.rank, held, found, COORDINATOR, self.job.config.commit_timeout)

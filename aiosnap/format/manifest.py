@@ -68,12 +68,16 @@ class _Frozen(BaseModel):
 class ByteRange(_Frozen):
     """``nbytes`` at ``offset`` of data object ``object``. The name is checked where the
     range is used: it must be one of its manifest's (or rank part's) objects, whose names
-    are checked (once per object, not once per range: 8,192 ranks' shards are 10^5 ranges)."""
+    are checked (once per object, not once per range: 8,192 ranks' shards are 10^5 ranges).
+
+    ``crc32c`` None is an *unverified* range: only manifests translated from a foreign
+    format that records no checksum (safetensors) have them; aiosnap's own commit path
+    refuses a manifest with one (:meth:`Manifest.has_unverified_ranges`)."""
 
     object: str
     offset: int = Field(ge=0, lt=_MAX_INT)
     nbytes: int = Field(gt=0, lt=_MAX_INT)
-    crc32c: int = Field(ge=0, lt=2**32)
+    crc32c: int | None = Field(default=None, ge=0, lt=2**32)
 
 
 class DataObject(_Frozen):
@@ -103,7 +107,7 @@ class Span(NamedTuple):
     object: str
     offset: int
     nbytes: int
-    crc32c: int
+    crc32c: int | None
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,10 @@ class ShardRecord:
         ])  # fmt: skip
 
     def stored(self) -> StoredShard:
-        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c) for r in self.ranges])
+        """As the manifest keeps it (a rank's shard of a save: every range has its crc32c)."""
+        if any(r.crc32c is None for r in self.ranges):
+            raise ValueError("a stored shard's byte ranges all carry a crc32c")
+        return (self.offsets, self.shape, [(r.object, r.offset, r.nbytes, r.crc32c or 0) for r in self.ranges])
 
 
 class EntryRecord(_Frozen):
@@ -265,7 +272,19 @@ class Manifest(_Frozen):
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the step's data objects: what it keeps in storage (a multi-rank
+        save's unreferenced copies, alignment between ranges included)."""
         return sum(o.nbytes for o in self.objects)
+
+    def has_unverified_ranges(self) -> bool:
+        """Whether a byte range carries no crc32c (a manifest translated from a foreign
+        format; never one aiosnap commits)."""
+        return any(r.crc32c is None for _, r in self.all_ranges())
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The bytes its byte ranges name: what a load or a verify reads."""
+        return sum(span.nbytes for _, span in self.all_ranges())
 
     def to_json(self) -> bytes:
         """The document, its last field the crc32c of every byte before that field."""

@@ -1,46 +1,45 @@
-"""A rank's part of a multi-rank save, and the coordinator's merge of all parts into the
-step's manifest. Pure code, no I/O.
+"""A rank's part of a multi-rank save. Pure code, no I/O.
 
 Each rank writes its part (``<step>/<save id>/rank-<r>.part.json``) after its data objects:
-the shared entries it wrote (a replicated entry whole, a DTensor's shard with its box) and
-its rank-local values. The coordinator reads every part, checks it as untrusted input
-(strict types, every object inside that rank's own folder, a crc32c of the document), and
-merges them with its own plan: each replicated entry written by exactly one rank, each
-sharded entry's shards tiling it, one rank-local record per rank. The result is validated
-like any manifest read back before it is written.
+the shared entries it wrote (a plain entry whole, a DTensor's box with its offsets), the
+crc32c of the plain tensors it holds that a rank of another class writes (for the merge to
+compare), its rank-local values, its class (the table and tree shape it holds; see
+:mod:`aiosnap.distributed.ownership`) and its bucket digests. The lowest rank of each class
+other than the coordinator also ships that class's ``table`` and ``tree``; the others' entry
+numbers refer to it. The coordinator reads every part and checks it as untrusted input
+(strict types, every object inside that rank's own folder, the tree against the table, a
+crc32c of the document) before merging them (:mod:`aiosnap.format.merge`).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..core.gcpause import gc_paused
 from ..core.names import attempt_prefix, check_save_id, object_prefix
 from ..errors import ManifestError
+from .buckets import BUCKETS
 from .dtypes import dtype_itemsize
 from .manifest import (
-    FORMAT_VERSION,
     ByteRange,
     Checksums,
     DataObject,
     EntryRecord,
-    Manifest,
     RankLocalRecord,
-    ShardRecord,
-    StoredShard,
     crc_matches,
     parse_json,
     signed_json,
     validated,
 )
 from .spec import SaveSpec
-from .tree import shift_entry_ids
+from .tree import check_tree, shift_entry_ids
 
-__all__ = ["RankPart", "WrittenRecord", "aborted_name", "build_part", "failed_name", "merge_parts", "part_name"]
+__all__ = [
+    "ChecksumRecord", "RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name",
+    "part_name", "spec_table",
+]  # fmt: skip
 
 _MAX_INT = 2**63
 MAX_PART_BYTES = 64 * 1024**2
@@ -74,6 +73,48 @@ class WrittenRecord(_Frozen):
     ranges: list[ByteRange]
 
 
+class ChecksumRecord(_Frozen):
+    """The crc32c of the values of a plain tensor this rank holds but did not write."""
+
+    entry: int = Field(ge=0, lt=_MAX_INT)
+    crc32c: int = Field(ge=0, lt=2**32)
+
+
+class TableEntry(_Frozen):
+    """One entry of a class's table: a plain tensor or pickle (its layout on the rank that
+    describes it), or a DTensor's box (``shape``: the DTensor's global shape; ``mesh``: its
+    device mesh, :func:`~aiosnap.core.placements.mesh_id`)."""
+
+    path: str
+    kind: Literal["tensor", "pickle", "sharded"]
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    device: str
+    nbytes: int = Field(ge=0, lt=_MAX_INT)
+    mesh: int | None = Field(default=None, ge=0, lt=2**32)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TableEntry:
+        itemsize = dtype_itemsize(self.dtype)
+        if (
+            len(self.shape) > 64
+            or any(not 0 <= d < _MAX_INT for d in self.shape)
+            or len(self.stride) != len(self.shape)
+        ):
+            raise ValueError(f"{self.path}: invalid shape {self.shape} or stride {self.stride}")
+        if (self.kind == "sharded") != (self.mesh is not None):
+            raise ValueError(f"{self.path}: a mesh belongs to DTensor boxes, and only to them")
+        if self.kind == "tensor" and math.prod(self.shape) * itemsize != self.nbytes:
+            raise ValueError(f"{self.path}: shape {self.shape} of {self.dtype} is not {self.nbytes} bytes")
+        if self.kind == "pickle" and (self.dtype != "uint8" or self.shape != [self.nbytes]):
+            raise ValueError(f"{self.path}: a pickle entry is a flat uint8 blob")
+        return self
+
+
+_WORD = 2**63
+
+
 class RankPart(_Frozen):
     format: Literal["aiosnap-rank-part"] = "aiosnap-rank-part"
     step: int = Field(ge=0, lt=10**20)
@@ -83,7 +124,15 @@ class RankPart(_Frozen):
     main_entries: int = Field(ge=0, lt=_MAX_INT)
     objects: list[DataObject]
     written: list[WrittenRecord]
+    checksums: list[ChecksumRecord] = []
     local: RankLocalRecord
+    table_of: int = Field(ge=0, lt=2**31)
+    """The rank whose table ``written`` numbers entries in: the lowest rank of this one's class."""
+    class_digest: str = Field(pattern=r"^[0-9a-f]{32}$")
+    buckets: list[int] = Field(min_length=BUCKETS, max_length=BUCKETS)
+    table: list[TableEntry] | None = None
+    """This class's table: in the part of its lowest rank (but the coordinator's, which it has)."""
+    tree: Any = None
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -91,6 +140,18 @@ class RankPart(_Frozen):
     def _consistent(self) -> RankPart:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} >= world size {self.world_size}")
+        if self.table_of > self.rank:
+            raise ValueError(f"the table of rank {self.table_of}: a class's table is its lowest rank's")
+        if any(not -_WORD <= b < _WORD for b in self.buckets):
+            raise ValueError("bucket digests must be 64-bit words")
+        leads = self.table_of == self.rank and self.rank != 0
+        if leads != (self.table is not None) or (self.table is None) != (self.tree is None):
+            raise ValueError("the lowest rank of a class (but rank 0) ships its table and tree, the others do not")
+        if self.table is not None:
+            if len(self.table) != self.main_entries:
+                raise ValueError(f"a table of {len(self.table)} entries for {self.main_entries} main entries")
+            if check_tree(self.tree, [e.kind for e in self.table]) != len(self.local.values):
+                raise ValueError(f"the tree's rank-local values are not the {len(self.local.values)} this rank holds")
         folder = object_prefix(self.step, self.save_id, self.rank) + "/"
         names = set()
         for obj in self.objects:
@@ -105,6 +166,10 @@ class RankPart(_Frozen):
             for r in record.ranges:
                 if r.object not in names:
                     raise ValueError(f"entry {record.entry}: range names unknown object {r.object!r}")
+        for checksum in self.checksums:
+            if checksum.entry >= self.main_entries or checksum.entry in seen:
+                raise ValueError(f"the checksum of entry {checksum.entry}: out of range, listed twice, or written")
+            seen.add(checksum.entry)
         return self
 
     def to_json(self) -> bytes:
@@ -117,6 +182,23 @@ class RankPart(_Frozen):
         if not crc_matches(data, doc.pop("crc32c", None) if isinstance(doc, dict) else None):
             raise ManifestError(f"{where}: the rank's part is damaged (its crc32c does not match its bytes)")
         return validated(cls, doc, where, "rank part")
+
+
+def spec_table(spec: SaveSpec, *, trusted: bool = False) -> list[TableEntry]:
+    """The main entries of ``spec`` as a part ships them (DTensor boxes by global shape);
+    ``trusted``: the coordinator's own plan, taken without validation."""
+    assert spec.distributed is not None
+    boxes = {s.entry: s for s in spec.distributed.shards}
+    make = TableEntry.model_construct if trusted else TableEntry
+    found = []
+    for index, e in enumerate(spec.entries[: spec.distributed.main_entries]):
+        box = boxes.get(index)
+        found.append(make(
+            path=e.path, kind=e.kind, dtype=e.dtype,  # type: ignore[arg-type]
+            shape=list(e.shape if box is None else box.global_shape),
+            stride=list(e.stride), device=e.device, nbytes=e.nbytes, mesh=None if box is None else box.mesh,
+        ))  # fmt: skip
+    return found
 
 
 def _ranges(spec: SaveSpec, crcs: Checksums) -> dict[int, list[ByteRange]]:
@@ -159,6 +241,7 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         values=[shift_entry_ids(v, -main) for v in dist.local_values],
         entries=[_record(spec, i, ranges.get(i, [])) for i in range(main, len(spec.entries))],
     )
+    leads = dist.table_of == spec.rank and spec.rank != dist.coordinator
     return RankPart(
         step=spec.step,
         save_id=spec.save_id,
@@ -167,84 +250,11 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         main_entries=main,
         objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
         written=written,
+        checksums=[ChecksumRecord(entry=i, crc32c=crc) for i, crc in dist.checksums],
         local=local,
+        table_of=dist.table_of,
+        class_digest=dist.class_digest or "0" * 32,
+        buckets=list(dist.buckets or (0,) * BUCKETS),
+        table=spec_table(spec) if leads else None,
+        tree=spec.tree if leads else None,
     )
-
-
-def merge_parts(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
-    """The step's manifest from the coordinator's plan ``spec`` and every rank's part.
-    ValueError (naming the rank) when the parts do not make one checkpoint. Built with the
-    collector paused, as a one-rank save's (:func:`~aiosnap.format.manifest.build_manifest`)."""
-    with gc_paused():
-        return _merged(spec, parts)
-
-
-def _merged(spec: SaveSpec, parts: dict[int, RankPart]) -> Manifest:
-    dist = spec.distributed
-    if dist is None:
-        raise ValueError("not a multi-rank save")
-    if sorted(parts) != list(range(spec.world_size)):
-        raise ValueError(f"parts of ranks {sorted(parts)[:8]} for a world of {spec.world_size}")
-    main = dist.main_entries
-    globals_ = {s.entry: s.global_shape for s in dist.shards}
-    whole: dict[int, WrittenRecord] = {}
-    writers: dict[int, int] = {}
-    shards: dict[int, list[StoredShard]] = {i: [] for i in globals_}
-    for rank, part in sorted(parts.items()):
-        if (part.step, part.save_id, part.rank, part.world_size, part.main_entries) != (
-            spec.step, spec.save_id, rank, spec.world_size, main,
-        ):  # fmt: skip
-            raise ValueError(f"rank {rank}'s part is of another save, rank or world")
-        for record in part.written:
-            if record.entry in globals_:
-                if record.offsets is None:
-                    raise ValueError(f"rank {rank}: entry {record.entry} is sharded but written whole")
-                shards[record.entry].append(ShardRecord(record.offsets, record.shape, record.ranges).stored())
-            elif record.offsets is not None or record.entry in writers:
-                raise ValueError(
-                    f"rank {rank}: entry {record.entry} written twice (also by rank {writers.get(record.entry)})"
-                )
-            else:
-                whole[record.entry] = record
-                writers[record.entry] = rank
-    entries: list[EntryRecord] = []
-    for index, e in enumerate(spec.entries[:main]):
-        if index in globals_:
-            shape = list(globals_[index])
-            entries.append(EntryRecord(
-                path=e.path, kind="sharded", dtype=e.dtype, shape=shape, stride=_contiguous(shape),
-                device=e.device, nbytes=dtype_itemsize(e.dtype) * math.prod(shape), ranges=[], shards=shards[index],
-            ))  # fmt: skip
-            continue
-        found = whole.get(index)
-        if found is None:
-            raise ValueError(f"entry {index} ({e.path!r}) was written by no rank")
-        nbytes = sum(r.nbytes for r in found.ranges)
-        shape = list(e.shape) if e.kind == "tensor" else [nbytes]
-        if e.kind == "tensor" and found.shape != shape:
-            raise ValueError(f"rank {writers[index]}: {e.path!r} has shape {found.shape}, not {shape}")
-        entries.append(EntryRecord(
-            path=e.path, kind=e.kind, dtype=e.dtype, shape=shape,  # type: ignore[arg-type]
-            stride=list(e.stride) if e.kind == "tensor" else [1], device=e.device, nbytes=nbytes, ranges=found.ranges,
-        ))  # fmt: skip
-    local = [parts[r].local for r in range(spec.world_size)] if dist.local_values else None
-    return Manifest(
-        format_version=FORMAT_VERSION,
-        step=spec.step,
-        save_id=spec.save_id,
-        created_at=time.time(),
-        world_size=spec.world_size,
-        objects=[o for r in range(spec.world_size) for o in parts[r].objects],
-        entries=entries,
-        tree=spec.tree,
-        metadata=spec.metadata,
-        rank_local=local,
-    )
-
-
-def _contiguous(shape: list[int]) -> list[int]:
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.append(step)
-        step *= max(d, 1)
-    return stride[::-1]

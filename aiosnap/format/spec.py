@@ -18,7 +18,7 @@ from pydantic import ConfigDict, TypeAdapter
 
 from ..core.gcpause import gc_paused
 
-__all__ = ["ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
+__all__ = ["AlsoSpec", "ArchiveSpec", "ChunkSpec", "DistSpec", "EntrySpec", "PieceSpec", "SaveSpec", "ShardSpec"]
 
 _STRICT = ConfigDict(strict=True)  # read back from a journal: JSON's types, no coercion
 
@@ -85,16 +85,25 @@ class ShardSpec:
     entry: int
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
+    mesh: int = 0  # the DTensor's device mesh (its shards on one mesh tile it)
 
 
 @dataclass(frozen=True, slots=True)
 class DistSpec:
     """A rank's part of a multi-rank save (see :mod:`aiosnap.distributed`).
 
-    Entries ``[0, main_entries)`` are the state's shared table (the same on every rank);
-    the rest are this rank's rank-local values, whose trees ``local_values`` (one per
-    ``rank_local`` slot of the tree) name them. This rank writes the main entries
-    ``written`` and all of its rank-local ones."""
+    Entries ``[0, main_entries)`` are the state's shared table (what this rank holds;
+    ranks may hold different tables: pipeline stages); the rest are this rank's rank-local
+    values, whose trees ``local_values`` (one per ``rank_local`` slot of the tree) name
+    them. This rank writes the main entries ``written`` and all of its rank-local ones.
+    ``table_of``: the lowest rank whose table and tree are this rank's (its part carries
+    them, ``class_digest`` says which they are); ``buckets``: digests of this rank's plain
+    entries by bucket (:mod:`aiosnap.distributed.ownership`), which tell the coordinator's
+    merge which copies of an entry held by several ranks are expected; ``checksums``: the
+    crc32c of each plain tensor this rank holds but a rank of another class writes, for the
+    merge to compare (a value several ranks hold is written once only if they hold the same
+    bytes); ``announced``: the coordinator's only, every rank's class digest as the
+    agreement gave it (what each part must hold)."""
 
     __pydantic_config__ = _STRICT
 
@@ -104,6 +113,27 @@ class DistSpec:
     written: tuple[int, ...]
     shards: tuple[ShardSpec, ...]
     local_values: tuple[Any, ...]
+    table_of: int = 0
+    class_digest: str = ""
+    buckets: tuple[int, ...] = ()
+    checksums: tuple[tuple[int, int], ...] = ()
+    announced: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AlsoSpec:
+    """The save also writes the tensors at ``paths`` (glob patterns; None: all) in another
+    format, from the same capture, committed with the step: ``safetensors`` (Hugging Face
+    shards of at most ``max_shard_size`` tensor bytes, named by stripping ``strip``; see
+    :mod:`aiosnap.interop.safetensors.live`)."""
+
+    __pydantic_config__ = _STRICT
+
+    format: str
+    paths: tuple[str, ...] | None
+    strip: str
+    max_shard_size: int
+    metadata: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +152,7 @@ class SaveSpec:
     chunks: tuple[ChunkSpec, ...]
     archive: ArchiveSpec | None = None
     distributed: DistSpec | None = None
+    also: AlsoSpec | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +185,7 @@ class SaveSpec:
             for c in self.chunks
         ]  # fmt: skip
         head = (self.step, self.save_id, self.rank, self.world_size, self.tree, self.metadata)
-        return _unpickle_save_spec, (head, columns, chunks, self.archive, self.distributed)
+        return _unpickle_save_spec, (head, columns, chunks, self.archive, self.distributed, self.also)
 
     @classmethod
     def from_document(cls, doc: Any) -> SaveSpec:
@@ -172,6 +203,7 @@ def _unpickle_save_spec(
     chunks: list[tuple[str, int, list[int], list[int], list[int]]],
     archive: ArchiveSpec | None,
     distributed: DistSpec | None,
+    also: AlsoSpec | None = None,
 ) -> SaveSpec:
     """The inverse of :meth:`SaveSpec.__reduce__` (in the upload process)."""
     step, save_id, rank, world_size, tree, metadata = head
@@ -181,4 +213,4 @@ def _unpickle_save_spec(
             ChunkSpec(name, nbytes, tuple(map(PieceSpec, entry_ids, sizes, offsets)))
             for name, nbytes, entry_ids, sizes, offsets in chunks
         )
-    return SaveSpec(step, save_id, rank, world_size, tree, metadata, entries, laid_out, archive, distributed)
+    return SaveSpec(step, save_id, rank, world_size, tree, metadata, entries, laid_out, archive, distributed, also)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["Box", "check_tiling", "overlap"]
+__all__ = ["Box", "check_tiling", "overlap", "row_major_strides"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """(offsets, shape) of a shard in the global tensor."""
@@ -65,3 +65,13 @@ def overlap(a: Box, b: Box) -> Box | None:
         offsets.append(start)
         sizes.append(end - start)
     return tuple(offsets), tuple(sizes)
+
+
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    """The strides (in elements) of a contiguous row-major tensor of ``shape`` (a dimension
+    of size 0 counts as 1, as torch does)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return stride[::-1]

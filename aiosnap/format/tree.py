@@ -24,7 +24,7 @@ from typing import Any
 
 from .dtypes import dtype_itemsize
 
-__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text", "shift_entry_ids"]
+__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text", "key_identity", "shift_entry_ids"]
 
 MAX_TREE_DEPTH = 100
 """Deepest nesting of containers a tree may have (saving a deeper state is refused)."""
@@ -102,6 +102,30 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
         raise ValueError(f"unknown tree node type {tag!r:.40}")
 
 
+def key_identity(key: Any) -> Any:
+    """A hashable stand-in for a (checked, hashable) dict key node, equal for two nodes
+    exactly when the keys they decode to are equal dict keys (``1``, ``1.0`` and ``True``
+    are one key in Python, as ``(1, 2)`` and ``torch.Size([1, 2])``); a tensor or a pickled
+    object as a key is equal only to itself (its entry)."""
+    if type(key) is not dict:
+        return key
+    tag = key["t"]
+    if tag == "tuple" or tag == "size":
+        return tuple(key_identity(item) for item in key["items"])
+    if tag == "float":
+        value = float(key["v"])
+        return value if value == value else (_MARK, "nan", key["v"])  # NaN keys: equal only to the same text
+    if tag == "complex":
+        return complex(float(key["v"][0]), float(key["v"][1]))
+    if tag == "bytes":
+        return base64.b64decode(key["v"])
+    return (_MARK, tag, key.get("v", key.get("id")))  # dtype, device; tensor and pickle by their entry
+
+
+_MARK = object()
+"""Tags the identities of keys no plain value equals (a dtype, a device, an entry)."""
+
+
 class _TreeError(ValueError):
     """A problem already located in the tree."""
 
@@ -160,11 +184,16 @@ class _Checker:
             hashable = [self.check(v, f"{path}/{i}", depth + 1) for i, v in enumerate(_items(node))]
             return tag == "tuple" and all(hashable)
         _fields(node, *(("items", "meta") if tag == "odict" else ("items",)))  # metadata: OrderedDicts only
+        keys: set[Any] = set()
         for pair in _items(node):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("dict node: each item must be [key, value]")
             if not self.check(pair[0], path, depth + 1):
                 raise ValueError("dict node: a key that cannot be a dict key")
+            identity = key_identity(pair[0])
+            if identity in keys:
+                raise ValueError(f"dict node: the key {_key_text(pair[0])!r} twice")
+            keys.add(identity)
             self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 1)
         if "meta" in node:
             self.check(node["meta"], path + "#_metadata", depth + 1)

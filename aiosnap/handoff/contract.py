@@ -68,6 +68,10 @@ class TransferListener(Protocol):
         """Chunk ``index`` landed (``pieces``: the crc32c of its byte ranges) or will not
         be uploaded (None); either way its slab or spool file is the trainer's again."""
 
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        """``nbytes`` more of chunk ``index`` reached storage (a request of its upload
+        completed); :meth:`done_with` says when the whole chunk has landed."""
+
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         """A stage of the save (``upload``, ``commit``) is over."""
 

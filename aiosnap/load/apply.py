@@ -6,19 +6,20 @@ optimizers and user objects runs where the caller expects it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..core.cudaorder import CudaOrder
-from ..core.stateful import is_stateful
+from ..core.stateful import is_stateful, restores_by_key
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
 from .inplace import destinations, staged_destinations
 from .reshard import shard_targets
-from .select import check_keys_present, entries_under, needed_for_state, select_paths
+from .select import check_keys_present, entries_under, needed_for_state, read_keys_only, select_paths
 from .staged import stageable
 
 __all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
@@ -81,7 +82,7 @@ def plan_read(
         return ReadPlan(only=entries_under(select_paths(manifest.tree, paths, keys)))
     if state is None:
         return ReadPlan()
-    only = needed_for_state(manifest.tree, state, keys, manifest.step)
+    only = needed_for_state(manifest.tree, state, keys, manifest.step, targets)
     into = {} if targets is None else destinations(manifest, targets, keys)
     shards = {} if targets is None else shard_targets(manifest, targets, keys)
     staged: dict[int, torch.Tensor] = {}
@@ -96,6 +97,27 @@ def plan_read(
     return ReadPlan(only=only, into=into, shards=shards, staged=staged, caller=caller)
 
 
+_BY_KEY = (
+    "a checkpoint saved by pipeline stages (or ranks holding different keys) holds every stage's keys: restore a "
+    "stage's part with aiosnap.ShardedState(model, optimizer), which loads the keys it holds"
+)
+
+
+def _load_state_dict(target: Any, value: Any, where: str) -> None:
+    """``target.load_state_dict(value)``; torch's refusals of a state dict that does not fit
+    a module or an optimizer become :class:`StateMismatchError` naming ``where``."""
+    try:
+        target.load_state_dict(value)
+    except RuntimeError as exc:
+        if not (isinstance(target, torch.nn.Module) and "Error(s) in loading state_dict" in str(exc)):
+            raise
+        raise StateMismatchError(f"{where}: {str(exc).strip()[:2000]}; {_BY_KEY}") from exc
+    except ValueError as exc:
+        if not isinstance(target, torch.optim.Optimizer) or isinstance(exc, StateMismatchError):
+            raise
+        raise StateMismatchError(f"{where}: {str(exc)[:2000]}; {_BY_KEY}") from exc
+
+
 def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
     if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
         return list(node["items"])
@@ -108,10 +130,12 @@ def apply_state(
     """Restore into ``state`` in place: Stateful values get ``load_state_dict``, tensors are
     copied into, nested dicts are walked, other values are replaced. Every key of ``state``
     must be in the checkpoint; keys only in the checkpoint are left out."""
-    _apply(_decoder(manifest, tensors, allow_pickle), manifest.step, manifest.tree, state, "")
+    _apply(_decoder(manifest, tensors, allow_pickle), tensors.__contains__, manifest.step, manifest.tree, state, "")
 
 
-def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], path: str) -> None:
+def _apply(
+    decode: TreeDecoder, read: Callable[[int], bool], step: int, node: Any, target: dict[Any, Any], path: str
+) -> None:
     items = _dict_node_items(node)
     if items is None:
         raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
@@ -122,8 +146,10 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
         if is_skipped(child):  # a rank-local value this load leaves as it is
             continue
         where = f"{path}/{key}" if path else str(key)
-        if is_stateful(current) and not isinstance(current, dict):
-            current.load_state_dict(decode(child))
+        if restores_by_key(current):  # its own keys: what this load read of it (and plain values)
+            current.load_state_dict(decode(read_keys_only(child, read)))
+        elif is_stateful(current) and not isinstance(current, dict):
+            _load_state_dict(current, decode(child), where)
         elif isinstance(current, torch.Tensor):
             value = decode(child)
             if not isinstance(value, torch.Tensor):
@@ -135,6 +161,6 @@ def _apply(decode: TreeDecoder, step: int, node: Any, target: dict[Any, Any], pa
             with torch.no_grad():  # read in place: the same memory, torch returns at once (and
                 current.copy_(value)  # bumps the version counter, so autograd knows it changed)
         elif isinstance(current, dict) and _dict_node_items(child) is not None:
-            _apply(decode, step, child, current, where)
+            _apply(decode, read, step, child, current, where)
         else:
             target[key] = decode(child)

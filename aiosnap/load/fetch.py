@@ -35,8 +35,9 @@ class ReadPlan:
 
     only: set[int] | None = None
     into: dict[int, torch.Tensor] = field(default_factory=dict)
-    shards: dict[int, ShardTarget] = field(default_factory=dict)
-    """Entries read into the caller's DTensors (see :mod:`aiosnap.load.reshard`)."""
+    shards: dict[int, tuple[ShardTarget, ...]] = field(default_factory=dict)
+    """Entries read into the caller's DTensors: the boxes of each one's local shard (see
+    :mod:`aiosnap.load.reshard`)."""
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
     """Entries copied into the caller's tensors through staging slabs (CUDA tensors,
     strided views; see :mod:`aiosnap.load.staged`)."""
@@ -103,17 +104,17 @@ async def fetch_entries(
         names = {r.object for _, e in wanted for r in e.ranges}
         names |= {r[0] for _, e in wanted for _, _, ranges in e.shards or () for r in ranges}
     await check_object_sizes(storage, manifest, concurrency, names)
-    sharded: dict[int, ShardTarget] = {}
+    sharded: dict[int, tuple[ShardTarget, ...]] = {}
     for index, entry in wanted:
         if index in plan.shards:
             sharded[index] = plan.shards[index]
         elif entry.kind == "sharded":
             try:
-                sharded[index] = whole_target(entry)
+                sharded[index] = (whole_target(entry),)
             except RuntimeError as exc:
                 raise CorruptCheckpointError(f"step {manifest.step}: cannot allocate {entry.path!r}: {exc}") from exc
     pieces = overlaps(manifest, sharded)
-    tensors: dict[int, torch.Tensor] = {i: target.value for i, target in sharded.items()}
+    tensors: dict[int, torch.Tensor] = {i: boxes[0].value for i, boxes in sharded.items()}
     ranges: list[Range] = []
     tensors.update(staged)
     for index, entry in wanted:

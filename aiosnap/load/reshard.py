@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.aio import complete_before_cancel, run_all
+from ..core.placements import local_boxes
 from ..core.tensorio import bytes_view
 from ..format.manifest import EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
@@ -36,7 +37,7 @@ from .fetch_runs import back_to_back, read_in_turn
 from .inplace import tensor_targets
 from .staged import StagingSlabs
 
-__all__ = ["ShardTarget", "box_pieces", "read_into_targets", "shard_targets", "whole_target"]
+__all__ = ["ShardTarget", "Targets", "box_pieces", "read_into_targets", "shard_targets", "whole_target"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,16 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
 
 
-def dtensor_target(target: torch.Tensor) -> ShardTarget:
-    """The box of this rank's local shard of DTensor ``target``."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+def dtensor_targets(target: torch.Tensor, path: str) -> tuple[ShardTarget, ...]:
+    """The boxes of this rank's local shard of DTensor ``target`` (one, unless a
+    ``_StridedShard`` layout holds several stretches of a dimension: :mod:`aiosnap.core.placements`),
+    each with the part of the DTensor's own memory that holds it."""
     mesh, placements = target.device_mesh, target.placements  # type: ignore[attr-defined]
-    shape, offsets = compute_local_shape_and_global_offset(target.shape, mesh, placements)
     local = target._local_tensor  # type: ignore[attr-defined]  # the DTensor's own memory
-    return ShardTarget(local, tuple(offsets), tuple(shape), target)
+    return tuple(
+        ShardTarget(box.view(local), box.offsets, box.shape, target)
+        for box in local_boxes(target.shape, mesh, placements, path)
+    )
 
 
 def whole_target(entry: EntryRecord) -> ShardTarget:
@@ -70,16 +73,30 @@ def whole_target(entry: EntryRecord) -> ShardTarget:
     return ShardTarget(dest, (0,) * len(entry.shape), tuple(entry.shape), dest)
 
 
-def shard_targets(manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]) -> dict[int, ShardTarget]:
-    """Loop thread: entry id -> the caller's DTensor its bytes go to (a sharded entry or a
-    whole one, of the same global shape and dtype)."""
-    found: dict[int, ShardTarget] = {}
+Targets = Mapping[int, ShardTarget | tuple[ShardTarget, ...]]
+"""Entry id -> where its bytes go: one box, or the boxes of one DTensor's local shard."""
+
+
+def shard_targets(
+    manifest: Manifest, targets: Any, decode_key: Callable[[Any], Any]
+) -> dict[int, tuple[ShardTarget, ...]]:
+    """Loop thread: entry id -> the boxes of the caller's DTensor its bytes go to (a
+    sharded entry or a whole one, of the same global shape, and the same dtype or both
+    floating point: the copy into the DTensor's memory converts, a load of bfloat16 weights
+    into float32 ones)."""
+    found: dict[int, tuple[ShardTarget, ...]] = {}
     for index, target in tensor_targets(manifest.tree, targets, decode_key):
         entry = manifest.entries[index]
-        fits = list(target.shape) == entry.shape and str(target.dtype).removeprefix("torch.") == entry.dtype
+        dtype = str(target.dtype).removeprefix("torch.")
+        same_kind = dtype == entry.dtype or (dtype in _CONVERTIBLE and entry.dtype in _CONVERTIBLE)
+        fits = list(target.shape) == entry.shape and same_kind
         if fits and _is_dtensor(target):
-            found[index] = dtensor_target(target)
+            found[index] = dtensor_targets(target, entry.path)
     return found
+
+
+_CONVERTIBLE = {"float16", "bfloat16", "float32", "float64"}
+"""Dtypes a load into a DTensor converts between."""
 
 
 def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
@@ -99,22 +116,23 @@ class _Overlap:
     dtype: torch.dtype
 
 
-def overlaps(manifest: Manifest, targets: dict[int, ShardTarget]) -> list[_Overlap]:
-    """Every (stored shard, target) pair that shares elements."""
+def overlaps(manifest: Manifest, targets: Targets) -> list[_Overlap]:
+    """Every (stored shard, target box) pair that shares elements."""
     found = []
-    for index, target in targets.items():
+    for index, boxes in targets.items():
         entry = manifest.entries[index]
         dtype = torch_dtype(entry.dtype)
-        wanted = (target.offsets, target.shape)
-        if entry.shards is None:
-            box = overlap(((0,) * len(entry.shape), tuple(entry.shape)), wanted)
-            if box is not None and math.prod(box[1]) > 0:
-                found.append(_Overlap(entry.path, entry.shard_records()[0], box, target, dtype))
-            continue
-        for stored in entry.shards:  # 10^4 shards at scale: views made only for those that overlap
-            box = overlap((tuple(stored[0]), tuple(stored[1])), wanted)
-            if box is not None and math.prod(box[1]) > 0:
-                found.append(_Overlap(entry.path, ShardRecord.of(stored), box, target, dtype))
+        for target in (boxes,) if isinstance(boxes, ShardTarget) else boxes:
+            wanted = (target.offsets, target.shape)
+            if entry.shards is None:
+                box = overlap(((0,) * len(entry.shape), tuple(entry.shape)), wanted)
+                if box is not None and math.prod(box[1]) > 0:
+                    found.append(_Overlap(entry.path, entry.shard_records()[0], box, target, dtype))
+                continue
+            for stored in entry.shards:  # 10^4 shards at scale: views made only for those that overlap
+                box = overlap((tuple(stored[0]), tuple(stored[1])), wanted)
+                if box is not None and math.prod(box[1]) > 0:
+                    found.append(_Overlap(entry.path, ShardRecord.of(stored), box, target, dtype))
     return found
 
 

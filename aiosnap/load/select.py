@@ -19,26 +19,18 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..core.stateful import is_stateful
+from ..core.stateful import is_stateful, restores_by_key
 from ..errors import StateMismatchError
+from ..format.union import referenced_entries
 
-__all__ = ["check_keys_present", "check_patterns", "entries_under", "needed_for_state", "select_paths"]
+__all__ = [
+    "check_keys_present", "check_patterns", "entries_under", "needed_for_state", "read_keys_only", "select_paths",
+]  # fmt: skip
 
 
 def entries_under(node: Any) -> set[int]:
-    """The entry ids (tensors and pickles) anywhere below ``node``."""
-    found: set[int] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, dict):
-            if current.get("t") in ("tensor", "pickle", "dtensor"):
-                found.add(current["id"])
-                continue
-            stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
-    return found
+    """The entry ids (tensors, DTensors and pickles) anywhere below ``node``."""
+    return referenced_entries(node)
 
 
 def _dict_items(node: Any) -> list[Any] | None:
@@ -47,24 +39,67 @@ def _dict_items(node: Any) -> list[Any] | None:
     return None
 
 
+def _listed(keys: list[Any], limit: int = 8) -> str:
+    shown = ", ".join(repr(k)[:80] for k in keys[:limit])
+    return f"[{shown}{f', ... ({len(keys)} in all)' if len(keys) > limit else ''}]"
+
+
+_NESTED_OPTIMIZER = (
+    "the checkpoint holds an optimizer's own nested state dict ('state', 'param_groups': how aiosnap.ShardedState "
+    "saved it before pipeline layouts were supported, and with flatten_optimizer=False): load it with "
+    "ShardedState(model, optimizer, flatten_optimizer=False)"
+)
+_FLAT_OPTIMIZER = (
+    "the checkpoint holds an optimizer's state flattened by parameter name (aiosnap.ShardedState's default): "
+    "load it with ShardedState(model, optimizer) (flatten_optimizer=True)"
+)
+
+
+def _optimizer_hint(missing: list[Any], saved: dict[Any, Any]) -> str:
+    """Why an optimizer's keys are missing, when it is the other layout of ShardedState's."""
+
+    def flat(key: Any) -> bool:
+        return isinstance(key, str) and key.startswith(("state.", "param_groups."))
+
+    if {"state", "param_groups"} <= set(saved) and any(flat(k) for k in missing):
+        return f"; {_NESTED_OPTIMIZER}"
+    if {"state", "param_groups"} & set(missing) and any(flat(k) for k in saved):
+        return f"; {_FLAT_OPTIMIZER}"
+    return ""
+
+
 def check_keys_present(target: dict[Any, Any], saved: dict[Any, Any], step: int, path: str) -> None:
-    """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s."""
+    """:class:`StateMismatchError` unless every key of ``target`` is among ``saved``'s, and
+    unless ``target`` names a key at all where the checkpoint has some (an empty dict would
+    restore nothing, silently)."""
+    if not target and saved:
+        shown = sorted(map(str, saved))
+        raise StateMismatchError(
+            f"{path or 'state'}: the dict to load into is empty, so nothing would be restored, but checkpoint "
+            f"step {step} holds key(s) {shown!r:.300} here: put the objects to restore under those keys, "
+            "or load() without a state for new objects"
+        )
     missing = [k for k in target if k not in saved]
     if missing:
         raise StateMismatchError(
-            f"{path or 'state'}: key(s) {missing!r} are not in checkpoint step {step} "
-            f"(it has {sorted(map(str, saved))!r})"
+            f"{path or 'state'}: key(s) {_listed(missing)} are not in checkpoint step {step} "
+            f"(it has {_listed(sorted(map(str, saved)))}){_optimizer_hint(missing, saved)}"
         )
 
 
-def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any], step: int) -> set[int] | None:
+def needed_for_state(
+    tree: Any, state: dict[Any, Any], decode_key: Callable[[Any], Any], step: int, targets: Any = None
+) -> set[int] | None:
     """Entries ``load(state)`` reads; None when it cannot tell (keys that are not plain
     values): then everything is read. A key of ``state`` missing from the checkpoint is a
-    :class:`StateMismatchError` here, before anything is read."""
+    :class:`StateMismatchError` here, before anything is read. With ``targets`` (the state
+    as :func:`~aiosnap.load.inplace.target_tree` gives it), a Stateful object restored by
+    key (:func:`~aiosnap.core.stateful.restores_by_key`) needs only the entries of the keys
+    its state dict has."""
     needed: set[int] = set()
-    pending: list[tuple[Any, dict[Any, Any], str]] = [(tree, state, "")]
+    pending: list[tuple[Any, dict[Any, Any], str, Any]] = [(tree, state, "", targets)]
     while pending:
-        node, target, path = pending.pop()
+        node, target, path, below = pending.pop()
         items = _dict_items(node)
         if items is None:
             return None  # apply_state reports the mismatch
@@ -75,11 +110,39 @@ def needed_for_state(tree: Any, state: dict[Any, Any], decode_key: Callable[[Any
         check_keys_present(target, saved, step, path)
         for key, current in target.items():
             child = saved[key]
+            where = f"{path}/{key}" if path else str(key)
+            inner = below.get(key) if isinstance(below, dict) else None
             if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
-                pending.append((child, current, f"{path}/{key}" if path else str(key)))
+                pending.append((child, current, where, inner))
+            elif restores_by_key(current) and isinstance(inner, dict) and _stateful_dict(child) is not None:
+                pending.append((_stateful_dict(child), inner, where, inner))
             else:
                 needed |= entries_under(child)
     return needed
+
+
+def _stateful_dict(node: Any) -> Any:
+    """The state dict node of a Stateful node, when it is a dict."""
+    if isinstance(node, dict) and node.get("t") == "stateful" and _dict_items(node["v"]) is not None:
+        return node["v"]
+    return None
+
+
+def read_keys_only(node: Any, read: Callable[[int], bool]) -> Any:
+    """``node`` (a Stateful's state dict) without the keys holding entries this load did not
+    ``read``: what a Stateful restored by key gets (its own keys, and plain values)."""
+    if isinstance(node, dict) and node.get("t") == "stateful":
+        return {**node, "v": read_keys_only(node["v"], read)}
+    items = _dict_items(node)
+    if items is None:
+        return node
+    kept = []
+    for key, child in items:
+        if _dict_items(child) is not None:
+            kept.append([key, read_keys_only(child, read)])
+        elif all(read(index) for index in entries_under(child)):
+            kept.append([key, child])
+    return {**node, "items": kept}
 
 
 def check_patterns(patterns: Iterable[str]) -> list[str]:

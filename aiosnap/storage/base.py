@@ -26,9 +26,23 @@ from typing import Any
 from ..core.checksums import RangeChecksums, file_crc32c
 from ..errors import ChecksumMismatchError
 
-__all__ = ["BytesLike", "ObjectInfo", "ScatterTarget", "Storage", "check_spool_file", "preadv_all"]
+__all__ = [
+    "PART_BYTES",
+    "BytesLike",
+    "ObjectInfo",
+    "PartRecord",
+    "ScatterTarget",
+    "Storage",
+    "check_spool_file",
+    "preadv_all",
+]
 
 BytesLike = bytes | bytearray | memoryview
+PartRecord = dict[str, Any]
+"""What writing one part of an object in parts returned (JSON-able, so that the process that
+completes the object can be another than the one that wrote the part)."""
+PART_BYTES = 8 * 1024**2
+"""Default part size of an object written in parts."""
 
 
 def _read_file(path: str) -> bytes:
@@ -192,13 +206,37 @@ class Storage(abc.ABC):
         maintenance (``aiosnap ls --all``, ``aiosnap gc``), not by saves or loads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
 
+    # -- an object written in parts (a safetensors shard: header first, bytes as they come) --
+
+    def part_size_for(self, size: int) -> int:
+        """The part size for writing a ``size``-byte object with :meth:`start_upload`: every
+        part but the last has this size (S3: at least 5 MiB, at most 10,000 parts)."""
+        return PART_BYTES
+
+    async def start_upload(self, name: str) -> str:
+        """Begin writing object ``name`` in parts, in any order, by any process of the job
+        that holds the returned token (a JSON-able string); nothing is visible under
+        ``name`` until :meth:`complete_upload`, and :meth:`abort_upload` removes every trace."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
+
+    async def upload_part(self, name: str, token: str, number: int, offset: int, data: memoryview) -> PartRecord:
+        """Write part ``number`` (from 1), the bytes at ``offset`` of the object; every part
+        but the last is :meth:`part_size_for` bytes. Returns what completing needs of it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
+
+    async def complete_upload(self, name: str, token: str, parts: list[PartRecord]) -> None:
+        """Make the object whole under ``name`` (replacing an old one), atomically: a reader
+        sees the old object (or none) or the whole new one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write objects in parts")
+
     async def stale_uploads(self, older_than: float) -> list[tuple[str, str]]:
         """Unfinished multipart uploads under the root started before ``older_than`` (epoch
         seconds), as (root-relative name, upload id). Backends without them have none."""
         return []
 
     async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
-        """Abort one unfinished multipart upload (one already gone is not an error)."""
+        """Abort one unfinished multipart upload, or object written in parts (one already
+        gone is not an error)."""
 
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Get ready to serve requests (make clients, load service models), called in the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -27,11 +28,17 @@ from ..core.durable import (
     temp_name,
 )
 from ..core.names import check_object_name
-from .base import BytesLike, ObjectInfo, Storage, preadv_all
+from ..core.progress import report_sent
+from .base import BytesLike, ObjectInfo, PartRecord, Storage, preadv_all
 
 __all__ = ["LocalStorage"]
 
 _fsync = aiofiles.os.wrap(os.fsync)
+
+
+WRITE_PIECE = 16 * 1024 * 1024
+"""Bytes written per call (each reported as sent: a save to a slow shared file system shows
+progress within its chunks)."""
 
 
 class LocalStorage(Storage):
@@ -65,7 +72,13 @@ class LocalStorage(Storage):
         tmp = temp_name(path)
         try:
             async with aiofiles.open(tmp, "wb") as f:
-                await f.write(data)
+                view = memoryview(data).cast("B")
+                for start in range(0, len(view), WRITE_PIECE):  # a piece at a time: progress on a slow disk
+                    piece = view[start : start + WRITE_PIECE]
+                    await f.write(piece)
+                    report_sent(len(piece))
+                    del piece
+                del view
                 await f.flush()
                 await _fsync(f.fileno())
             if if_absent:
@@ -81,8 +94,48 @@ class LocalStorage(Storage):
     async def write_file(self, name: str, path: str) -> None:
         await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name)))
 
+    # -- an object written in parts: a temporary file beside it, written at offsets in any
+    #    order (by any process sharing the file system), fsynced and renamed over it at the end
+
+    async def start_upload(self, name: str) -> str:
+        path = self._path(name)
+        await asyncio.to_thread(makedirs_durably, path.parent)
+        tmp = temp_name(path)
+        await asyncio.to_thread(_create_empty, tmp)
+        return tmp.name
+
+    def _upload_path(self, name: str, token: str) -> Path:
+        path = self._path(name)
+        if not isinstance(token, str) or not re.fullmatch(rf"\.{re.escape(path.name)}\.[0-9a-f]{{8}}\.tmp", token):
+            raise ValueError(f"{self.url}: {token!r:.80} is not an upload of {name!r}")
+        return path.with_name(token)
+
+    async def upload_part(self, name: str, token: str, number: int, offset: int, data: memoryview) -> PartRecord:
+        tmp = self._upload_path(name, token)
+        await complete_before_cancel(asyncio.to_thread(_write_at, tmp, offset, data))
+        return {"number": number, "offset": offset, "nbytes": len(data)}
+
+    async def complete_upload(self, name: str, token: str, parts: list[PartRecord]) -> None:
+        tmp, path = self._upload_path(name, token), self._path(name)
+        position = 0
+        for part in sorted(parts, key=lambda p: int(p["offset"])):
+            if part["offset"] != position:
+                raise ValueError(f"{self.url}: {name!r}: the parts leave a gap or overlap at byte {position}")
+            position += int(part["nbytes"])
+        await complete_before_cancel(asyncio.to_thread(_finish_file, tmp, path, position))
+
+    async def abort_upload(self, name: str, upload_id: str) -> None:
+        with suppress(FileNotFoundError):
+            await aiofiles.os.remove(self._upload_path(name, upload_id))
+
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
-        async with aiofiles.open(self._path(name), "rb") as f:
+        return await complete_before_cancel(self._read(self._path(name), limit))  # a cancel left no file open
+
+    @staticmethod
+    async def _read(path: Path, limit: int | None) -> bytes:
+        async with aiofiles.open(path, "rb") as f:
+            if limit is not None:  # read(n) allocates n bytes first: never more than the file holds
+                limit = min(limit, os.fstat(f.fileno()).st_size)
             return await f.read(-1 if limit is None else limit + 1)
 
     async def size(self, name: str) -> int:
@@ -161,3 +214,35 @@ class LocalStorage(Storage):
 
     async def remove_empty_folder(self, prefix: str = "") -> None:
         await asyncio.to_thread(remove_if_empty, self._path(prefix))
+
+
+def _create_empty(path: Path) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644))
+
+
+def _write_at(path: Path, offset: int, data: memoryview) -> None:
+    """Blocking: write ``data`` at ``offset`` of the existing file ``path`` (an upload that
+    was aborted has no file any more: FileNotFoundError)."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        os.close(fd)
+
+
+def _finish_file(tmp: Path, path: Path, size: int) -> None:
+    """Blocking: check ``tmp`` holds ``size`` bytes, fsync it, rename it over ``path``,
+    fsync the folder."""
+    fd = os.open(tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise ValueError(f"{tmp}: {found} bytes written, the parts add up to {size}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from ..config import Config
+from ..config import URL_SCHEMES, Config, redacted
 from ..errors import ConfigError
 from .base import Storage
 
@@ -37,8 +37,10 @@ _SCHEMES: dict[str, Factory] = {}
 
 
 def register_scheme(scheme: str, factory: Factory) -> None:
-    """Serve ``scheme://`` URLs with ``factory`` (a custom backend's entry point)."""
+    """Serve ``scheme://`` URLs with ``factory`` (a custom backend's entry point); from
+    then on ``storage.url`` may use the scheme in a config."""
     _SCHEMES[scheme] = factory
+    URL_SCHEMES.add(scheme)
 
 
 def _local(url: str, path: str, config: Config) -> Storage:
@@ -50,7 +52,7 @@ def _local(url: str, path: str, config: Config) -> Storage:
 def _s3(url: str, path: str, config: Config) -> Storage:
     bucket, _, prefix = path.partition("/")
     if not bucket:
-        raise ConfigError(f"storage.url: {url!r} names no bucket (use s3://bucket/prefix)")
+        raise ConfigError(f"storage.url: {redacted(url)!r} names no bucket (use s3://bucket/prefix)")
     from .s3 import S3Storage
 
     return S3Storage(bucket, prefix.strip("/"), config.s3, concurrency=config.upload.concurrency)
@@ -74,17 +76,19 @@ def storage_from_url(url: str, config: Config | None = None) -> Storage:
         return _local(url, url, config)  # a plain path (or a Windows drive), literally
     if parsed.query or parsed.fragment or url.endswith(("?", "#")):
         raise ConfigError(
-            f"storage.url: {url!r} has a '?' or '#', which a URL does not keep as part of the path; "
+            f"storage.url: {redacted(url)!r} has a '?' or '#', which a URL does not keep as part of the path; "
             "percent-encode it (%3F, %23) in a file:// URL, or give the folder as a plain path"
         )
     factory = _SCHEMES.get(parsed.scheme)
     if factory is None:
         known = ", ".join(f"{s}://" for s in sorted(_SCHEMES))
-        raise ConfigError(f"storage.url: unsupported scheme {parsed.scheme!r} in {url!r} (use a path or {known})")
+        raise ConfigError(
+            f"storage.url: unsupported scheme {parsed.scheme!r} in {redacted(url)!r} (use a path or {known})"
+        )
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"storage.url: file:// URL with a host is not supported: {url!r}")
+            raise ConfigError(f"storage.url: file:// URL with a host is not supported: {redacted(url)!r}")
         if not parsed.path.strip("/"):
-            raise ConfigError(f"storage.url: {url!r} names no folder (use file:///abs/path)")
+            raise ConfigError(f"storage.url: {redacted(url)!r} names no folder (use file:///abs/path)")
         return factory(url, unquote(parsed.path), config)
     return factory(url, parsed.netloc + parsed.path, config)

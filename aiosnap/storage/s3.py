@@ -42,8 +42,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..config import S3Config
 from ..core.checksums import ALIGN, RangeChecksums, crc32c_b64, crc32c_combine, crc32c_of
 from ..core.names import check_object_name
+from ..core.progress import report_sent
 from ..errors import StorageError, StorageUnavailableError, first_error
-from .base import BytesLike, ObjectInfo, ScatterTarget, Storage, check_spool_file
+from .base import BytesLike, ObjectInfo, PartRecord, ScatterTarget, Storage, check_spool_file
 
 __all__ = ["S3Storage"]
 
@@ -318,7 +319,9 @@ class S3Storage(Storage):
         if self._slots is None:
             self._slots = _OrderedSlots(self.config.max_requests)
         async with self._slots.slot((order, start)):
-            return await self._request(what, source, start, end, checksum, request), crc
+            response = await self._request(what, source, start, end, checksum, request)
+        report_sent(end - start)  # (progress of the write: once per request that succeeded)
+        return response, crc
 
     async def _request(
         self, what: str, source: _Source, start: int, end: int, checksum: str, request: dict[str, Any]
@@ -419,6 +422,37 @@ class S3Storage(Storage):
         except StorageError as exc:
             if not isinstance(exc.__cause__, ClientError) or _code(exc.__cause__) != "NoSuchUpload":
                 raise
+
+    # -- an object written in parts: one multipart upload, completed by whoever holds its id
+
+    def part_size_for(self, size: int) -> int:
+        return part_size_for(size, self.config.part_size)
+
+    async def start_upload(self, name: str) -> str:
+        key = self._key(name)
+        created = await self._call(
+            f"create multipart upload of {name}",
+            lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C"),
+        )
+        return str(created["UploadId"])
+
+    async def upload_part(self, name: str, token: str, number: int, offset: int, data: memoryview) -> PartRecord:
+        response, crc = await self._send(
+            f"part {number} of {name}", 0, _MemorySource(memoryview(data).cast("B"), None), 0, len(data),
+            Key=self._key(name), UploadId=token, PartNumber=number,
+        )  # fmt: skip
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": crc32c_b64(crc)}
+
+    async def complete_upload(self, name: str, token: str, parts: list[PartRecord]) -> None:
+        key = self._key(name)
+        ordered = sorted(({k: p[k] for k in ("PartNumber", "ETag", "ChecksumCRC32C")} for p in parts),
+                         key=lambda p: int(p["PartNumber"]))  # fmt: skip
+        await self._call(
+            f"complete multipart upload of {name}",
+            lambda c: c.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=token, MultipartUpload={"Parts": ordered}
+            ),
+        )
 
     async def read(self, name: str, *, limit: int | None = None) -> bytes:
         key = self._key(name)

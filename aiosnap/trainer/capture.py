@@ -101,13 +101,18 @@ async def capture_chunks(
     """
     loop = asyncio.get_running_loop()
     save_id = plan.save_id
+
+    def fill(chunk: Chunk, buffer: torch.Tensor) -> None:  # copier thread
+        pool.ready_for(buffer)  # pinned: the slab is registered with CUDA before device copies into it
+        copier.copy(plan, chunk, buffer, order)
+
     for chunk in plan.chunks:
         if spool is not None and spool.wants():
             if spool.disk_would_wait(chunk.nbytes):
                 may_upload()  # only landed chunks free spool disk
 
             async def copy_into(buffer: torch.Tensor, chunk: Chunk = chunk) -> None:
-                await loop.run_in_executor(executor, copier.copy, plan, chunk, buffer, order)
+                await loop.run_in_executor(executor, fill, chunk, buffer)
 
             spooled = await spool.capture(chunk, copy_into)
             if spooled is not None:
@@ -117,7 +122,7 @@ async def capture_chunks(
             may_upload()
         slab = await pool.acquire()
         try:
-            await loop.run_in_executor(executor, copier.copy, plan, chunk, pool.tensor(slab), order)
+            await loop.run_in_executor(executor, fill, chunk, pool.tensor(slab))
         except BaseException:
             # Cancelled mid-copy, the copier thread may still be writing into the slab; the
             # executor has one thread, so any later copy into it is queued behind this one.

@@ -54,6 +54,12 @@ class Chunk:
     """Bytes the copier writes at these offsets besides the pieces (a single-file save's
     zip headers and padding)."""
 
+    @property
+    def payload(self) -> int:
+        """The state's bytes in this chunk (its pieces; not the padding between them, nor
+        the constants): what a save's progress counts."""
+        return sum(piece.nbytes for piece in self.pieces)
+
 
 @dataclass
 class SavePlan:

@@ -1,25 +1,29 @@
-"""A DTensor on the save side: its local shard, the shard's box in the global tensor, and
-whether this rank is the one that writes it. Caller's thread, no communication: all of it
-follows from the DTensor's mesh, placements and this rank's coordinate on the mesh.
+"""A DTensor on the save side: its local shard, the shard's boxes in the global tensor, and
+whether this rank is the one that writes them. Caller's thread, no communication: all of
+it follows from the DTensor's mesh, placements and this rank's coordinate on the mesh
+(:mod:`aiosnap.core.placements`).
 
-``Shard(dim)`` and ``Replicate()`` placements on meshes of any dimension are supported,
-uneven shards included. A box held by several ranks (a ``Replicate()`` mesh dimension:
-DDP over FSDP, HSDP) is written by one of them, chosen by the entry's index so that the
-replica groups share the writing. ``Partial()`` values (pending reductions) and strided
-shards (FSDP2 combined with tensor parallelism) are refused by name.
+Every placement FSDP2, tensor, context and expert parallelism and HSDP make is supported:
+``Shard(dim)``, ``_StridedShard`` (FSDP2 over tensor parallelism), several mesh dimensions
+sharding one tensor dimension, uneven and empty shards, meshes of any dimension. A box held
+by several ranks (a ``Replicate()`` mesh dimension: DDP over FSDP, HSDP) is written by one
+of them, chosen by the DTensor's path so that every rank holding it chooses the same one
+(whatever else each rank holds) and the replica groups share the writing. ``Partial()``
+values (pending reductions) are refused by name.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..core.checksums import crc32c_of
+from ..core.placements import local_boxes, mesh_id, replica_of
 from ..errors import UnsupportedStateError
 
-__all__ = ["DTensorShard", "dtensor_shard", "is_dtensor"]
+__all__ = ["DTensorShard", "dtensor_shards", "is_dtensor"]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -28,44 +32,36 @@ def is_dtensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class DTensorShard:
+    """One box of a DTensor's local shard (a local shard is one box, except under rare
+    ``_StridedShard`` layouts that hold several stretches of a dimension)."""
+
     local: torch.Tensor
+    """The box's elements: the local tensor, or a view of it."""
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
     writes: bool
-    """This rank writes the shard (the others holding the same box do not)."""
+    """This rank writes the box (the others holding the same box do not)."""
     signature: str
-    """What every rank must agree on: global shape, dtype and placements."""
+    """What every rank holding this DTensor must agree on: global shape, dtype, placements, mesh."""
+    mesh: int
+    """The mesh (:func:`~aiosnap.core.placements.mesh_id`): boxes of one DTensor on one mesh tile it."""
 
 
-def dtensor_shard(tensor: torch.Tensor, path: str, index: int) -> DTensorShard:
-    """The local shard of DTensor ``tensor`` (the entry ``index`` at ``path``)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+def dtensor_shards(tensor: torch.Tensor, path: str) -> list[DTensorShard]:
+    """The boxes of DTensor ``tensor``'s local shard (the entry at ``path``)."""
     placements = tuple(tensor.placements)  # type: ignore[attr-defined]
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
-    for placement in placements:
-        if placement.is_partial():
-            raise UnsupportedStateError(
-                f"{path}: a DTensor with a Partial placement holds a pending reduction, not a value; "
-                "redistribute it to Shard or Replicate first"
-            )
-        if not (placement.is_shard() or placement.is_replicate()) or type(placement).__name__ == "_StridedShard":
-            raise UnsupportedStateError(f"{path}: DTensor placement {placement} is not supported (Shard, Replicate)")
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise UnsupportedStateError(f"{path}: this rank is not in the DTensor's device mesh")
     global_shape = tuple(tensor.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    boxes = local_boxes(global_shape, mesh, placements, path)
     local = tensor.to_local().detach()  # type: ignore[attr-defined]
-    if tuple(local.shape) != tuple(local_shape):
+    held = tuple(max(b.local[d] + b.shape[d] for b in boxes) for d in range(len(global_shape)))
+    if tuple(local.shape) != held:
         raise UnsupportedStateError(
             f"{path}: the DTensor's local shard has shape {tuple(local.shape)}, its placements give "
-            f"{tuple(local_shape)} (an unevenly padded shard?)"
+            f"{held} (an unevenly padded shard?)"
         )
-    replicated = [dim for dim, p in enumerate(placements) if p.is_replicate()]
-    replica = 0
-    for dim in replicated:
-        replica = replica * mesh.size(dim) + coordinate[dim]
-    replicas = math.prod(mesh.size(dim) for dim in replicated)
-    signature = f"{tuple(global_shape)}|{tensor.dtype}|{placements}|{tuple(mesh.shape)}"
-    return DTensorShard(local, tuple(offsets), global_shape, replica == index % replicas, signature)
+    replica, replicas = replica_of(mesh, placements)
+    writes = replica == crc32c_of(path.encode()) % replicas
+    where = mesh_id(mesh)
+    signature = f"{global_shape}|{tensor.dtype}|{placements}|{tuple(mesh.shape)}|{where:08x}"
+    return [DTensorShard(box.view(local), box.offsets, global_shape, writes, signature, where) for box in boxes]

@@ -28,11 +28,12 @@ from ..core.gcpause import gc_paused
 from ..core.names import object_prefix
 from ..core.stateful import is_stateful
 from ..errors import UnsupportedStateError
+from ..format.classes import Row, describe
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
 from .archive_plan import layout_archive, torch_pickle
 from .chunks import ALIGN, Chunk, Entry, Piece, SavePlan
-from .dtensor import DTensorShard, dtensor_shard, is_dtensor
+from .dtensor import DTensorShard, dtensor_shards, is_dtensor
 from .layout_memo import Layout, LayoutMemo
 
 __all__ = ["Agreement", "Flattened", "layout_chunks", "make_plan"]
@@ -150,17 +151,24 @@ class _Flattener:
 
     def _tensor(self, tensor: torch.Tensor, path: str) -> int:
         if self._dtensors and is_dtensor(tensor):
+            return self._dtensor(tensor, path)
+        _plain_tensor_or_refuse(tensor, path)
+        return self._plain(tensor, path)
+
+    def _dtensor(self, tensor: torch.Tensor, path: str) -> int:
+        """A DTensor's entries: one per box of its local shard (one box, but for rare
+        ``_StridedShard`` layouts); the tree names the first, the others share its path."""
+        first = len(self.entries)
+        for shard in dtensor_shards(tensor, path):
             index = len(self.entries)
-            shard = self.shards[index] = dtensor_shard(tensor, path, index)
+            self.shards[index] = shard
             _plain_tensor_or_refuse(shard.local, path)
             self.entries.append(
                 Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
             )
             self.keys.append(None)
-            self.by_id[id(tensor)] = index
-            return index
-        _plain_tensor_or_refuse(tensor, path)
-        return self._plain(tensor, path)
+        self.by_id[id(tensor)] = first
+        return first
 
     def _plain(self, tensor: torch.Tensor, path: str) -> int:
         """A tensor's entry (a new one, or the one of the same view met before); refuses
@@ -281,20 +289,33 @@ class Flattened:
     shards: dict[int, DTensorShard]
     local_values: list[Any]  # ids into ``entries`` (past ``main_entries``)
     local_paths: list[str]  # where each rank-local value sits in the tree
+    keys: Sequence[tuple[Any, ...] | None] = ()  # each main entry's view key (None: not a plain tensor)
 
-    def signatures(self) -> list[str]:
-        """The shared table as every rank must hold it (a pickle's bytes may differ), and
-        where the rank-local values are."""
-        found = [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
+    def table_rows(self) -> list[Row]:
+        """The main entries as this rank's part describes them
+        (:func:`aiosnap.format.parts.spec_table`), for :func:`aiosnap.format.classes.describe`;
+        a plain tensor's layout from its view key (reading a tensor's attributes costs more)."""
+        rows: list[Row] = []
+        shards, dtypes, keys = self.shards, _DTYPE_NAMES, self.keys
         for entry in self.entries[: self.main_entries]:
-            shard = self.shards.get(entry.index)
-            if shard is not None:
-                found.append(f"{entry.path}: DTensor {shard.signature}")
-            elif entry.kind == "pickle":
-                found.append(f"{entry.path}: pickle")
+            key = keys[entry.index] if keys else None
+            if key is None:
+                shape, dtype_of = entry.tensor.shape, entry.tensor.dtype
             else:
-                found.append(f"{entry.path}: {entry.tensor.dtype} {tuple(entry.tensor.shape)}")
-        return found
+                _, _, shape, _, dtype_of, _ = key
+            dtype = dtypes.get(dtype_of)
+            if dtype is None:
+                dtype = dtypes[dtype_of] = str(dtype_of).removeprefix("torch.")
+            shard = shards.get(entry.index)
+            if shard is None:
+                rows.append((entry.path, entry.kind, dtype, shape, None))
+            else:
+                rows.append((entry.path, "sharded", dtype, shard.global_shape, shard.mesh))
+        return rows
+
+    def local_lines(self) -> list[str]:
+        """Where the rank-local values are, as the ranks compare them."""
+        return [f"{path}: rank-local value {slot}" for slot, path in enumerate(self.local_paths)]
 
 
 @dataclass(frozen=True)
@@ -305,6 +326,11 @@ class Agreement:
     written: frozenset[int]  # the shared entries this rank writes
     coordinator: int
     commit_timeout: float
+    table_of: int = 0  # the lowest rank holding the same table and tree (its part carries them)
+    class_digest: str = ""  # what that table and tree are (the same on every rank of the class)
+    buckets: tuple[int, ...] = ()  # digests of this rank's plain entries by bucket (who else holds them)
+    checksums: tuple[tuple[int, int], ...] = ()  # (entry, crc32c) of what it holds that another class writes
+    announced: tuple[str, ...] = ()  # the coordinator's: every rank's class digest, as the agreement gave it
 
 
 def make_plan(
@@ -417,7 +443,11 @@ def _laid_out(
 
 def _one_rank(flat: Flattened) -> Agreement:
     """The agreement of a job of one rank with itself: it writes everything."""
-    return Agreement(uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0)
+    described = describe(flat.table_rows(), flat.tree)
+    return Agreement(
+        uuid.uuid4().hex[:16], frozenset(range(flat.main_entries)), 0, 0.0, class_digest=described.class_digest,
+        buckets=described.buckets, announced=(described.class_digest,),
+    )  # fmt: skip
 
 
 def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:
@@ -444,7 +474,7 @@ def _distributed_plan(
     if flattener.local is not None:
         entries += [Entry(main + e.index, e.path, e.kind, e.tensor, e.nbytes) for e in flattener.local.entries]
         local_values = [shift_entry_ids(value, main) for value in flattener.local_values]
-    flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths)
+    flat = Flattened(tree, entries, main, flattener.shards, local_values, flattener.local_paths, flattener.keys)
     agreed = agree(flat)  # with the garbage collector running: this waits for the other ranks
     with gc_paused():
         return _rank_plan(flattener, flat, agreed, step, chunk_bytes, rank, world_size, metadata)
@@ -470,9 +500,15 @@ def _rank_plan(
         main_entries=main,
         written=tuple(sorted(agreed.written)),
         shards=tuple(
-            ShardSpec(index, shard.offsets, shard.global_shape) for index, shard in sorted(flattener.shards.items())
+            ShardSpec(index, shard.offsets, shard.global_shape, shard.mesh)
+            for index, shard in sorted(flattener.shards.items())
         ),
         local_values=tuple(local_values),
+        table_of=agreed.table_of,
+        class_digest=agreed.class_digest,
+        buckets=agreed.buckets,
+        checksums=agreed.checksums,
+        announced=agreed.announced,
     )
     spec = SaveSpec(
         step=step,

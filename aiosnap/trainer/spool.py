@@ -77,6 +77,11 @@ class SpoolSession:
         self._journal_ok = True
         self._journal_lock = asyncio.Lock()
         self._held = 0  # disk budget of files kept until finish()
+        self._capture_over = False
+        self._captured_journalled = False
+        self._resumable = False
+        self.secured = 0
+        """Chunks held in RAM that were written to the spool too (on preemption)."""
         spool.active.add(plan.save_id)
 
     def wants(self) -> bool:
@@ -154,7 +159,9 @@ class SpoolSession:
                 raise OSError("the spool journal of this save could not be written earlier")
             try:
                 if self._journal is None:
-                    self._journal = JournalWriter(self.spool.save_dir(self.plan.save_id) / JOURNAL)
+                    folder = self.spool.save_dir(self.plan.save_id)  # made by the first spill, if any
+                    await asyncio.to_thread(folder.mkdir, exist_ok=True)
+                    self._journal = JournalWriter(folder / JOURNAL)
                     landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
                     await self._journal.append(self._begin(), *landed, record)
                 else:
@@ -177,13 +184,63 @@ class SpoolSession:
 
     async def captured(self) -> None:
         """Capture is complete: if anything went to the spool, journal it (before save()
-        returns, so that a crash from here on loses nothing that is on disk)."""
-        if self._journal is None:
+        returns, so that a crash from here on loses nothing that is on disk; after a
+        preemption, in any case: see :meth:`keep_resumable`)."""
+        self._capture_over = True
+        if self._journal is None and not self._resumable:
+            return
+        await self._journal_captured()
+
+    async def keep_resumable(self) -> None:
+        """Preemption: journal this save even if nothing of it is on the spool (every chunk
+        landed already, say, and its commit is under way), so that the next process commits
+        it if this one is killed first: now if capture is over, else once it is (the chunks
+        still in RAM are written by :meth:`secure`)."""
+        self._resumable = True
+        if self._capture_over:
+            await self._journal_captured()
+
+    async def _journal_captured(self) -> None:
+        if self._captured_journalled:
             return
         try:
             await self._record({"kind": "captured"})
+            self._captured_journalled = True
         except OSError as exc:
             self._broken(exc)
+
+    async def secure(self, chunk: Chunk, data: memoryview) -> bool:
+        """Preemption: write ``chunk``, held in RAM as ``data`` (which must not change until
+        this returns), to the spool and journal it, so that the save survives this process:
+        once every chunk has landed or is on the spool, and capture is over, the next
+        process resumes it. False when it was not written (no spool disk budget now, the
+        disk or the journal failed, landed already)."""
+        index, nbytes = chunk.index, chunk.nbytes
+        if not self._journal_ok or index in self._files or index in self._landed:
+            return False
+        if not self.spool.budget.try_acquire(nbytes):
+            log.warning("aiosnap: no spool disk budget left to keep chunk %d of step %d on disk", index, self.plan.step)
+            return False
+        try:
+            path, crc, pieces = await self.spool.spill(
+                self.plan.save_id, index, data, [(p.dst_offset, p.nbytes) for p in chunk.pieces]
+            )  # fmt: skip
+            await self._record({"kind": "spooled", "chunk": index, "crc": crc, "pieces": pieces})
+        except OSError as exc:
+            self.spool.budget.release(nbytes)
+            log.warning("aiosnap: could not keep chunk %d of step %d on the spool disk: %r", index, self.plan.step, exc)
+            return False
+        except BaseException:
+            self.spool.budget.release(nbytes)
+            raise
+        self.secured += 1
+        if index in self._landed:  # it landed meanwhile: only finish() removes the file now
+            self._held += nbytes
+        else:
+            self._files[index] = Path(path)
+        if self._capture_over:
+            await self._journal_captured()
+        return True
 
     def _broken(self, exc: OSError) -> None:
         self.fallback = self.fallback or f"{type(exc).__name__}: {exc}"

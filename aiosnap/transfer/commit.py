@@ -13,28 +13,25 @@
    it is this attempt's, the save committed after all; if it cannot be read, the data is
    left for ``aiosnap gc``.
 
-Nothing here deletes another attempt's folder, except the one a re-save replaced.
+Nothing here deletes another attempt's folder, except the one a re-save replaced. The
+commit point itself (:func:`commit_manifest`, :func:`whose_commit`) lives in
+:mod:`aiosnap.catalog.commit`, where the converters' imports (``interop``) reach it too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
-from ..catalog.steps import committed_save_id, latest_committed, read_manifest, trust_committed
-from ..core.names import attempt_prefix, manifest_name, step_dir
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepOrderError
-from ..format.manifest import Manifest
+from ..catalog.commit import READ_BACK_TIMEOUT_S, commit_manifest, whose_commit
+from ..catalog.steps import latest_committed
+from ..core.names import attempt_prefix, step_dir
+from ..errors import StepOrderError
 from ..storage.base import Storage
 
-__all__ = ["Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
+__all__ = ["READ_BACK_TIMEOUT_S", "Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
 
 log = logging.getLogger("aiosnap")
-
-READ_BACK_TIMEOUT_S = 10.0
-"""How long reading back an ambiguous commit may take before it is left undecided."""
 
 
 @dataclass(frozen=True)
@@ -63,61 +60,6 @@ class Preflight:
 async def preflight(storage: Storage, step: int) -> Preflight:
     """Look at the root as a save of ``step`` starts (one listing, usually one HEAD)."""
     return Preflight(step, await latest_committed(storage))
-
-
-async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool) -> int:
-    """Write the manifest: the commit point. Returns its size in bytes.
-
-    A new step's manifest is written only if still absent; :class:`FileExistsError` if
-    another writer committed the step first. A re-save (``replace``) replaces the step's
-    manifest, then removes the attempt folder the old one named (a failure there is only
-    logged: the save has committed)."""
-    name = manifest_name(manifest.step)
-    document = manifest.to_json()
-    if not replace:
-        try:
-            await storage.write(name, document, if_absent=True)
-        except FileExistsError as exc:
-            # A retried conditional write may be refused because its first attempt landed.
-            if await whose_commit(storage, manifest.step, manifest.save_id) != "ours":
-                raise FileExistsError(
-                    f"{storage.url}/{name}: step {manifest.step} was committed by another writer "
-                    "while this save ran; not overwriting it"
-                ) from exc
-        trust_committed(manifest.step, document, manifest.save_id)
-        return len(document)
-    replaced = await committed_save_id(storage, manifest.step)
-    await storage.write(name, document)
-    trust_committed(manifest.step, document, manifest.save_id)
-    if replaced is not None and replaced != manifest.save_id:
-        try:
-            await storage.delete_prefix(attempt_prefix(manifest.step, replaced))
-        except Exception as exc:
-            log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
-    return len(document)
-
-
-async def whose_commit(
-    storage: Storage, step: int, save_id: str, *, write_interrupted: bool = False
-) -> Literal["ours", "other", "unknown"]:
-    """Read back ``step``'s manifest: is it this attempt's (``ours``), someone else's
-    (``other``), or undecidable (``unknown``: unreadable within :data:`READ_BACK_TIMEOUT_S`;
-    or, right after this attempt's own manifest write was interrupted on a backend where an
-    abandoned write may still land later, anything but this attempt's manifest)."""
-    may_still_land = write_interrupted and not storage.settled_writes
-    try:
-        async with asyncio.timeout(READ_BACK_TIMEOUT_S):
-            manifest = await read_manifest(storage, step)
-    except CheckpointNotFoundError:
-        return "unknown" if may_still_land else "other"
-    except CorruptCheckpointError:
-        return "unknown"
-    except Exception as exc:  # storage down, timed out: undecided
-        log.warning("aiosnap: cannot read back the manifest of step %d (%r)", step, exc)
-        return "unknown"
-    if manifest.save_id == save_id:
-        return "ours"
-    return "unknown" if may_still_land else "other"
 
 
 async def remove_attempt(storage: Storage, step: int, save_id: str) -> None:

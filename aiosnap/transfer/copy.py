@@ -71,7 +71,7 @@ async def copy_step(
                 raise TruncatedObjectError(f"{where}: {name!r} is truncated ({got} of {nbytes} bytes)")
             for r in ranges.get(name, []):
                 crc = await asyncio.to_thread(crc32c_of, buffer[r.offset : r.offset + r.nbytes])
-                if crc != r.crc32c:
+                if r.crc32c is not None and crc != r.crc32c:
                     raise ChecksumMismatchError(
                         f"{where}: checksum mismatch in {name!r} at offset {r.offset} "
                         f"(crc32c {crc:#010x}, manifest says {r.crc32c:#010x}); not copied"

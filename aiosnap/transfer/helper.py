@@ -8,7 +8,8 @@ the trainer is gone (the socket reaches end of file, or -- should a process fork
 trainer still hold the socket -- it is no longer the trainer's child), so it never outlives
 its trainer.
 Its own process group keeps a Ctrl-C in the terminal from killing uploads the trainer is
-still waiting for.
+still waiting for; with ``preemption.enabled`` it ignores the preemption signals (a cluster
+may send them to every process of the job): the trainer finishes its saves first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -54,6 +56,9 @@ class _Reports:
 
     def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
         self.send("done_with", save_id, index, pieces)
+
+    def sent(self, save_id: str, index: int, nbytes: int) -> None:
+        self.send("sent", save_id, index, nbytes)
 
     def stage_ended(self, save_id: str, stage: str, nbytes: int, seconds: float) -> None:
         self.send("stage", save_id, stage, nbytes, seconds)
@@ -140,6 +145,9 @@ def main(argv: list[str]) -> int:
     kind, config = conn.recv()  # the config (secrets included) never goes through argv
     if kind != "config":
         return 2
+    if config.preemption.enabled:  # the trainer decides when it ends (and this process with it)
+        for name in config.preemption.signals:
+            signal.signal(signal.Signals[name], signal.SIG_IGN)
     arena = Arena(slab_bytes, count, shared=True, fd=arena_fd)
     try:
         import uvloop

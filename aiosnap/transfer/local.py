@@ -5,13 +5,15 @@ thread``) or the upload process's own (``process``, driven by :mod:`.helper`); t
 code either way. It knows a save as its :class:`~aiosnap.format.spec.SaveSpec` and the
 chunks the trainer side stages (descriptors), and tells the trainer side what happened
 through a :class:`~aiosnap.handoff.contract.TransferListener`: the root's latest step (preflight),
-each chunk it is done with, each stage, the outcome. The commit protocol is in
+the bytes of each chunk as they reach storage, each chunk it is done with, each stage, the
+outcome. The commit protocol is in
 :mod:`.commit`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -20,10 +22,12 @@ from ..catalog.steps import apply_retention
 from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
+from ..core.progress import counting_sent
 from ..errors import first_error
 from ..format.manifest import Checksums, build_manifest
 from ..format.spec import SaveSpec
-from ..handoff.contract import Staged, TransferListener, TransferOutcome
+from ..handoff.contract import FileChunk, Staged, TransferListener, TransferOutcome
+from ..interop.safetensors.live import LiveExport
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
 from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
@@ -219,6 +223,8 @@ class _Upload:
         self._workers = min(owner.config.upload.concurrency, max(1, len(spec.chunks)))
         self._stages: dict[str, float] = {}
         self._ran = False
+        self.live: LiveExport | None = None
+        """The save's live export (``also_as``), fed each chunk before its slab goes back."""
 
     def put(self, chunk: Staged) -> None:
         self._outstanding.add(chunk.index)
@@ -275,11 +281,20 @@ class _Upload:
         crcs: Checksums = {}
         clock = _StageClock()
         try:
+            if self.spec.also is not None:
+                self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
+                await self.live.start()
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._workers):
                     group.create_task(self._worker(crcs, clock))
+            if self.live is not None:
+                await self.live.finish()  # the export is whole before the manifest is written
         except BaseExceptionGroup as group_error:
+            await self._abort_live()
             raise (leaf := first_error(group_error)) from leaf.__cause__
+        except BaseException:
+            await self._abort_live()
+            raise
         self._stages["upload"] = clock.seconds
         self.owner.listener.stage_ended(self.save_id, "upload", self.spec.total_bytes, clock.seconds)
         decided = await look
@@ -312,11 +327,21 @@ class _Upload:
                 return
             clock.began()
             chunk = self.spec.chunks[staged.index]
-            pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
+            with counting_sent(functools.partial(self.owner.listener.sent, self.save_id, staged.index)):
+                pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
+            if self.live is not None:  # before the slab goes back
+                if isinstance(staged, FileChunk):
+                    await self.live.take_file(staged.index, staged.path)
+                else:
+                    await self.live.take(staged.index, self.owner.arena.view(staged.slab, staged.nbytes))
             for piece, crc in zip(chunk.pieces, pieces, strict=True):
                 crcs[(chunk.object_name, piece.dst_offset)] = crc
             clock.landed()
             self._done(staged.index, pieces)
+
+    async def _abort_live(self) -> None:
+        if self.live is not None:
+            await asyncio.shield(self.live.abort())
 
     async def _retention(self) -> list[int]:
         busy = self.owner.busy_steps(self.storage) - {self.spec.step}

@@ -169,6 +169,8 @@ class ProcessTransfer:
             self.listener.preflight(save_id, latest, None if error is None else unpack_exception(error))
         elif kind == "done_with":
             self.listener.done_with(*args)
+        elif kind == "sent":
+            self.listener.sent(*args)
         elif kind == "stage":
             self.listener.stage_ended(*args)
         elif kind == "finished":

@@ -3,6 +3,7 @@
 A Unix socket pair carries small tuples (``multiprocessing.connection`` framing): commands
 trainer -> upload process (``config``, ``open``, ``begin``, ``staged``, ``may_upload``,
 ``captured``, ``abort``, ``close``) and reports back (``ready``, ``preflight``,
+``sent`` (upload progress: bytes of a chunk that reached storage, one report per request),
 ``done_with``, ``stage``, ``finished``, ``closed``), in order. They describe chunks, never
 carry their bytes: those stay in the shared staging arena or the spool files.
 

@@ -35,10 +35,12 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     RankFailedError,
+    RanksDisagreeError,
     RankTimeoutError,
 )
 from ..format.manifest import Checksums, Manifest
-from ..format.parts import RankPart, aborted_name, build_part, failed_name, merge_parts, part_name
+from ..format.merge import merge_parts
+from ..format.parts import RankPart, aborted_name, build_part, failed_name, part_name
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 
@@ -180,6 +182,8 @@ async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums) -> M
             )
     try:
         return merge_parts(spec, parts)
+    except RanksDisagreeError:
+        raise  # ranks hold one path in two layouts: every rank is told so (see wait_for_commit)
     except ValueError as exc:
         raise CorruptCheckpointError(f"step {spec.step}: the ranks' parts do not make one checkpoint: {exc}") from exc
 
@@ -190,6 +194,20 @@ async def _read_reason(storage: Storage, name: str) -> str:
         return f"{doc['error']}: {doc['message']}"[:1200] + f" (rank {int(doc['rank'])})"
     except Exception:
         return "(no reason recorded)"
+
+
+_MERGE_VERDICTS: dict[str, type[Exception]] = {
+    "RanksDisagreeError": RanksDisagreeError,
+    "CorruptCheckpointError": CorruptCheckpointError,
+    "ManifestError": CorruptCheckpointError,  # a part that is no part (as the coordinator saw it)
+}
+"""Errors of the coordinator's merge, about every rank's parts together: each rank raises
+them with their own type, as the coordinator does."""
+
+
+def _verdict(reason: str) -> type[Exception]:
+    """The error type other ranks raise for the coordinator's recorded ``reason``."""
+    return _MERGE_VERDICTS.get(reason.split(":", 1)[0], RankFailedError)
 
 
 async def wait_for_commit(storage: Storage, spec: SaveSpec) -> Literal["ours"]:
@@ -207,7 +225,7 @@ async def wait_for_commit(storage: Storage, spec: SaveSpec) -> Literal["ours"]:
                 pass  # replaced or being replaced: look again
         if await storage.exists(aborted_name(spec.step, spec.save_id)):
             reason = await _read_reason(storage, aborted_name(spec.step, spec.save_id))
-            raise RankFailedError(f"step {spec.step}: the coordinator gave the save up: {reason}")
+            raise _verdict(reason)(f"step {spec.step}: the coordinator gave the save up: {reason}")
         if not await backoff.sleep():
             raise RankTimeoutError(
                 f"step {spec.step}: the coordinator (rank {spec.distributed.coordinator}) did not commit the save "

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
+from ..core.progress import counting_sent
 from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
 from ..format.manifest import build_manifest
 from ..handoff.spooldir import Spool
@@ -48,7 +49,8 @@ class ResumeReport:
 
 
 Progress = Callable[[int, int], None]
-"""Called with (bytes just uploaded, bytes to upload in all) as spooled chunks land."""
+"""Called with (bytes just uploaded, bytes to upload in all): once with 0 before the first
+upload, then as the requests of the spooled chunks' uploads complete (S3 parts)."""
 
 
 class _Discard(Exception):
@@ -118,9 +120,19 @@ async def _finish(
 
     async def upload(index: int) -> None:
         obj = manifest.objects[index]
+        told = 0
+
+        def sent(nbytes: int) -> None:  # a request of this file's upload completed
+            nonlocal told
+            nbytes = min(nbytes, obj.nbytes - told)
+            if nbytes > 0:
+                told += nbytes
+                progress(nbytes)
+
         async with limit:
-            await storage.write_file(obj.name, str(folder / f"{index}.bin"))
-        progress(obj.nbytes)
+            with counting_sent(sent):
+                await storage.write_file(obj.name, str(folder / f"{index}.bin"))
+        sent(obj.nbytes - told)  # a backend that reports nothing, or less
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
     await commit_manifest(storage, build_manifest(state.spec, state.checksums()), replace=False)
@@ -161,6 +173,8 @@ async def resume_spooled(
     def landed(nbytes: int) -> None:
         if progress is not None:
             progress(nbytes, total)
+
+    landed(0)  # the total, before the first byte: a progress bar knows what to expect from the start
 
     owner = storage.url if owner_url is None else owner_url
     for save_id, state in states.items():

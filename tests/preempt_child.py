@@ -1,0 +1,93 @@
+"""A training process with ``preemption`` enabled, run by test_preemption.py, which sends it
+a real SIGTERM.
+
+argv: scenario root [spool]. Scenarios:
+
+- ``in-flight``: save step 1 to a storage that holds its writes until the preemption came
+  (a FaultyStorage), print UPLOADING once save() returned, then train until
+  ``ckpt.preempted``, let the storage go on, take a last save (step 2), close and return;
+- ``stuck``: save step 1 to a storage that holds every write (it never lands), print
+  UPLOADING, then wait for the handle as a trainer that knows nothing of preemption would;
+- ``committing``: as ``stuck``, but the storage holds only the manifest's write: every
+  chunk lands, and COMMITTING is printed once the save is committing;
+- ``idle``: print READY, train until ``ckpt.preempted`` (no save in flight), take a last
+  save (step 5), close, return; in process mode it prints HELPER <pid> first.
+
+(How the process ends after a handler installed before aiosnap's, one from C, in a forked
+child: tests/signal_child.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from typing import Any
+
+import torch
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage
+
+DEADLINE_S = 60.0
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(1_000_000, generator=generator), "step": torch.tensor(step)}  # 4 MB
+
+
+def train_until_preempted(ckpt: SyncCheckpointer) -> None:
+    began = time.monotonic()
+    for _ in itertools.count():
+        if ckpt.preempted:
+            return
+        assert time.monotonic() - began < DEADLINE_S, "never preempted"
+        time.sleep(0.005)  # one training step
+
+
+def main(scenario: str, root: str, spool: str | None) -> None:
+    settings: dict[str, Any] = {
+        "storage": {"url": root},
+        "ram_budget": "16MiB",
+        "upload": {"chunk_size": "512KiB", "concurrency": 1},
+        "preemption": {"enabled": True, "grace_period": 2.0 if scenario in ("stuck", "committing") else 20.0},
+        "events": {"log": False},
+    }
+    if spool is not None:
+        settings["spool"] = {"dir": spool, "mode": "overflow"}
+    config = Config(**settings)
+    storage: Any = None
+    if scenario in ("in-flight", "stuck", "committing"):
+        storage = FaultyStorage(LocalStorage(root))
+        held = "manifest.json" if scenario == "committing" else ".bin"
+        storage.hold_when = lambda name: name.endswith(held)
+    with SyncCheckpointer(config, storage=storage) as ckpt:
+        if scenario == "idle":
+            if config.upload.executor == "process":
+                print(f"HELPER {ckpt._engine.transfer.pid}", flush=True)  # type: ignore[union-attr]
+            print("READY", flush=True)
+            train_until_preempted(ckpt)
+            ckpt.save(state(5), step=5).wait()
+            return
+        handle = ckpt.save(state(1), step=1)
+        print("UPLOADING", flush=True)
+        if scenario == "committing":
+            began = time.monotonic()
+            while handle.progress().stage != "committing":
+                assert time.monotonic() - began < DEADLINE_S, handle.progress()
+                time.sleep(0.005)
+            print("COMMITTING", flush=True)
+        if scenario in ("stuck", "committing"):
+            handle.wait()
+            print("NOT REACHED", flush=True)
+            return
+        train_until_preempted(ckpt)
+        print(f"PREEMPTED upload done={handle.done()}", flush=True)
+        storage.release(ckpt._loop.loop)
+        ckpt.save(state(2), step=2).wait()
+    print("CLOSED", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
