@@ -54,8 +54,14 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
+# The suite in TEST_WORKERS processes (pytest-xdist; 0: in this one). Most tests wait on
+# child processes, servers and timers, so two workers finish sooner even on two cores;
+# LocalStack's tests share one worker (one server, see tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: lint docs localstack
-	TEST_LOCALSTACK_PYTHON=$(LOCALSTACK_VENV)/bin/python TEST_REQUIRE_LOCALSTACK=1 $(PY) -m pytest
+	TEST_LOCALSTACK_PYTHON=$(LOCALSTACK_VENV)/bin/python TEST_REQUIRE_LOCALSTACK=1 \
+		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The fault soak and the fuzzers, long: many saves through failing storage, the fault proxy
 # and SIGKILLed trainers, then the invariant (a short version runs inside `make test`).

@@ -11,6 +11,7 @@ from .errors import (
     AiosnapError,
     CheckpointerClosedError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
@@ -18,6 +19,7 @@ from .errors import (
     ForkedProcessError,
     ManifestError,
     PickleNotAllowedError,
+    PlainReadTimeoutError,
     RankFailedError,
     RanksDisagreeError,
     RankTimeoutError,
@@ -27,6 +29,7 @@ from .errors import (
     StorageError,
     StorageUnavailableError,
     TruncatedObjectError,
+    UnsupportedCheckpointError,
     UnsupportedStateError,
     UploadProcessError,
     WrongThreadError,
@@ -40,7 +43,8 @@ if TYPE_CHECKING:  # the rest is imported on first use: `import aiosnap` does no
     from .core.rng import RNGState
     from .distributed.stateful import ShardedState
     from .format.manifest import Manifest
-    from .interop.safetensors.api import export, open_safetensors
+    from .interop.exporting import export
+    from .interop.safetensors.api import open_safetensors
     from .interop.safetensors.live import SafetensorsExport
 
 _LAZY = {
@@ -59,7 +63,7 @@ _LAZY = {
     "SaveProgress": "core.progress",
     "ShardedState": "distributed.stateful",
     "SafetensorsExport": "interop.safetensors.live",
-    "export": "interop.safetensors.api",
+    "export": "interop.exporting",
     "open_safetensors": "interop.safetensors.api",
 }
 
@@ -80,6 +84,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AiosnapError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "Checkpointer",
     "CheckpointerClosedError",
     "ChecksumMismatchError",
@@ -94,6 +99,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "PickleNotAllowedError",
+    "PlainReadTimeoutError",
     "RNGState",
     "RankFailedError",
     "RankTimeoutError",
@@ -111,6 +117,7 @@ __all__ = [
     "SyncCheckpointer",
     "SyncSaveHandle",
     "TruncatedObjectError",
+    "UnsupportedCheckpointError",
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",

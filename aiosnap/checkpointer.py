@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -37,7 +36,7 @@ from .handoff.spooldir import Spool
 from .interop.safetensors.live import SafetensorsExport, also_spec, plan_live
 from .interop.singlefile import storage_for
 from .lifecycle import close_when_forgotten
-from .load.apply import apply_state, decode_tree, plan_read
+from .load.apply import apply_state, check_meta_targets, decode_tree, plan_read
 from .load.fetch import ReadPlan, naming_targets
 from .load.inplace import target_tree, written_tensors
 from .load.select import check_patterns
@@ -198,6 +197,24 @@ def _handlers_for(config: Config, extra: Sequence[EventHandler]) -> list[EventHa
     return handlers + list(extra)
 
 
+def _check_multi_rank_storage(storage: Storage) -> None:
+    """:class:`ConfigError` unless ``storage`` can carry multi-rank saves: their verdict is
+    written only if absent, and exactly one writer must win (a coordinator's commit claim
+    or another rank's abort), else a rank's data could be removed under a commit."""
+    if storage.read_only:  # nothing is ever written there: no verdict to split
+        return
+    if not storage.conditional_writes and not storage.single_file:  # (one file holds one rank: refused at save)
+        hint = (
+            "set s3.conditional_commit: true (the store must support If-None-Match)"
+            if storage.url.startswith("s3://")
+            else f"{type(storage).__name__} must set conditional_writes = True (write(if_absent=True): one writer wins)"
+        )
+        raise ConfigError(
+            f"{storage.url}: a multi-rank checkpointer needs a store with conditional writes, so that one verdict per "
+            f"save holds for every rank; {hint}"
+        )
+
+
 class _Core:
     """What both APIs share: config, the loop thread, the engine, the lifecycle.
 
@@ -220,13 +237,14 @@ class _Core:
         event_handlers: Sequence[EventHandler] = (),
     ) -> None:
         self.config = Config.coerce(config)
-        self._job = DistributedJob(
-            self.config.distributed, ProcessGroupInfo.of(process_group, rank, world_size), process_group
-        )
-        group = self._job.info
-        ram_budget = self.config.ram_budget_bytes()
+        info = ProcessGroupInfo.of(process_group, rank, world_size)
         if storage is None:
             storage = storage_for(self.config.storage.url, self.config)
+        if info.world_size > 1:
+            _check_multi_rank_storage(storage)
+        self._job = DistributedJob(self.config.distributed, info, process_group)
+        group = self._job.info
+        ram_budget = self.config.ram_budget_bytes()
         self.rank = group.rank
         self.world_size = group.world_size
         self._storage = storage
@@ -242,6 +260,7 @@ class _Core:
         with ExitStack() as undo:  # a failure below releases what was acquired so far
             undo.callback(self._job.close)
             undo.callback(events.close)
+            self._job.check_spools(self.config.spool)
             spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
             if spool is not None:
                 undo.callback(spool.close)  # the lock, so a later checkpointer may take the spool
@@ -275,6 +294,8 @@ class _Core:
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view._storage = storage if storage is not None else storage_for(url, self.config)
+        if self.world_size > 1:
+            _check_multi_rank_storage(view._storage)
         view._keep_last = keep_last
         view._views = []
         view._layouts = LayoutMemo()
@@ -313,10 +334,15 @@ class _Core:
         alone; rank 0 of several)."""
         return self._job.group is None or self._job.needs_latest(None)
 
-    def _agreed_latest(self, latest: int | None) -> int | None:
+    def _agreed_latest(self, latest: int | None, failure: BaseException | None) -> int | None:
         """The latest committed step for every rank: this rank's own lookup alone, else rank
-        0's (collective: every rank calls it). Caller's thread."""
-        return latest if self._job.group is None else self._job.load_step(None, latest)
+        0's (collective: every rank calls it; a ``failure`` of rank 0's lookup is raised
+        there and a :class:`RankFailedError` on the others, at once). Caller's thread."""
+        if self._job.group is None:
+            if failure is not None:
+                raise failure
+            return latest
+        return self._job.load_step(None, latest, failure)
 
     @property
     def loop_kind(self) -> str:
@@ -362,13 +388,6 @@ class _Core:
         agree = self._job.agreement(step)
         try:
             self._check_open()
-            if metadata is not None:
-                if not isinstance(metadata, dict):
-                    raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-                try:
-                    json.dumps(metadata, allow_nan=False)
-                except (TypeError, ValueError) as exc:
-                    raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
             if agree is not None:  # an earlier save's failure, raised here rather than after agreeing
                 failure = self._engine.failures.take()
                 if failure is not None:
@@ -384,6 +403,7 @@ class _Core:
                 rank_local=self._job.rank_local(rank_local),
                 agree=agree,
                 memo=self._layouts,
+                pickle_values=self.config.pickle_values,
             )
             if also_as is not None:  # a live export (interop.safetensors.live), checked here
                 plan.spec = dataclasses.replace(plan.spec, also=also_spec(also_as))
@@ -406,7 +426,10 @@ class _Core:
             if isinstance(paths, str):
                 raise TypeError(f"paths must be a list of patterns, got the string {paths!r}")
         chosen = None if paths is None else check_patterns(paths)
-        targets = None if state is None or atomic else target_tree(state)
+        found = None if state is None else target_tree(state)
+        if found is not None:
+            check_meta_targets(found)
+        targets = None if atomic else found
         caller = None if targets is None else CudaOrder.record(written_tensors(targets))
         slab_bytes = self._engine.slab_bytes
         return _ReadChoice(
@@ -597,18 +620,30 @@ class Checkpointer(_Core):
         """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found: list[int] = await self._call(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = await self._call(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
-        self._loaded_step = manifest.step
-        return loaded, manifest.step
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest, failure = None, None
+                if self._job.needs_latest(step):
+                    try:
+                        found: list[int] = await self._call(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
+                read = self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                try:
+                    manifest, tensors = await self._call(read)
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+                self._loaded_step = manifest.step
+                return loaded, manifest.step
+        raise AssertionError("unreachable: the last attempt never reads again")
 
     async def load_latest(
         self,
@@ -630,8 +665,13 @@ class Checkpointer(_Core):
         are its own); a latest step that cannot be loaded raises, it never falls back to an
         older one. :attr:`loaded_step` keeps the step afterwards."""
         self._check_open()
-        latest = await self._call(latest_committed(self._storage)) if self._looks_up_latest() else None
-        step = self._agreed_latest(latest)
+        latest, failure = None, None
+        if self._looks_up_latest():
+            try:
+                latest = await self._call(latest_committed(self._storage))
+            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+                failure = exc
+        step = self._agreed_latest(latest, failure)
         if step is None:
             return None
         single = self._job.group is None  # one rank reads "the latest" itself (one removed meanwhile: the next)
@@ -762,18 +802,31 @@ class SyncCheckpointer(_Core):
         """:meth:`load`, returning the step restored too."""
         self._check_open()
         wanted = self._wanted(state, paths, allow_pickle, atomic)
-        if self._job.needs_latest(step):
-            found = self._loop.run(self._engine.steps(self._storage))
-            step = self._job.load_step(step, found[-1] if found else None)
-        else:
-            step = self._job.load_step(step, None)
-        view = self._job.view(skip_rank_local)
         with self._load_events(step) as scope:
-            manifest, tensors = self._loop.run(self._engine.read(step, allow_pickle, self._storage, wanted, view))
-            scope.fetched(manifest, tensors)
-            loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
-        self._loaded_step = manifest.step
-        return loaded, manifest.step
+            for attempt in self._job.load_attempts(skip_rank_local):
+                latest, failure = None, None
+                if self._job.needs_latest(step):
+                    try:
+                        found = self._loop.run(self._engine.steps(self._storage))
+                        latest = found[-1] if found else None
+                    except Exception as exc:  # the other ranks must hear of it: load_step tells them
+                        failure = exc
+                scope.step = chosen = self._job.load_step(step, latest, failure)
+                try:
+                    manifest, tensors = self._loop.run(
+                        self._engine.read(chosen, allow_pickle, self._storage, wanted, attempt.view)
+                    )
+                except Exception as exc:
+                    if attempt.again(chosen, exc):
+                        continue
+                    raise
+                if attempt.again(chosen, None):
+                    continue
+                scope.fetched(manifest, tensors)
+                loaded = self._finish_load(manifest, tensors, state, allow_pickle, paths, wanted.in_place)
+                self._loaded_step = manifest.step
+                return loaded, manifest.step
+        raise AssertionError("unreachable: the last attempt never reads again")
 
     def load_latest(
         self,
@@ -790,8 +843,13 @@ class SyncCheckpointer(_Core):
             start = 1 if done is None else done + 1  # save(step=n) after n steps
         """
         self._check_open()
-        latest = self._loop.run(latest_committed(self._storage)) if self._looks_up_latest() else None
-        step = self._agreed_latest(latest)
+        latest, failure = None, None
+        if self._looks_up_latest():
+            try:
+                latest = self._loop.run(latest_committed(self._storage))
+            except Exception as exc:  # the other ranks must hear of it: _agreed_latest tells them
+                failure = exc
+        step = self._agreed_latest(latest, failure)
         if step is None:
             return None
         single = self._job.group is None

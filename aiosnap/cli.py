@@ -1,7 +1,7 @@
 """The ``aiosnap`` command line (also ``python -m aiosnap``), built on Typer and Rich.
 
-Commands: ``ls``, ``info``, ``verify``, ``download``, ``resume``, ``rollback``, ``gc``, ``bench``,
-``export`` (:mod:`aiosnap.interop.safetensors.cli`). URLs are storage
+Commands: ``ls``, ``info``, ``verify``, ``download``, ``export`` (:mod:`aiosnap.cli_export`), ``resume``,
+``rollback``, ``gc``, ``bench``. URLs are storage
 roots (a path, ``file://`` or ``s3://bucket/prefix``); ``--config FILE`` supplies the rest
 (S3 endpoint, credentials, concurrency). Long operations show a progress bar on a terminal
 and stay quiet when piped; ``--json`` prints one JSON document for scripts. Errors are one
@@ -35,12 +35,12 @@ from rich.text import Text
 from .catalog.garbage import collect_garbage
 from .catalog.maintenance import list_steps, verify_step
 from .catalog.steps import committed_steps, manifest_of, not_committed, remove_steps_after
+from .cli_export import register as register_export
 from .config import Config, load_config
 from .core.units import format_bytes, format_rate
 from .errors import AiosnapError
 from .format.manifest import Manifest
-from .interop.safetensors.cli import register as register_export
-from .interop.singlefile import storage_for
+from .interop.detect import describe, open_checkpoint
 from .load.select import entries_under
 from .storage.base import Storage
 from .storage.registry import storage_from_url
@@ -95,13 +95,18 @@ def _config(path: Path | None) -> Config:
 
 def _on_storage(url: str, config: Config, work: Callable[[Storage], Awaitable[T]]) -> T:
     async def run() -> T:
-        storage = storage_for(url, config)
+        storage = await open_checkpoint(url, config)  # a DCP folder or torch.save file: read-only, one step
         try:
             return await work(storage)
         finally:
             await storage.close()
 
     return asyncio.run(run())
+
+
+def _foreign(storage: Storage) -> bool:
+    """A checkpoint of another format (DCP, torch.save, safetensors), seen as one read-only step."""
+    return getattr(storage, "translator", None) is not None or storage.read_only
 
 
 def _when(epoch: float) -> str:
@@ -174,10 +179,19 @@ def list_command(
     as_json: JsonOption = False,
 ) -> None:
     """Committed steps with time, size and world size."""
-    steps = _on_storage(url, _config(config), lambda s: list_steps(s, include_incomplete=all_steps))
+
+    async def run(storage: Storage) -> tuple[list[Any], str, bool]:
+        found = await list_steps(storage, include_incomplete=all_steps)
+        return found, describe(storage), _foreign(storage)
+
+    steps, kind, foreign = _on_storage(url, _config(config), run)
     if as_json:
-        _emit_json([dataclasses.asdict(info) for info in steps])
-    elif steps:
+        _emit_json([{**dataclasses.asdict(info), "format": kind} for info in steps])
+        return
+    if foreign and steps:
+        print(f"{url} is {kind}, which aiosnap reads as step 0 (read-only): `aiosnap info`, `aiosnap verify` and "
+              f"`aiosnap export {url} DEST --to aiosnap|dcp|torch|safetensors` take it", file=sys.stderr)  # fmt: skip
+    if steps:
         table = _table("step", "state", "time", "size", "world size", "save id")
         for info in steps:
             note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
@@ -185,7 +199,7 @@ def list_command(
                 table,
                 str(info.step),
                 info.state + note,
-                "" if info.state == "unreadable" else _when(info.time),
+                "" if info.state == "unreadable" or foreign else _when(info.time),
                 _size(info.nbytes),
                 "" if info.world_size is None else str(info.world_size),
                 info.save_id or info.problem or "",
@@ -201,20 +215,32 @@ def info_command(
     url: UrlArgument, step: StepOption = None, config: ConfigOption = None, as_json: JsonOption = False
 ) -> None:
     """A step's manifest in human form: entries, dtypes, shapes, bytes."""
-    manifest = _on_storage(url, _config(config), lambda s: manifest_of(s, step))
+
+    async def run(storage: Storage) -> tuple[Manifest, str]:
+        return await manifest_of(storage, step), describe(storage)
+
+    manifest, kind = _on_storage(url, _config(config), run)
     by_key = _bytes_by_top_level_key(manifest)
     if as_json:
-        doc = manifest.model_dump(mode="json")
+        doc = manifest.model_dump(mode="json", exclude_none=True)
         doc.pop("tree")
         doc["top_level_bytes"] = by_key
+        doc["kind"] = kind
         _emit_json(doc)
         return
-    out.print(
-        f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
-        f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} stored "
-        f"in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
-        f"save id {manifest.save_id}"
-    )
+    if manifest.foreign is not None:
+        out.print(
+            f"{url} is {kind} (read by aiosnap as step {manifest.step}, read-only): "
+            f"{_size(manifest.total_bytes)} in {len(manifest.objects)} file(s), written by {manifest.world_size} "
+            f"rank(s); {_unverified(manifest)}"
+        )
+    else:
+        out.print(
+            f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
+            f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} "
+            f"stored in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
+            f"save id {manifest.save_id}"
+        )
     if manifest.metadata:
         out.print(f"metadata: {json.dumps(manifest.metadata)}")
     if by_key:
@@ -231,6 +257,15 @@ def info_command(
     if manifest.rank_local is not None:
         each = [sum(e.nbytes for e in part.entries) for part in manifest.rank_local]
         out.print(f"rank-local values: {len(manifest.rank_local)} rank(s), {_size(sum(each))} in all")
+
+
+def _unverified(manifest: Manifest) -> str:
+    """How much of a translated manifest's bytes has no recorded checksum."""
+    total = sum(r.nbytes for _, r in manifest.all_ranges())
+    unchecked = sum(r.nbytes for _, r in manifest.all_ranges() if r.crc32c is None)
+    if not unchecked:
+        return "every range has a crc32c (written by aiosnap)"
+    return f"{_size(unchecked)} of {_size(total)} has no recorded checksum (read whole by verify, not checked)"
 
 
 def _bytes_by_top_level_key(manifest: Manifest) -> dict[str, int]:
@@ -283,10 +318,11 @@ def verify_command(
             return manifest, problems
 
     manifest, problems = _on_storage(url, settings, run)
+    unchecked = sum(r.nbytes for _, r in manifest.all_ranges() if r.crc32c is None)
     if as_json:
         _emit_json({
             "step": manifest.step, "ok": not problems, "bytes": manifest.referenced_bytes,
-            "stored_bytes": manifest.total_bytes, "problems": problems,
+            "stored_bytes": manifest.total_bytes, "problems": problems, "unverified_bytes": unchecked,
         })  # fmt: skip
     elif problems:
         for problem in problems:
@@ -294,7 +330,10 @@ def verify_command(
         print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
     else:
         checked = f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries"
-        out.print(f"step {manifest.step}: ok, {checked} verified")
+        if unchecked:
+            out.print(f"step {manifest.step}: ok, {checked} read whole; {_unverified(manifest)}")
+        else:
+            out.print(f"step {manifest.step}: ok, {checked} verified")
     if problems:
         raise typer.Exit(1)
 
@@ -310,8 +349,18 @@ def download_command(
     """Copy a step to another root (from S3 to local disk, say), checking every checksum; the
     copy is committed (manifest written) only once complete."""
     settings = _config(config)
+    if "://" not in dest and Path(dest).expanduser().is_file():
+        raise AiosnapError(
+            f"{dest} is a file: download copies a step into a checkpoint root (a folder); to write one "
+            f"torch.load-readable file, `aiosnap export {url} {dest}.new --to torch`"
+        )
 
     async def run(storage: Storage) -> tuple[Manifest, bool]:
+        if _foreign(storage):
+            raise AiosnapError(
+                f"{url} is {describe(storage)}, not an aiosnap root: `aiosnap export {url} {dest} --to aiosnap` "
+                "copies it into one"
+            )
         manifest = await manifest_of(storage, step)
         target = storage_from_url(dest, settings)
         try:
@@ -462,6 +511,13 @@ def gc_command(
         out.print(f"{verb} incomplete: {prefix}")
     for prefix in report.kept_recent:
         out.print(f"kept (younger than {grace}): {prefix}")
+    for prefix in report.kept_live:
+        out.print(f"kept (a multi-rank save in progress: a live heartbeat or a young verdict): {prefix}")
+    for prefix in report.kept_undecided:
+        out.print(
+            f"kept (a multi-rank save whose commit was claimed, and whose manifest never appeared: its coordinator "
+            f"may still write it; remove it by hand once its job is gone): {prefix}"
+        )
     for step in report.kept_unreadable:
         out.print(f"kept (manifest unreadable, never guessed about): step {step}")
     for prefix in report.skipped:

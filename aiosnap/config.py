@@ -219,7 +219,9 @@ class SpoolConfig(_Section):
     returns at disk speed while a slow target (S3, NFS, Lustre) catches up."""
 
     dir: LocalFolder = None
-    """Spool directory on fast local disk (one checkpointer at a time: a lock file)."""
+    """Spool directory on fast local disk (one checkpointer at a time: a lock file). In a
+    multi-rank job each rank needs its own: ranks on one host given the same one all fail
+    with ``SpoolBusyError`` when the checkpointer is made."""
     budget: SpoolBudget = "50%"
     """Most bytes on spool disk: a size, or a share such as "50%" of the free space of the
     spool file system when the checkpointer starts (never more than that free space)."""
@@ -267,7 +269,20 @@ class DistributedConfig(_Section):
     commit_timeout: float = Field(600.0, gt=0, le=86400)
     """Seconds the coordinator (rank 0) waits for every rank's part of a save once its own is
     written; then the save fails on every rank, naming the ranks missing, and the previous
-    checkpoint stays the latest."""
+    checkpoint stays the latest. A rank that stops (killed, its upload helper dead, wedged)
+    is named sooner, after ``heartbeat_timeout``. Once the coordinator has claimed the
+    commit, the other ranks wait this long (plus 5 s) for its manifest."""
+    heartbeat_interval: float = Field(2.0, gt=0, le=3600)
+    """Seconds between the heartbeats a rank writes to storage while its part of a save is
+    in flight (``<step>/<save id>/rank-<r>.alive``): how the other ranks, and ``aiosnap gc``,
+    know it is alive."""
+    heartbeat_timeout: float = Field(20.0, gt=0, le=86400)
+    """Seconds without a new heartbeat after which a rank counts as stopped: the save fails on
+    every rank, naming it. At least twice ``heartbeat_interval``."""
+    progress_timeout: float = Field(1800.0, gt=0, le=86400)
+    """Seconds the other ranks wait for a coordinator whose heartbeat goes on but which makes
+    no progress (not one chunk of its part captured or uploaded: a write that hangs) before
+    they give the save up, on every rank. Longer than any one chunk's upload takes."""
     agree_timeout: float = Field(600.0, gt=0, le=86400)
     """Seconds ``save()``/``load()`` wait for every rank to arrive (ranks agree on the save on
     aiosnap's own CPU group); then they raise, naming the ranks that did not."""
@@ -275,6 +290,15 @@ class DistributedConfig(_Section):
     """Path patterns (``fnmatch``, keys joined by ``/``: ``"rng"``, ``"loader/*"``) whose
     values each rank saves for itself and gets back (RNG states, data-loader positions);
     ``save(rank_local=...)`` adds to these."""
+
+    @model_validator(mode="after")
+    def _heartbeats_before_their_timeout(self) -> DistributedConfig:
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be at least twice heartbeat_interval "
+                f"({self.heartbeat_interval:g} s): one late heartbeat must not make a live rank count as stopped"
+            )
+        return self
 
 
 class PreemptionConfig(_Section):
@@ -324,7 +348,9 @@ class S3Config(_Section):
     """Seconds one operation keeps retrying throttling, 5xx, resets and timeouts."""
     conditional_commit: bool = True
     """Write a new step's manifest with If-None-Match so two writers never silently
-    overwrite one committed step (needs a server that supports conditional writes)."""
+    overwrite one committed step (needs a server that supports conditional writes).
+    Multi-rank checkpointers need it (their verdict is written the same way): with
+    ``false`` they are refused with a ``ConfigError``."""
 
     @model_validator(mode="after")
     def _keys_come_in_pairs(self) -> S3Config:
@@ -351,6 +377,9 @@ class Config(BaseSettings):
     max_pending_saves: int = Field(1, ge=1, le=64)
     """Saves captured but not yet committed; a further save() waits for the oldest."""
     retention: RetentionConfig = RetentionConfig()
+    pickle_values: bool = False
+    """Pickle the values save() cannot store as data (a set, a numpy scalar, your own class)
+    instead of refusing them; loading them then needs ``load(..., allow_pickle=True)``."""
     upload: UploadConfig = UploadConfig()
     loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """Event loop of the background thread: uvloop when installed (auto), or forced."""

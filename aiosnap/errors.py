@@ -9,8 +9,10 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     ├── ForkedProcessError           a checkpointer was used in a child made by os.fork()
     ├── SpoolBusyError               another process holds the spool directory's lock
     ├── UnsupportedStateError        a value in the state cannot be saved
+    ├── UnsupportedCheckpointError   a foreign checkpoint uses what aiosnap does not read
     ├── StepOrderError               a step older than the latest (or already being saved)
     ├── CheckpointNotFoundError      no committed checkpoint (or not the requested step)
+    │   └── CheckpointReplacedError  a checkpoint being loaded was overwritten meanwhile
     ├── StateMismatchError           load(state): the checkpoint does not fit the given state
     ├── UploadProcessError           the upload process (upload.executor: process) died
     ├── DistributedError             a multi-rank save or load could not be coordinated
@@ -23,7 +25,8 @@ Every error aiosnap raises on its own account derives from :class:`AiosnapError`
     │   ├── ManifestError            manifest missing fields, wrong version, unsafe object name
     │   ├── TruncatedObjectError     a data object is shorter than the manifest says
     │   └── ChecksumMismatchError    a byte range does not match its crc32c
-    └── PickleNotAllowedError        loading would unpickle and allow_pickle is False
+    ├── PickleNotAllowedError        loading would unpickle and allow_pickle is False
+    └── PlainReadTimeoutError        a plain read waiting for its thread's save ran out of time
 
 Errors raised by storage while a save runs in the background (``OSError`` from a
 disk, for instance) are *not* translated: they surface with their original type at
@@ -35,6 +38,7 @@ from __future__ import annotations
 __all__ = [
     "AiosnapError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "ConfigError",
@@ -43,6 +47,7 @@ __all__ = [
     "ForkedProcessError",
     "ManifestError",
     "PickleNotAllowedError",
+    "PlainReadTimeoutError",
     "RankFailedError",
     "RankTimeoutError",
     "RanksDisagreeError",
@@ -52,6 +57,7 @@ __all__ = [
     "StorageError",
     "StorageUnavailableError",
     "TruncatedObjectError",
+    "UnsupportedCheckpointError",
     "UnsupportedStateError",
     "UploadProcessError",
     "WrongThreadError",
@@ -87,6 +93,12 @@ class UnsupportedStateError(AiosnapError, TypeError):
     """A value in the state cannot be saved (sparse or meta tensors, for example)."""
 
 
+class UnsupportedCheckpointError(AiosnapError, ValueError):
+    """A checkpoint of another format (DCP, ``torch.save``) uses something aiosnap does not
+    read (a tensor stored as a strided view, DCP stream transforms, ...); the message names
+    the item and the way out. The checkpoint itself may well be intact."""
+
+
 class StepOrderError(AiosnapError, ValueError):
     """``save()`` of a step older than the root's latest committed step, or of a step this
     checkpointer is already saving: steps only move forward (see ``rollback()``)."""
@@ -94,6 +106,11 @@ class StepOrderError(AiosnapError, ValueError):
 
 class CheckpointNotFoundError(AiosnapError, LookupError):
     """There is no committed checkpoint, or not the requested step."""
+
+
+class CheckpointReplacedError(CheckpointNotFoundError):
+    """The checkpoint being loaded was replaced meanwhile (an overwrite committed and removed
+    the files the version being read named): nothing is wrong with either; load again."""
 
 
 class StateMismatchError(AiosnapError, ValueError):
@@ -151,6 +168,12 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class PickleNotAllowedError(AiosnapError):
     """The checkpoint holds pickled objects and the caller did not pass ``allow_pickle=True``."""
+
+
+class PlainReadTimeoutError(AiosnapError, TimeoutError):
+    """A plain read (``torch.load``, ``open``) of a Lightning checkpoint path by the thread that
+    saved it waited for that save longer than the plugin's ``plain_reads_timeout``; the
+    message names the path."""
 
 
 def first_error(error: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -33,8 +33,9 @@ from .core.budget import ByteBudget
 from .core.cudaorder import CudaOrder
 from .core.events import EventBus, ScopeEmitter
 from .core.failures import FailureLedger
+from .core.names import attempt_prefix, step_dir
 from .core.progress import ProgressBoard, ProgressTracker
-from .errors import StepOrderError
+from .errors import RankTimeoutError, StepOrderError, UploadProcessError
 from .format.manifest import Manifest
 from .handoff.contract import FileChunk, SlabChunk, Staged, Transfer, TransferOutcome
 from .handoff.spooldir import Spool
@@ -47,7 +48,8 @@ from .trainer.chunks import ALIGN, SavePlan
 from .trainer.slabs import LoadSlabs, SlabPool
 from .trainer.spool import Bounce, SpoolSession
 from .transfer.commit import Preflight, whose_commit
-from .transfer.rank_commit import abandon_part
+from .transfer.heartbeat import Heartbeat
+from .transfer.rank_settle import abandon_part, settle_without_transfer
 from .transfer.resume import Progress as ResumeProgress
 from .transfer.resume import ResumeReport, resume_spooled
 
@@ -60,6 +62,10 @@ ABORT_GRACE_S = 10.0
 waiting (``close(timeout)``): an upload process that does not answer by then (stopped,
 wedged) is killed; its saves fail with UploadProcessError, except those whose step is read
 back as committed."""
+
+CLOSE_LOOK_S = 1.0
+"""How long a multi-rank save that ``close(timeout)`` gave up on, whose upload process had to
+be killed, still looks for its verdict (its part delivered) before it is left undecided."""
 
 PREFLIGHT_GRACE_S = 1.0
 """How long save() waits, once capture is done, for the look at the root to finish; a
@@ -126,6 +132,9 @@ class _SaveJob:
     later saves; its own saves end with it)."""
     aborted: bool = False
     """Given up before capture ended: it can no longer commit, and holds no step."""
+    cancelled_by_close: bool = False
+    """Cancelled while it waited for its outcome (``close(timeout)``): the TimeoutError close
+    raises reports it, not the UploadProcessError of the helper killed for not answering."""
 
 
 class Engine:
@@ -250,7 +259,12 @@ class Engine:
         self._say_if_over_budget(plan)
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
-        await self._pending.acquire()
+        bridge = self._bridge(plan, storage)
+        try:
+            await self._pending.acquire()
+        except BaseException:
+            await self._drop_bridge(bridge, storage, plan)
+            raise
         try:
             self.raise_unobserved()  # a save that failed while we waited
             self._check_order(plan.step, storage)
@@ -260,6 +274,7 @@ class Engine:
             transfer.open_root(storage.url, storage)
         except BaseException:
             self._pending.release()
+            await self._drop_bridge(bridge, storage, plan)
             raise
         loop = asyncio.get_running_loop()
         durable: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
@@ -274,6 +289,9 @@ class Engine:
         self.board.add(job.progress)
         self._jobs[plan.save_id] = job
         job.emit("start")
+        if bridge is not None:  # until the transfer side beats (its look at the root is back) or the save ends
+            for future in (job.preflight, job.outcome):
+                future.add_done_callback(lambda _: bridge.hand_over())
         try:
             transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
             plan.handed_over = True
@@ -285,6 +303,7 @@ class Engine:
             job.emit("exception", exception=exc)
             durable.set_exception(exc)
             durable.exception()  # raised here, by save() itself
+            await self._drop_bridge(bridge, storage, plan)
             raise
         job.task = loop.create_task(self._run(job))
         job.task.add_done_callback(lambda task: self._forget(job))
@@ -294,6 +313,29 @@ class Engine:
             self.abort(plan.save_id)
             raise
         return durable
+
+    def _bridge(self, plan: SavePlan, storage: Storage) -> Heartbeat | None:
+        """A multi-rank save's heartbeat from the trainer side, while it waits for a
+        pending-save slot and until its transfer side (maybe an upload process still
+        starting) beats: the other ranks, perhaps one save further, must not take this rank
+        for stopped meanwhile."""
+        if plan.spec.distributed is None:
+            return None
+        bridge = Heartbeat(storage, plan.spec, self.config.distributed)
+        bridge.start()
+        return bridge
+
+    @staticmethod
+    async def _drop_bridge(bridge: Heartbeat | None, storage: Storage, plan: SavePlan) -> None:
+        """A save that never began: no heartbeat, and no empty folder, left behind."""
+        if bridge is None:
+            return
+        await finish_despite_cancel(bridge.stop())
+        try:
+            await storage.remove_empty_folder(attempt_prefix(plan.step, plan.save_id))
+            await storage.remove_empty_folder(step_dir(plan.step))
+        except Exception as exc:
+            log.debug("aiosnap: removing the folder of a save that never began failed: %r", exc)
 
     async def leave(self, plan: SavePlan, storage: Storage, error: BaseException) -> None:
         """``save()`` of a multi-rank ``plan`` failed on this rank after the ranks agreed.
@@ -393,7 +435,7 @@ class Engine:
                 if current is not None:
                     current.uncancel()
                 self._abort_transfer(job, even_committing=True)
-                given_up = True
+                given_up = job.cancelled_by_close = True
 
     async def _capture(self, job: _SaveJob) -> None:
         """Copy every chunk, check the step order, and let save() return."""
@@ -536,7 +578,9 @@ class Engine:
             else:
                 job.captured.set_exception(failure)
                 job.captured.exception()  # seen by save(), or by nobody if save() was cancelled
-        elif not cancelled:
+        elif not cancelled and not (
+            job.cancelled_by_close and isinstance(failure, (UploadProcessError, RankTimeoutError))
+        ):  # (close's own TimeoutError reports a save it gave up on)
             self.failures.record(failure)  # before the handle can hand it out: see FailureLedger
         if cancelled:
             job.durable.set_exception(concurrent.futures.CancelledError(f"save of step {step} was cancelled"))
@@ -612,10 +656,25 @@ class Engine:
                 job.preflight.exception()
             if job.outcome.done():
                 continue
-            if "upload" in job.stages:  # its commit may have begun, or landed
+            if job.plan.spec.distributed is not None:  # the other ranks must hear of it
+                self._journalling(job, self._rank_lost(job, error))
+            elif "upload" in job.stages:  # its commit may have begun, or landed
                 self._journalling(job, self._read_back(job, error))
             else:
                 self.finished(job.plan.save_id, TransferOutcome(committed=False, error=error))
+
+    async def _rank_lost(self, job: _SaveJob, error: BaseException) -> None:
+        """The upload process died with this rank's part of a multi-rank save: leave the
+        marker the other ranks need, or (its part delivered) wait here for the verdict --
+        briefly (:data:`CLOSE_LOOK_S`) when ``close(timeout)`` gave the save up, which then
+        ends undecided."""
+        wait_s = CLOSE_LOOK_S if job.cancelled_by_close else None
+        try:
+            await settle_without_transfer(job.storage, job.plan.spec, error, self.config.distributed, wait_s=wait_s)
+            outcome = TransferOutcome(committed=True)
+        except Exception as exc:
+            outcome = TransferOutcome(committed=False, error=exc)
+        self.finished(job.plan.save_id, outcome)
 
     async def _read_back(self, job: _SaveJob, error: BaseException) -> None:
         """The transfer side died after a save's upload stage: did its commit land?"""
@@ -701,7 +760,10 @@ class Engine:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
-            raise TimeoutError(f"{len(pending)} save(s) did not commit within {timeout} s and were cancelled")
+            raise TimeoutError(
+                f"{len(pending)} save(s) did not finish within {timeout} s and were cancelled (each handle says how it "
+                "ended: a multi-rank save whose part was delivered may still be committed by its coordinator)"
+            )
 
     async def resume(
         self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None

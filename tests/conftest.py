@@ -17,6 +17,7 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.spec import SaveSpec
+from aiosnap.format.values import key_text
 from aiosnap.storage.base import BytesLike, ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 
@@ -43,6 +44,7 @@ class FaultyStorage(Storage):
         self.inner = inner
         self.url = inner.url
         self.settled_writes = inner.settled_writes
+        self.conditional_writes = inner.conditional_writes
         self.single_file = inner.single_file
         self.fail_when = fail_when
         self.error = error
@@ -163,6 +165,17 @@ class FaultyStorage(Storage):
         self.writes.append(what)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test
+    that talks to LocalStack runs in one worker, so one LocalStack server starts, not two
+    (it takes 20 s and several hundred MiB)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_localstack = callspec is not None and callspec.params.get("s3_server") == "localstack"
+        if on_localstack or "localstack" in item.name or "localstack_endpoint" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("localstack"))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")
     parser.addoption("--soak-rounds", type=int, default=12, help="saves per in-process soak (make soak raises it)")
@@ -205,9 +218,9 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             else True
         ), path
     elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        assert list(a) == list(b), f"{path}: keys {[key_text(k) for k in a]} != {[key_text(k) for k in b]}"
         for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
+            assert_same(a[k], b[k], f"{path}/{key_text(k)}")  # any key: an int of 5,000 digits too
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -216,6 +229,11 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert b != b, path
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _copy_if_there(source: str, destination: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.copy2(source, destination)
 
 
 @pytest.fixture
@@ -243,7 +261,9 @@ def crashed_spool(tmp_path: Path) -> tuple[Path, Path, Config, dict[str, Any]]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     spool_copy, root_copy = tmp_path / "spool-template", tmp_path / "root-template"
-    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    # a landed chunk's spool file is deleted right after its journal record: it may go while
+    # it is copied (a crash, too, can come before or after that deletion)
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"), copy_function=_copy_if_there)
     shutil.copytree(root, root_copy)
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)

@@ -28,9 +28,9 @@ def free_port() -> int:
 def run_ranks(
     scenario: str, world: int, work: Path, timeout: float = 50, child: Path = CHILD, **params: Any
 ) -> list[dict[str, Any]]:
-    """Run ``scenario`` (of the ``child`` module) on ``world`` ranks; each rank's result
-    (``{"ok": ...}`` or ``{"error": type, "message": ...}``; ``{"exit": code}`` for a rank
-    that wrote none)."""
+    """Run ``scenario`` (a function of ``child``, :mod:`dist_child` by default) on ``world``
+    ranks; each rank's result (``{"ok": ...}`` or ``{"error": type, "message": ...}``;
+    ``{"exit": code}`` for a rank that wrote none)."""
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("result-*.json"):
         old.unlink()

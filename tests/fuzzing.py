@@ -20,6 +20,15 @@ INTERESTING: list[Any] = [
 ]  # fmt: skip
 
 
+def laughs(width: int, depth: int) -> list[Any]:
+    """``width`` references to one list, ``depth`` levels deep: a pickle of a few hundred
+    bytes that is ``width ** depth`` values as a tree."""
+    node: list[Any] = ["x"]
+    for _ in range(depth):
+        node = [node] * width
+    return node
+
+
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Every location in a JSON document (dict keys and list indices)."""
     found = [prefix]

@@ -3,7 +3,9 @@ the budget's high-water mark and the process's peak RSS increase (Linux /proc). 
 ``staged-load [cuda]``: load 160 MiB into strided (or CUDA) tensors through the staging
 slabs and report the load's peak RSS increase. With ``small-state``: a default checkpointer
 (a RAM budget far above the state) saving a 10x10 ``Linear`` and then a 96 MiB state, with
-the RSS it adds once made (idle), after the small saves and at its peak."""
+the RSS it adds once made (idle), after the small saves and at its peak. With ``export SRC
+WORK``: export the checkpoint at SRC (10x the budget) to an aiosnap root, that to a DCP
+folder, that to a torch.save file, and report each export's peak RSS increase."""
 
 from __future__ import annotations
 
@@ -83,6 +85,20 @@ def staged_load(root: str, budget_mib: int, device: str = "cpu") -> None:
     print(json.dumps({"state_bytes": total, "budget": budget, "rss_increase": rss.increase, "values_equal": equal}))
 
 
+def exports(budget_mib: int, source: str, work: str) -> None:
+    from aiosnap import export
+
+    config = {"ram_budget": f"{budget_mib}MiB", "events": {"log": False}}
+    figures = {}
+    steps = [("aiosnap", source, f"{work}/root"), ("dcp", f"{work}/root", f"{work}/dcp-out")]
+    steps.append(("torch", f"{work}/dcp-out", f"{work}/f.pt"))
+    for to, src, dest in steps:
+        with PeakRSS() as rss:
+            result = export(src, dest, to=to, config=config)
+        figures[to] = {"rss_increase": rss.increase, "nbytes": result.nbytes}
+    print(json.dumps({"budget": budget_mib * MiB, "exports": figures}))
+
+
 def small_state(root: str, budget_mib: int) -> None:
     """The staging memory is sized by what the saves need, not by the budget."""
     tiny = torch.nn.Linear(10, 10)
@@ -112,7 +128,9 @@ def _rss() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[3:4] == ["small-state"]:
+    if sys.argv[3:4] == ["export"]:
+        exports(int(sys.argv[2]), sys.argv[1], sys.argv[4])
+    elif sys.argv[3:4] == ["small-state"]:
         small_state(sys.argv[1], int(sys.argv[2]))
     elif sys.argv[3:4] == ["staged-load"]:
         staged_load(sys.argv[1], int(sys.argv[2]), *sys.argv[4:5])

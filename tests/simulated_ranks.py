@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from aiosnap.config import DistributedConfig
 from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.tensorio import copy_range_into
 from aiosnap.distributed.group import SaveProposal
@@ -46,7 +47,16 @@ def _flattened(state: dict[str, Any], rank: int, world: int, rank_local: list[st
         raise _Stop
 
     with contextlib.suppress(_Stop):
-        make_plan(state, step=1, chunk_bytes=CHUNK, rank=rank, world_size=world, rank_local=rank_local, agree=capture)
+        make_plan(
+            state,
+            step=1,
+            chunk_bytes=CHUNK,
+            rank=rank,
+            world_size=world,
+            rank_local=rank_local,
+            agree=capture,
+            pickle_values=True,
+        )
     return seen[0]
 
 
@@ -63,7 +73,16 @@ def plan_ranks(states: list[dict[str, Any]], rank_local: list[str] | None = None
         return lambda flat: decide(flat, rank, holdings(flat), found, 0, 5.0)
 
     return [
-        make_plan(state, step=1, chunk_bytes=CHUNK, rank=r, world_size=world, rank_local=patterns, agree=agree(r))
+        make_plan(
+            state,
+            step=1,
+            chunk_bytes=CHUNK,
+            rank=r,
+            world_size=world,
+            rank_local=patterns,
+            agree=agree(r),
+            pickle_values=True,
+        )
         for r, state in enumerate(states)
     ]
 
@@ -104,7 +123,7 @@ def commit(root: Path, plans: list[SavePlan], own: Checksums) -> Manifest:
     async def run() -> Manifest:
         storage = LocalStorage(str(root))
         try:
-            manifest = await gather_manifest(storage, plans[0].spec, own)
+            manifest = await gather_manifest(storage, plans[0].spec, own, DistributedConfig())
             await commit_manifest(storage, manifest, replace=False)
             return manifest
         finally:

@@ -17,6 +17,7 @@ def test_public_names_are_locked() -> None:
     assert set(aiosnap.__all__) == {
         "AiosnapError",
         "CheckpointNotFoundError",
+        "CheckpointReplacedError",
         "Checkpointer",
         "CheckpointerClosedError",
         "ChecksumMismatchError",
@@ -31,6 +32,7 @@ def test_public_names_are_locked() -> None:
         "Manifest",
         "ManifestError",
         "PickleNotAllowedError",
+        "PlainReadTimeoutError",
         "RNGState",
         "RankFailedError",
         "RankTimeoutError",
@@ -48,6 +50,7 @@ def test_public_names_are_locked() -> None:
         "SyncCheckpointer",
         "SyncSaveHandle",
         "TruncatedObjectError",
+        "UnsupportedCheckpointError",
         "UnsupportedStateError",
         "UploadProcessError",
         "WrongThreadError",

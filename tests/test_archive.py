@@ -9,6 +9,7 @@ import os
 import struct
 import time
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from aiosnap.load.fetch import fetch_entries
 from aiosnap.trainer.plan import make_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage
+from tests.conftest import FaultyStorage, assert_same
 
 
 def _state() -> dict[str, Any]:
@@ -352,3 +353,70 @@ def test_a_link_at_the_path_keeps_pointing_at_the_checkpoint(tmp_path: Path, che
     for step in (1, 2):
         single.save({"w": torch.full((4,), float(step))}, step=step).wait()
     assert link.is_symlink() and torch.equal(torch.load(link)["w"], torch.full((4,), 2.0))
+
+
+def test_a_single_file_keeps_what_torch_save_keeps(tmp_path: Path) -> None:
+    """It dropped a module's ``_metadata`` (its state dict's version numbers) and the Python
+    attributes of tensors and Parameters, and pickled a user object's uint16 / float8 /
+    complex32 tensors in a form nobody could load; ``torch.save`` of the same state loads."""
+    from tests.test_symmetry import Holder
+
+    module = torch.nn.Linear(3, 2)
+    tagged = torch.arange(4.0)
+    tagged.note = "kept"  # type: ignore[attr-defined]
+    parameter = torch.nn.Parameter(torch.ones(2))
+    parameter.tied_to = "encoder"  # type: ignore[attr-defined]
+    state = {"model": module, "tagged": tagged, "param": parameter, "held": Holder()}
+    reference = tmp_path / "reference.pt"
+    torch.save({**state, "model": module.state_dict()}, reference)
+    config = Config(storage={"url": str(tmp_path / "root")}, upload={"chunk_size": "64KiB"}, pickle_values=True)
+    with SyncCheckpointer(config) as root:
+        single = _file(root, tmp_path / "m.ckpt")
+        single.save(state, step=1).wait()
+        ours = single.load(allow_pickle=True)
+    assert_same(ours["held"].tensors, state["held"].tensors)
+    for path in (reference, tmp_path / "m.ckpt"):
+        loaded = torch.load(path, weights_only=False)
+        assert loaded["model"]._metadata == module.state_dict()._metadata, path
+        assert loaded["tagged"].note == "kept" and torch.equal(loaded["tagged"], tagged), path
+        assert type(loaded["param"]) is torch.nn.Parameter and loaded["param"].tied_to == "encoder", path
+        assert_same(loaded["held"].tensors, state["held"].tensors)
+
+
+def test_torch_load_reads_a_single_file_wherever_it_reads_torch_saves(tmp_path: Path) -> None:
+    """A tensor (or Parameter) holding a tensor in a Python attribute was pickled through
+    plain pickle, which ``torch.load``'s default ``weights_only`` unpickler refuses."""
+    tagged = torch.arange(4.0)
+    tagged.extra = torch.zeros(3)  # type: ignore[attr-defined]
+    tagged.more = {"mask": torch.arange(5).to(torch.uint16), "name": "m"}  # type: ignore[attr-defined]
+    parameter = torch.nn.Parameter(torch.ones(2))
+    parameter.scale = torch.tensor(0.5)  # type: ignore[attr-defined]
+    state = {"tagged": tagged, "param": parameter, "n": 3}
+    with SyncCheckpointer(Config(storage={"url": str(tmp_path / "root")}, upload={"chunk_size": "64KiB"})) as root:
+        _file(root, tmp_path / "w.ckpt").save(state, step=1).wait()
+    reference = tmp_path / "reference.pt"
+    torch.save(state, reference)
+    for path in (reference, tmp_path / "w.ckpt"):
+        loaded = torch.load(path)  # weights_only=True, torch's default
+        assert torch.equal(loaded["tagged"].extra, tagged.extra) and loaded["tagged"].more["name"] == "m", path
+        assert loaded["tagged"].more["mask"].dtype == torch.uint16, path
+        assert torch.equal(loaded["param"].scale, parameter.scale), path
+
+
+def test_a_stateful_value_inside_a_pickled_object_stays_itself_in_a_single_file(tmp_path: Path) -> None:
+    """A Stateful object that is a value of the state and also sits inside a pickled object
+    became its state dict in both places (chosen by ``id``, wherever the pickler met it)."""
+    config = Config(storage={"url": str(tmp_path / "root")}, upload={"chunk_size": "64KiB"}, pickle_values=True)
+    linear = torch.nn.Linear(2, 2)
+    with SyncCheckpointer(config) as root:
+        _file(root, tmp_path / "s.ckpt").save({"m": linear, "h": _Keeps(linear)}, step=1).wait()
+    shared = torch.load(tmp_path / "s.ckpt", weights_only=False)
+    assert type(shared["m"]) is OrderedDict and type(shared["h"].module) is torch.nn.Linear  # as torch.save's
+    assert torch.equal(shared["h"].module.weight, linear.weight) and torch.equal(shared["m"]["weight"], linear.weight)
+
+
+class _Keeps:
+    """A user object (pickled) keeping a module that is also a value of the state."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module

@@ -10,6 +10,7 @@ import torch
 from aiosnap import Config, SyncCheckpointer
 from aiosnap.core.arena import Arena
 from aiosnap.core.budget import ByteBudget
+from aiosnap.errors import UnsupportedStateError
 from aiosnap.trainer.slabs import SlabPool
 from tests.conftest import FaultyStorage
 
@@ -73,6 +74,41 @@ async def test_the_pool_lends_the_lowest_free_slab_so_only_what_was_needed_at_on
     finally:
         pool.close()
         arena.close()
+
+
+def test_a_tensor_whose_storage_was_shrunk_is_refused_not_read_past_its_end(small_config: Config) -> None:
+    """``untyped_storage().resize_(16)`` leaves the view as it was: capture memmoved its
+    nbytes from a 16-byte allocation (heap bytes saved, or a crash)."""
+    shrunk = torch.randn(1000)
+    shrunk.untyped_storage().resize_(16)
+    strided = torch.randn(100, 8)[:, ::2]  # a strided view: its extent is past numel (refused by the copier)
+    strided.untyped_storage().resize_(100 * 8 * 4 - 8)
+    with SyncCheckpointer(small_config) as ckpt:
+        for name, tensor in (("shrunk", shrunk), ("view", strided)):
+            with pytest.raises(UnsupportedStateError, match=f"{name}: its storage holds"):
+                ckpt.save({"ok": torch.ones(2), name: tensor}, step=1)
+        assert ckpt.steps() == []
+
+
+def test_capture_checks_the_storage_again_when_it_copies() -> None:
+    """Shrunk between the plan and the copy (another thread, while save() runs): refused by
+    the copier, on both of its paths (one memmove per small piece, torch for the rest)."""
+    from aiosnap.core.tensorio import host_address
+    from aiosnap.trainer.capture import Copier
+    from aiosnap.trainer.plan import make_plan
+
+    small, large = torch.randn(64), torch.randn(300_000)
+    plan = make_plan({"small": small, "large": large}, step=1, chunk_bytes=4 * 1024**2)
+    assert host_address(small, small.nbytes) != 0
+    small.untyped_storage().resize_(16)
+    large.untyped_storage().resize_(16)
+    assert host_address(small, small.nbytes) == 0 and host_address(small, 16) != 0
+    slab = torch.empty(plan.chunks[0].nbytes, dtype=torch.uint8)
+    with pytest.raises(UnsupportedStateError, match="small: its storage holds fewer bytes than its view"):
+        Copier().copy(plan, plan.chunks[0], slab, None)
+    small.untyped_storage().resize_(64 * 4)
+    with pytest.raises(UnsupportedStateError, match="large: its storage holds fewer bytes than its view"):
+        Copier().copy(plan, plan.chunks[0], slab, None)
 
 
 async def test_a_held_slab_is_not_lent_again_until_every_hold_ends() -> None:

@@ -87,6 +87,7 @@ def test_flipped_byte_fails_checksum_and_an_atomic_load_leaves_state_untouched(
 
 
 def test_pickled_objects_need_opt_in(small_config: Config) -> None:
+    small_config = small_config.model_copy(update={"pickle_values": True})  # saving them is opted in too
     _save(small_config, {"obj": Opaque(5), "x": torch.ones(2)})
     with SyncCheckpointer(small_config) as ckpt:
         with pytest.raises(PickleNotAllowedError, match="'obj'"):

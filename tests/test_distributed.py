@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import aiosnap
 import pytest
 import torch
 from aiosnap import AiosnapError, CorruptCheckpointError, SyncCheckpointer
@@ -158,6 +159,18 @@ def test_rank_local_values_need_the_same_world_size(tmp_path: Path) -> None:
     with SyncCheckpointer({"storage": {"url": str(root)}}) as ckpt:
         with pytest.raises(StateMismatchError, match="rank-local values .* 2 ranks.*skip_rank_local"):
             ckpt.load()
+        for refused in ({"loader": {"position": 0}}, {"epoch": 0, "rng": aiosnap.RNGState()}):
+            with pytest.raises(StateMismatchError, match="rank-local values .* 2 ranks"):
+                ckpt.load(refused)
+        with pytest.raises(StateMismatchError, match="rank-local values .* 2 ranks"):
+            ckpt.load(paths=["loader"])
+        # a partial load of keys that are not rank-local needs none of them (before: refused too)
+        selected = ckpt.load(paths=["epoch", "model/*"])
+        assert selected["epoch"] == 3 and set(selected) == {"epoch", "model"}
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        plain = {"epoch": 0, "model": fresh}
+        assert ckpt.load(plain) is plain and plain["epoch"] == 3
+        assert_same(dict(fresh.state_dict()), dict(selected["model"]))
         loaded = ckpt.load(skip_rank_local=True)
         assert "rng" not in loaded and "loader" not in loaded and loaded["epoch"] == 3
         assert set(loaded["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}

@@ -12,13 +12,14 @@ import pytest
 import torch
 from aiosnap import SyncCheckpointer, UnsupportedStateError
 from aiosnap.distributed.assign import assign_writers
-from aiosnap.errors import ManifestError
+from aiosnap.errors import ManifestError, StateMismatchError
 from aiosnap.format.classes import describe
 from aiosnap.format.merge import merge_parts
 from aiosnap.format.parts import RankPart, build_part
 from aiosnap.format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
 from aiosnap.format.tiling import check_tiling, overlap
 from aiosnap.load.ranks import rank_view
+from aiosnap.load.select import refuse_unavailable
 
 SAVE_ID = "0123456789abcdef"
 
@@ -135,7 +136,10 @@ def test_a_hostile_rank_part_is_refused_with_its_name() -> None:
     stolen = {**document, "objects": [{**document["objects"][0], "name": f"000000000001/{SAVE_ID}/rank-0/0.bin"}]}
     escaping = {**document, "objects": [{**document["objects"][0], "name": "../../etc/passwd"}]}
     wild = {**document, "written": [{**document["written"][0], "entry": 99}]}
-    for forged, problem in ((stolen, "not in rank 1's folder"), (escaping, "unsafe"), (wild, "out of range")):
+    unchecked = {**document, "written": [{**document["written"][0],
+                 "ranges": [{**document["written"][0]["ranges"][0], "crc32c": None}]}]}  # fmt: skip
+    for forged, problem in ((stolen, "not in rank 1's folder"), (escaping, "unsafe"), (wild, "out of range"),
+                            (unchecked, "without a crc32c")):  # fmt: skip
         body = json.dumps(forged).encode()
         data = body[:-1] + b',"crc32c":%d}' % crc32c.crc32c(body)
         with pytest.raises(ManifestError, match=f"part.json: invalid rank part: .*{problem}"):
@@ -161,8 +165,10 @@ def test_rank_view_gives_each_rank_its_own_values() -> None:
     assert view.tree["items"] == [["x", 10], ["y", {"t": "list", "items": [1]}]]
     skipped = rank_view(manifest, 0, 3, skip_rank_local=True)
     assert skipped.tree["items"] == [["x", {"t": "skipped"}], ["y", {"t": "skipped"}]]
-    with pytest.raises(ValueError, match="2 ranks"):
-        rank_view(manifest, 0, 3, skip_rank_local=False)
+    elsewhere = rank_view(manifest, 0, 3, skip_rank_local=False)  # refused only where a load needs them
+    assert [value["t"] for _, value in elsewhere.tree["items"]] == ["unavailable", "unavailable"]
+    with pytest.raises(StateMismatchError, match="2 ranks"):
+        refuse_unavailable(elsewhere.tree)
     with pytest.raises(ValueError, match="rank-local values of 1 ranks"):
         Manifest.model_validate({**manifest.model_dump(), "rank_local": [record(0).model_dump()]})
     with pytest.raises(ValueError, match="no multi-rank parts"):

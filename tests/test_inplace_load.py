@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import ChecksumMismatchError, Config, SyncCheckpointer
+from aiosnap import ChecksumMismatchError, Config, StateMismatchError, SyncCheckpointer
 from tests.conftest import count_fresh_tensors, damage_entry
 
 
@@ -158,3 +158,41 @@ def test_found_by_review_lists_stateful_objects_autograd_and_aliases(tmp_path: P
         view = buffer[:]  # another tensor the load writes, over the same bytes
         ckpt.load({"a": buffer, "p": view[:3]})
         assert torch.equal(buffer, torch.tensor([1.0, 1.0, 1.0, 3.0]))
+
+
+def test_a_step_saved_from_a_module_loads_into_a_plain_dict_of_its_tensors(
+    saved: tuple[Config, dict[str, Any]],
+) -> None:
+    """Half of it was read in place, then the dict was replaced by the checkpoint's, and
+    a key the checkpoint lacked was never reported."""
+    config, expected = saved
+    weights = {k: torch.zeros_like(v) for k, v in expected["model"].items()}
+    weights["1.bias"] = weights["1.bias"].double()  # another dtype: copied into, converted
+    target = {"model": weights}
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.load(target)
+        assert target["model"] is weights  # the caller's dict, loaded: not replaced
+        for name, tensor in weights.items():
+            assert torch.equal(tensor, expected["model"][name].to(tensor.dtype)), name
+        assert weights["1.bias"].dtype == torch.float64
+        with pytest.raises(StateMismatchError, match="model: key\\(s\\) \\['extra'\\] are not in checkpoint"):
+            ckpt.load({"model": {**weights, "extra": torch.zeros(1)}})
+        module, _ = _trained(2)
+        ckpt.load({"model": module.double().state_dict()})  # a module's state dict of other dtypes
+        for name, tensor in module.state_dict().items():
+            assert torch.equal(tensor, expected["model"][name].double()), name
+
+
+def test_a_meta_tensor_target_is_refused_never_left_unloaded(saved: tuple[Config, dict[str, Any]]) -> None:
+    config, expected = saved
+    with torch.device("meta"):
+        on_meta = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
+    with SyncCheckpointer(config) as ckpt:
+        for atomic in (False, True):
+            with pytest.raises(StateMismatchError, match="'bias': a tensor on the meta device"):
+                ckpt.load({"bias": torch.empty(6, device="meta")}, atomic=atomic)
+            with pytest.raises(StateMismatchError, match="'model/0.weight', 'model/0.bias'.*meta device"):
+                ckpt.load({"model": on_meta}, atomic=atomic)
+        on_meta.to_empty(device="cpu")  # the way out the message names
+        ckpt.load({"model": on_meta})
+        assert torch.equal(on_meta.state_dict()["1.weight"], expected["model"]["1.weight"])

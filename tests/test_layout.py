@@ -17,7 +17,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).parent.parent / "aiosnap"
 
 LAYERS: list[set[str]] = [
-    {"__init__", "__main__", "checkpointer", "lifecycle", "cli", "integrations", "bench", "testing"},
+    {
+        "__init__",
+        "__main__",
+        "checkpointer",
+        "lifecycle",
+        "cli",
+        "cli_export",
+        "integrations",
+        "bench",
+        "testing",
+        "dcp",
+    },
     {"service", "distributed", "runtime"},
     {"trainer", "transfer"},
     {"catalog", "load", "handoff", "interop"},
@@ -151,5 +162,5 @@ def test_the_package_root_holds_only_the_public_surface() -> None:
     """Primitives live in ``aiosnap.core``, the trainer/transfer contract in
     ``aiosnap.handoff``; the root keeps the shims, the engine, config, errors and the CLI."""
     assert sorted(p.stem for p in PACKAGE.glob("*.py")) == [
-        "__init__", "__main__", "checkpointer", "cli", "config", "errors", "lifecycle", "service",
+        "__init__", "__main__", "checkpointer", "cli", "cli_export", "config", "errors", "lifecycle", "service",
     ]  # fmt: skip

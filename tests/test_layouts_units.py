@@ -16,6 +16,7 @@ import crc32c
 import pytest
 import torch
 from aiosnap import AiosnapError, CorruptCheckpointError, RanksDisagreeError, SyncCheckpointer
+from aiosnap.config import DistributedConfig
 from aiosnap.core.placements import local_boxes
 from aiosnap.format.parts import part_name
 from aiosnap.format.union import TreeUnion
@@ -242,7 +243,7 @@ def _gather(root: Path, plans: list[Any], own: Any) -> Any:
     async def run() -> Any:
         storage = LocalStorage(str(root))
         try:
-            return await gather_manifest(storage, plans[0].spec, own)
+            return await gather_manifest(storage, plans[0].spec, own, DistributedConfig())
         finally:
             await storage.close()
 
@@ -363,22 +364,24 @@ def test_fuzzed_parts_fail_cleanly(tmp_path: Path, request: pytest.FixtureReques
      ("ManifestError", CorruptCheckpointError), ("OSError", AiosnapError)],
 )  # fmt: skip
 def test_every_rank_raises_the_merges_verdict_with_its_type(tmp_path: Path, recorded: str, raised: type) -> None:
-    """The coordinator's merge fails (ranks disagree, a part is forged): it records why in its
-    ``aborted`` marker, and every other rank raises the same type at ``wait()``."""
+    """The coordinator's merge fails (ranks disagree, a part is forged): it records why in the
+    save's ``abort`` verdict, and every other rank raises the same type at ``wait()``."""
+    from aiosnap.config import DistributedConfig
     from aiosnap.errors import RankFailedError
-    from aiosnap.format.parts import aborted_name
-    from aiosnap.transfer.rank_commit import wait_for_commit
+    from aiosnap.format.markers import Verdict, verdict_name
+    from aiosnap.transfer.rank_wait import wait_for_commit
 
     plans = plan_ranks(_stages())
     spec = plans[1].spec
-    reason = {"rank": 0, "error": recorded, "message": "step 1: 'model/b': rank 1 holds float32 (5,)"}
-    (tmp_path / aborted_name(1, SAVE_ID)).parent.mkdir(parents=True)
-    (tmp_path / aborted_name(1, SAVE_ID)).write_text(json.dumps(reason))
+    verdict = Verdict(verdict="abort", save_id=SAVE_ID, rank=0, error=recorded,
+                      message="step 1: 'model/b': rank 1 holds float32 (5,)")  # fmt: skip
+    (tmp_path / verdict_name(1, SAVE_ID)).parent.mkdir(parents=True)
+    (tmp_path / verdict_name(1, SAVE_ID)).write_bytes(verdict.to_json())
 
     async def wait() -> None:
         storage = LocalStorage(str(tmp_path))
         try:
-            await wait_for_commit(storage, spec)
+            await wait_for_commit(storage, spec, DistributedConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5))
         finally:
             await storage.close()
 

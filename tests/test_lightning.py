@@ -149,7 +149,7 @@ def test_save_checkpoint_returns_before_durable_and_loads_back(tmp_path: Path, c
         slow[url] = FaultyStorage(checkpoint_storage(url, cfg), delay=1.0)
         return slow[url]
 
-    plugin = AiosnapCheckpointIO(config, storage_for=storage_for)
+    plugin = AiosnapCheckpointIO(config, storage_for=storage_for, plain_reads_wait=False)  # to look before it lands
     model = Regressor(width=256)
     state = {"state_dict": model.state_dict(), "global_step": 7, "epoch": 1, "note": "x"}
     path = tmp_path / "manual.ckpt"

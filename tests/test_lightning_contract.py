@@ -151,7 +151,7 @@ def test_another_plugin_instance_waits_for_a_save_in_flight(tmp_path: Path, conf
     def slow(url: str, cfg: Config) -> FaultyStorage:
         return FaultyStorage(checkpoint_storage(url, cfg), delay=0.5)
 
-    writer = AiosnapCheckpointIO(config, storage_for=slow)
+    writer = AiosnapCheckpointIO(config, storage_for=slow, plain_reads_wait=False)  # to look before it lands
     reader = AiosnapCheckpointIO(config)
     path = tmp_path / "inflight.ckpt"
     writer.save_checkpoint({"w": torch.full((3,), 7.0), "global_step": 3}, path)
@@ -192,13 +192,13 @@ def test_a_folder_reached_through_a_symlinked_parent_is_one_checkpoint(tmp_path:
 
 
 def test_the_registry_of_saves_in_flight_forgets_finished_saves(tmp_path: Path, config: Config) -> None:
-    from aiosnap.integrations import lightning
+    from aiosnap.integrations import inflight
 
     plugin = AiosnapCheckpointIO(config)
     for i in range(10):
         plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / f"{i}.ckpt")
     plugin.teardown()
-    assert not any(str(tmp_path) in key for key in lightning._in_flight)
+    assert not any(str(tmp_path) in key for key in inflight._in_flight)
 
 
 def test_a_first_save_that_failed_leaves_no_empty_file_behind(tmp_path: Path, config: Config) -> None:

@@ -140,13 +140,13 @@ def test_any_change_to_the_table_lays_it_out_afresh(change: str) -> None:
         chunk_bytes = 8192
     else:
         state["extra"] = {"a", "b"}  # a set is pickled: never remembered
-    second = make_plan(state, step=2, chunk_bytes=chunk_bytes, memo=memo)
+    second = make_plan(state, step=2, chunk_bytes=chunk_bytes, memo=memo, pickle_values=True)
     assert second.spec.entries is not first.spec.entries
-    fresh = make_plan(state, step=2, chunk_bytes=chunk_bytes)
+    fresh = make_plan(state, step=2, chunk_bytes=chunk_bytes, pickle_values=True)
     assert second.spec.entries == fresh.spec.entries
     assert [c.pieces for c in second.spec.chunks] == [c.pieces for c in fresh.spec.chunks]
     if change == "pickle":
-        third = make_plan(state, step=3, chunk_bytes=chunk_bytes, memo=memo)
+        third = make_plan(state, step=3, chunk_bytes=chunk_bytes, memo=memo, pickle_values=True)
         assert third.spec.entries is not second.spec.entries
 
 
@@ -222,6 +222,7 @@ def test_a_spec_crosses_to_the_upload_process_unchanged(kind: str) -> None:
         metadata={"epoch": 3},
         single_file=kind == "single_file",
         rank_local=("rng",) if kind == "rank_local" else (),
+        pickle_values=True,
     )
     back = pickle.loads(pickle.dumps(plan.spec, protocol=pickle.HIGHEST_PROTOCOL))
     assert back == plan.spec

@@ -31,7 +31,7 @@ def _state() -> dict[str, Any]:
 
 @pytest.fixture
 def saved(tmp_path: Path) -> tuple[Config, dict[str, Any]]:
-    config = Config(storage={"url": str(tmp_path)}, upload={"chunk_size": "1MiB"})
+    config = Config(storage={"url": str(tmp_path)}, upload={"chunk_size": "1MiB"}, pickle_values=True)
     state = _state()
     with SyncCheckpointer(config) as ckpt:
         ckpt.save(state, step=1).wait()
@@ -91,7 +91,7 @@ class Color(enum.Enum):
 
 
 def test_keys_that_are_tensors_or_pickles_do_not_stop_a_selection(tmp_path: Path) -> None:
-    config = Config(storage={"url": str(tmp_path)})
+    config = Config(storage={"url": str(tmp_path)}, pickle_values=True)
     weights = torch.ones(3)
     with SyncCheckpointer(config) as ckpt:
         ckpt.save(

@@ -111,6 +111,48 @@ def test_saves_the_grace_period_is_too_short_for_are_resumed_from_the_spool(tmp_
     assert time.monotonic() - began >= 2  # they waited for the grace period
 
 
+_WATCH_THE_HELPER = """
+import signal, sys, time
+from pathlib import Path
+from aiosnap import Config, SyncCheckpointer
+
+def signal_set(pid, field):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+
+config = Config(
+    storage={"url": sys.argv[1]}, upload={"executor": "process"},
+    preemption={"enabled": True, "grace_period": 5}, events={"log": False, "stderr": False},
+)
+term = 1 << (signal.SIGTERM - 1)
+with SyncCheckpointer(config) as ckpt:
+    pid = ckpt._engine.transfer.pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        blocked, ignored = signal_set(pid, "SigBlk") & term, signal_set(pid, "SigIgn") & term
+        if not (blocked or ignored):
+            sys.exit("the upload process would die of SIGTERM now")
+        if ignored and not blocked:
+            break
+    else:
+        sys.exit("the upload process never came to ignore SIGTERM")
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set(), "the trainer's own mask changed"
+print("OK")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal sets from /proc")
+def test_the_upload_process_never_dies_of_a_preemption_signal_while_it_starts(tmp_path: Path) -> None:
+    """A cluster signals every process of the job, maybe while the upload process is still
+    starting (before it could ignore the signal): from its first instruction the signal is
+    blocked, then ignored; never left to its default action, which ends the process. (In a
+    child: the preemption handler stays in the process that enabled it.)"""
+    done = subprocess.run([sys.executable, "-c", _WATCH_THE_HELPER, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "OK", (done.stdout, done.stderr[-3000:])
+
+
 def test_sigterm_with_no_save_in_flight_lets_the_trainer_take_a_last_save(tmp_path: Path) -> None:
     """With the upload process, which gets the signal too (a SLURM job's processes all do):
     it ignores it, and the last save goes through it."""

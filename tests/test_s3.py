@@ -121,7 +121,7 @@ def test_unreachable_server_fails_typed_within_the_deadline(s3_endpoint: str, s3
     handle = ckpt.save({"x": torch.ones(10)}, step=2)
     with pytest.raises(StorageUnavailableError, match="retry deadline") as info:
         handle.wait(30)
-    assert time.monotonic() - started < 1.5 + 1 + 2  # deadline + one attempt's timeout + slack
+    assert time.monotonic() - started < 1.5 + 1 + 4  # deadline + one attempt's timeout + slack (a loaded machine)
     assert info.value.__cause__ is not None
     ckpt.close()  # reported at wait(), not again
     assert _keys(s3_client, s3_bucket) == before, "nothing written, the previous checkpoint untouched"

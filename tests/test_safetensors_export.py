@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from aiosnap import AiosnapError, CheckpointNotFoundError, Config, SyncCheckpointer
+from aiosnap import AiosnapError, Config, SyncCheckpointer
 from aiosnap.cli import main
 from aiosnap.interop.safetensors.api import export, open_safetensors
 from aiosnap.interop.safetensors.layout import INDEX_FILE, hf_name
@@ -249,13 +251,44 @@ def test_an_import_whose_commit_answer_is_lost_is_committed_and_whole(tmp_path: 
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_formats_the_export_does_not_read_yet_are_named(tmp_path: Path) -> None:
+def test_a_torch_save_file_and_a_dcp_folder_export_to_safetensors(tmp_path: Path) -> None:
+    """Every format the converter reads is a source of a safetensors export too."""
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
 
-    state = {"model": {"w": torch.ones(2)}}
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}, "step": 3}
     torch.save(state, tmp_path / "plain.pt")
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
-    with pytest.raises(CheckpointNotFoundError, match=r"torch\.save file\?.*not done yet"):
-        export(str(tmp_path / "plain.pt"), str(tmp_path / "out1"))
-    with pytest.raises(CheckpointNotFoundError, match=r"\(DCP\) folder.*not done yet"):
-        export(str(tmp_path / "dcp"), str(tmp_path / "out2"))
+    for source in ("plain.pt", "dcp"):
+        out = tmp_path / f"hf-{source}"
+        report = export(str(tmp_path / source), str(out))
+        assert report.tensors == 2, (source, report)
+        loaded = load_file(str(out / report.files[0]))
+        assert set(loaded) == {"w", "b"}, source
+        assert torch.equal(loaded["w"], state["model"]["w"]) and torch.equal(loaded["b"], state["model"]["b"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_safetensors_folder_converts_to_every_format(tmp_path: Path) -> None:
+    """The converter reads a Hugging Face folder like any other source: to torch.save, to a
+    DCP checkpoint torch's own reader loads, to an aiosnap root; ``aiosnap ls`` names it."""
+    import torch.distributed.checkpoint as dcp
+    from aiosnap import export as export_any
+    from safetensors.torch import save_file
+
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    (tmp_path / "hf").mkdir()
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
+    export_any(str(tmp_path / "hf"), str(tmp_path / "o.pt"), to="torch")
+    saved = torch.load(tmp_path / "o.pt", weights_only=True)["model"]
+    assert all(torch.equal(saved[name], value) for name, value in weights.items())
+    export_any(str(tmp_path / "hf"), str(tmp_path / "dcp"), to="dcp")
+    target = {"model": {name: torch.zeros_like(value) for name, value in weights.items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    assert all(torch.equal(target["model"][name], value) for name, value in weights.items())
+    export_any(str(tmp_path / "hf"), str(tmp_path / "root"), to="aiosnap")
+    with SyncCheckpointer(str(tmp_path / "root")) as ckpt:
+        assert torch.equal(ckpt.load()["model"]["w"], weights["w"])
+    listed = subprocess.run([sys.executable, "-m", "aiosnap", "ls", str(tmp_path / "hf")],
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert listed.returncode == 0 and "a safetensors folder" in listed.stderr, listed.stderr

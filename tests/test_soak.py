@@ -11,6 +11,8 @@ from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, s3_config
 from tests.soak import Figures, soak_in_process, soak_killed_children
 
+from soak_ranks import RankFigures, soak_rank_jobs
+
 pytestmark = pytest.mark.both_executors
 
 
@@ -55,3 +57,14 @@ def test_soak_sigkill_of_a_child_trainer(tmp_path: Path, request: pytest.Fixture
     figures = Figures()
     soak_killed_children(config, request.config.getoption("--soak-kills"), 13, figures)
     _report(figures, f"SIGKILL, spool {mode}")
+
+
+@pytest.mark.thread_only  # each job picks its ranks' executor itself
+@pytest.mark.timeout(3000)
+def test_soak_two_rank_jobs_with_a_rank_or_a_helper_killed(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    figures = RankFigures()
+    jobs = max(1, request.config.getoption("--soak-kills"))
+    soak_rank_jobs(tmp_path / "root", tmp_path / "jobs", jobs, 14, figures)
+    print(f"\nsoak (2-rank jobs, a rank or an upload helper killed): {figures.line()}")
+    assert figures.problems == []
+    assert figures.steps_verified > 0

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,3 +279,96 @@ def test_a_constructor_that_fails_releases_the_spool_lock_and_the_events_file(
     open_paths = {f.path for f in psutil.Process().open_files()}
     assert str(events_file) not in open_paths, "the JSON-lines file was closed"
     SyncCheckpointer(config.model_copy(update={"loop": "asyncio"})).close()  # the spool lock was released
+
+
+def _crash_before_commit(config: Config, state: dict[str, Any], step: int, **save: Any) -> None:
+    """What a trainer killed after capture, with its commit not yet written, leaves: the
+    spool and the root as they are then (the manifest write is held; the rest lands)."""
+    root, spool_dir = Path(config.storage.url), Path(str(config.spool.dir))
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: name.endswith("manifest.json")
+    ckpt = SyncCheckpointer(config, storage=store)
+    try:
+        ckpt.save(state, step=step, **save)  # returns once captured: the journal says so
+        deadline = time.monotonic() + 10
+        while True:
+            journals = list(spool_dir.glob("*/journal.jsonl"))
+            text = journals[0].read_text() if journals else ""
+            if '"captured"' in text and text.count('"landed"') == text.count('"spooled"'):
+                break
+            assert time.monotonic() < deadline, f"no complete journal in {spool_dir}: {text[:200]!r}"
+            time.sleep(0.01)
+        kept = {folder: folder.with_name(folder.name + "-at-crash") for folder in (root, spool_dir)}
+        for folder, copy in kept.items():
+            copy.mkdir()
+            if folder.exists():  # a save without tensor bytes has written nothing to the root
+                shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("LOCK"), dirs_exist_ok=True)
+    finally:
+        with pytest.raises(TimeoutError):
+            ckpt.close(timeout=0.1)
+    for folder, copy in kept.items():
+        shutil.rmtree(folder, ignore_errors=True)
+        copy.rename(folder)
+
+
+def _deepest_accepted(wrap: Any, state: dict[str, Any] | None = None, key: str = "cfg", **save: Any) -> Any:
+    """The most levels of ``wrap`` around a leaf at ``state[key]`` that the planner takes."""
+    from aiosnap.errors import UnsupportedStateError
+    from aiosnap.trainer.plan import make_plan
+
+    def nested(levels: int) -> Any:
+        value: Any = 1
+        for _ in range(levels):
+            value = wrap(value)
+        return value
+
+    low, high = 1, 512  # accepted, refused
+    while high - low > 1:
+        mid = (low + high) // 2
+        try:
+            make_plan({**(state or {}), key: nested(mid)}, step=1, chunk_bytes=1 << 20, **save)
+            low = mid
+        except UnsupportedStateError:
+            high = mid
+    return nested(low)
+
+
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
+@pytest.mark.parametrize("kind", ["no_tensor_bytes", "rank_local", "one_rank_dtensor", "deep"])
+def test_a_crash_after_capture_loses_no_state_in_always_mode(tmp_path: Path, kind: str) -> None:
+    """``spool.mode: always`` lost a save with no tensor bytes (no journal was started), and
+    discarded a one-process save in the multi-rank format (``rank_local=``, DTensors of a
+    one-device mesh) as "cannot be trusted" on resume; so it did deeply nested states that
+    commit without a crash (the journal's spec went through pydantic's JSON parser, which
+    stops at 200 levels, of the record's own nesting and the tree's)."""
+    import torch.distributed as dist
+
+    config = _local(tmp_path / "root", tmp_path / "spool", mode="always", resume=True)
+    save: dict[str, Any] = {}
+    state: dict[str, Any] = {"step": 7, "lr": 0.5, "name": "run", "empty": torch.empty(0)}
+    if kind == "rank_local":
+        state = {"w": torch.randn(3000), "rng": torch.get_rng_state(), "step": 7}
+        save = {"rank_local": ["rng"]}
+    elif kind == "deep":  # as deep as save() takes, whatever its bound: a rank-local value is a tree
+        save = {"rank_local": ["rng"]}  # of its own, in the spec's distributed part, further down the journal
+        state = {"cfg": _deepest_accepted(lambda v: {"k": v}), "w": torch.randn(3000), "rng": 2}
+        state["rng"] = _deepest_accepted(lambda v: [v], state, "rng", **save)
+    elif kind == "one_rank_dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        state = {"w": distribute_tensor(torch.randn(64, 4), mesh, [Shard(0)]), "step": 7}
+    try:
+        _crash_before_commit(config, state, 5, **save)
+        with SyncCheckpointer(config) as ckpt:  # the next start resumes the spool
+            assert ckpt.resume_report.resumed == [5], ckpt.resume_report
+            restored = ckpt.load()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    expected = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    assert list(restored) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value) if isinstance(value, torch.Tensor) else restored[key] == value

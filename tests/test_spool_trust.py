@@ -242,3 +242,81 @@ async def test_cancelled_saves_leave_no_empty_spool_folders(tmp_path: Path) -> N
             except TimeoutError:
                 pass
     assert [p.name for p in (tmp_path / "spool").iterdir()] == ["LOCK"]
+
+
+@pytest.mark.thread_only  # wraps the journal's writer in the trainer's process
+async def test_a_save_cancelled_while_its_journal_is_written_is_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save without tensor bytes (``always`` mode: all of it is in its journal), cancelled
+    while its one journal append runs on a worker thread: the abort cancels its capture a
+    second time, which gave up waiting for the thread; the spool folder was removed, the
+    thread then wrote ``begin`` and ``captured`` into a new one, and the next start resumed
+    and committed the save whose caller had seen it cancelled."""
+    import threading
+
+    from aiosnap import Checkpointer
+    from aiosnap.format import journal
+
+    config = _spool_config(tmp_path / "ckpt", tmp_path / "spool")
+    real_append, real_discard = journal._append, Spool.discard
+    held, release, appended, discarded = (threading.Event() for _ in range(4))
+
+    def held_append(path: pathlib.Path, data: bytes, create: bool) -> None:
+        if not (b'"begin"' in data and b'"captured"' in data) or held.is_set():  # step 2's one append
+            return real_append(path, data, create)
+        held.set()
+        release.wait(10)
+        try:
+            real_append(path, data, create)
+        finally:
+            appended.set()
+
+    async def discard_then_let_it_land(self: Spool, save_id: str) -> None:
+        await real_discard(self, save_id)
+        if held.is_set() and not release.is_set():  # the cleanup ran while the append was held
+            discarded.set()
+            release.set()
+            await asyncio.to_thread(appended.wait, 10)  # what a thread left running writes now
+
+    monkeypatch.setattr(journal, "_append", held_append)
+    monkeypatch.setattr(Spool, "discard", discard_then_let_it_land)
+    async with Checkpointer(config) as ckpt:
+        await (await ckpt.save({"w": torch.ones(2)}, step=1))
+        task = asyncio.ensure_future(ckpt.save({"n": 2, "name": "run"}, step=2))
+        assert await asyncio.to_thread(held.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the cleanup must wait for the append; if it does not, it runs within this wait
+        if not await asyncio.to_thread(discarded.wait, 0.3):
+            release.set()
+        assert await ckpt.steps() == [1]
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "spool").iterdir()] == ["LOCK"], "a journal outlived its save"
+    resuming = config.model_copy(update={"spool": config.spool.model_copy(update={"resume": True})})
+    with SyncCheckpointer(resuming) as ckpt:
+        assert ckpt.resume_report.resumed == [] and ckpt.steps() == [1]
+
+
+@pytest.mark.thread_only  # the trainer's side alone
+async def test_a_finished_session_never_writes_its_journal_again(tmp_path: Path) -> None:
+    """Whatever still runs when a save is over (a late record) writes nothing: the journal
+    would start a new folder after the cleanup, and the next start would resume it."""
+    config = _spool_config(tmp_path / "ckpt", tmp_path / "spool")
+    spool = Spool.open(config.spool, min_bytes=64 * 1024)
+    assert spool is not None
+    arena = Arena(64 * 1024, 1, shared=False)
+    pool = SlabPool(arena, ByteBudget(arena.size, "ram_budget"))
+    try:
+        plan = make_plan({"n": 1}, step=1, chunk_bytes=64 * 1024)  # nothing to spill: all in its journal
+        session = SpoolSession(spool, plan, str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), pool, None, None)
+        await session.finish()
+        await session.captured()
+        await session.done_with(0, [0])
+        assert not spool.save_dir(plan.save_id).exists()
+    finally:
+        pool.close()
+        del pool
+        arena.close()
+        spool.close()

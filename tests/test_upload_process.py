@@ -215,7 +215,7 @@ def test_close_timeout_with_a_stopped_helper_returns(root: Path, monkeypatch: py
     try:
         handle = ckpt.save({"w": torch.randn(1000)}, step=1)  # returns after the preflight grace
         started = time.monotonic()
-        with pytest.raises((UploadProcessError, TimeoutError)):
+        with pytest.raises(TimeoutError):  # as documented (before: the killed helper's UploadProcessError)
             ckpt.close(timeout=1)
         assert time.monotonic() - started < 20
         with pytest.raises(UploadProcessError):

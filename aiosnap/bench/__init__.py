@@ -23,6 +23,7 @@ BENCHMARKS = {
     "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
     "distributed": "aiosnap.bench.distributed",
+    "dcp": "aiosnap.bench.dcp",
     "safetensors": "aiosnap.bench.safetensors",
     "gpu": "aiosnap.bench.gpu",
 }

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..catalog.steps import read_manifest
+from ..config import DistributedConfig
 from ..distributed.assign import assign_writers
 from ..format.buckets import bucket_of
 from ..format.classes import describe
@@ -40,7 +41,8 @@ from ..format.spec import ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, S
 from ..load.reshard import ShardTarget, overlaps
 from ..storage.base import Storage
 from ..transfer.commit import commit_manifest
-from ..transfer.rank_commit import deliver_part, gather_manifest, wait_for_commit
+from ..transfer.rank_commit import deliver_part, gather_manifest
+from ..transfer.rank_wait import wait_for_commit
 
 __all__ = ["main"]
 
@@ -53,7 +55,8 @@ class Counting:
     """Counts a storage's requests by kind (LIST, GET, PUT, HEAD); delegates everything."""
 
     KINDS: ClassVar[dict[str, str]] = {
-        "list_children": "LIST", "read": "GET", "write": "PUT", "exists": "HEAD", "size": "HEAD",
+        "list_children": "LIST", "read": "GET", "write": "PUT", "write_marker": "PUT", "exists": "HEAD",
+        "size": "HEAD",
     }  # fmt: skip
 
     def __init__(self, inner: Storage) -> None:
@@ -161,17 +164,18 @@ async def _measure(storage: Storage, world: int, spec_of: Any, reshard: Any) -> 
     coordinator = spec_of(0)
     counting = Counting(storage)
     started = time.perf_counter()
-    manifest = await gather_manifest(counting, coordinator, _crcs(coordinator))  # type: ignore[arg-type]
+    timers = DistributedConfig()
+    manifest = await gather_manifest(counting, coordinator, _crcs(coordinator), timers)  # type: ignore[arg-type]
     manifest_bytes = await commit_manifest(counting, manifest, replace=False)  # type: ignore[arg-type]
     commit_s = time.perf_counter() - started
     requests = dict(counting.counts)
     tracemalloc.start()
-    again = await gather_manifest(storage, coordinator, _crcs(coordinator))
+    again = await gather_manifest(storage, coordinator, _crcs(coordinator), timers)
     again.to_json()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     follower = Counting(storage)
-    await wait_for_commit(follower, spec_of(1))  # type: ignore[arg-type]
+    await wait_for_commit(follower, spec_of(1), timers)  # type: ignore[arg-type]
     started = time.perf_counter()
     loaded = await read_manifest(storage, 1)
     read_s = time.perf_counter() - started

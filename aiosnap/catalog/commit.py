@@ -11,13 +11,16 @@ import asyncio
 import logging
 from typing import Literal
 
-from ..core.names import attempt_prefix, manifest_name
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import Manifest
+from ..core.names import manifest_name
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, UnsupportedStateError
+from ..format.manifest import Manifest, checked_json
 from ..storage.base import Storage
-from .steps import committed_save_id, read_manifest, trust_committed
+from .steps import committed_document, read_manifest, trust_committed
+from .tombstones import Tombstones, retire_attempt
 
-__all__ = ["READ_BACK_TIMEOUT_S", "commit_manifest", "whose_commit"]
+__all__ = [
+    "READ_BACK_TIMEOUT_S", "checked_document", "commit_manifest", "remove_replaced", "whose_commit", "write_manifest",
+]  # fmt: skip
 
 log = logging.getLogger("aiosnap")
 
@@ -25,17 +28,45 @@ READ_BACK_TIMEOUT_S = 10.0
 """How long reading back an ambiguous commit may take before it is left undecided."""
 
 
-async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool) -> int:
-    """Write the manifest: the commit point. Returns its size in bytes.
+def checked_document(storage: Storage, manifest: Manifest) -> bytes:
+    """The bytes that commit ``manifest``, read back first as a reader would read them: one
+    it would refuse is never committed (:class:`UnsupportedStateError`: the state made a
+    manifest no reader takes; nothing is written, the latest step stays as it was)."""
+    try:
+        return checked_json(manifest, f"{storage.url}/{manifest_name(manifest.step)}")[0]
+    except ManifestError as exc:
+        raise UnsupportedStateError(
+            f"step {manifest.step}: this save's manifest would not be read back, so it is not committed ({exc})"
+        ) from None
+
+
+async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool, document: bytes | None = None) -> int:
+    """Write the manifest: the commit point. Returns its size in bytes. ``document``: its
+    bytes as :func:`checked_document` gave them (made here when None).
 
     A new step's manifest is written only if still absent; :class:`FileExistsError` if
     another writer committed the step first. A re-save (``replace``) replaces the step's
     manifest, then removes the attempt folder the old one named (a failure there is only
     logged: the save has committed)."""
-    if manifest.has_unverified_ranges():  # only manifests translated from foreign formats have them
+    if document is None:
+        document = checked_document(storage, manifest)
+    replaced = await write_manifest(storage, manifest, document, replace=replace)
+    if replaced is not None:
+        await remove_replaced(storage, manifest, replaced[0])
+    return len(document)
+
+
+async def write_manifest(
+    storage: Storage, manifest: Manifest, document: bytes, *, replace: bool
+) -> tuple[str | None, bytes] | None:
+    """Write ``document`` (``manifest`` as JSON) as the step's manifest: the commit point. A
+    new step's only if still absent (:class:`FileExistsError` if another writer committed
+    it first). For a re-save (``replace``), what it replaced: that manifest's save id (None
+    if unreadable) and bytes; None when nothing was replaced. A manifest with byte ranges
+    that carry no crc32c (only translations from foreign formats have them) is refused."""
+    if manifest.has_unverified_ranges():
         raise ValueError(f"step {manifest.step}: a manifest with byte ranges that carry no crc32c is never committed")
     name = manifest_name(manifest.step)
-    document = manifest.to_json()
     if not replace:
         try:
             await storage.write(name, document, if_absent=True)
@@ -47,16 +78,24 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
                     "while this save ran; not overwriting it"
                 ) from exc
         trust_committed(manifest.step, document, manifest.save_id)
-        return len(document)
-    replaced = await committed_save_id(storage, manifest.step)
+        return None
+    old = await committed_document(storage, manifest.step)
     await storage.write(name, document)
     trust_committed(manifest.step, document, manifest.save_id)
-    if replaced is not None and replaced != manifest.save_id:
-        try:
-            await storage.delete_prefix(attempt_prefix(manifest.step, replaced))
-        except Exception as exc:
-            log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
-    return len(document)
+    return None if old is None else (old[1], old[0])
+
+
+async def remove_replaced(
+    storage: Storage, manifest: Manifest, replaced: str | None, tombstones: Tombstones | None = None
+) -> None:
+    """After a re-save's commit: remove the attempt the old manifest named (a failure is
+    only logged: the save has committed)."""
+    if replaced is None or replaced == manifest.save_id:
+        return
+    try:
+        await retire_attempt(storage, manifest.step, replaced, tombstones)
+    except Exception as exc:
+        log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
 
 
 async def whose_commit(

@@ -7,8 +7,13 @@ each item again right before removing it, because training may be writing the ro
 - committed steps beyond the newest ``keep_last`` (manifest first, then the attempt it
   names) -- re-checked against a fresh listing;
 - attempt folders ``<step>/<save id>/`` that no manifest names and whose newest object is
-  older than the grace period (younger ones may be saves in progress) -- re-checked: still
-  old, still not committed;
+  older than the grace period (younger ones may be saves in progress), and that are not a
+  multi-rank save in progress (:mod:`.liveness`): one with a heartbeat within the lease it
+  states (``distributed.heartbeat_timeout``; one that only looks stopped by this host's clock
+  is watched for its lease first), or a verdict younger than :data:`VERDICT_READ_S` (its
+  ranks may be reading it), is left alone whatever the grace; so is, always, one whose
+  commit was claimed and whose manifest never appeared (undecided) -- re-checked: still
+  old, still not live, still not committed;
 - temporary files a crashed manifest write left in a step folder, older than the grace;
 - multipart uploads under the root started before the grace period (S3).
 
@@ -20,18 +25,21 @@ Runs on whichever event loop calls it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
 from dataclasses import dataclass, field
 
-from ..core.names import MANIFEST_FILE, attempt_prefix, parse_step_dir, step_dir
+from ..core.names import MANIFEST_FILE, attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.markers import VERDICT_FILE, VERDICT_READ_S
 from ..storage.base import ObjectInfo, Storage
+from .liveness import Look, judge
 from .maintenance import split_name
 from .steps import committed_save_id, read_manifest, remove_step, retention_victims
 
-__all__ = ["GcPlan", "GcReport", "collect_garbage", "plan_gc"]
+__all__ = ["VERDICT_READ_S", "GcPlan", "GcReport", "collect_garbage", "plan_gc"]
 
 _TEMP_MANIFEST = re.compile(r"\.manifest\.json\.([0-9a-f]{8}\.tmp|lock)")
 
@@ -49,10 +57,17 @@ class GcPlan:
     """Multipart uploads (name, upload id) started before the grace period."""
     kept_recent: list[str] = field(default_factory=list)
     """Attempt folders younger than the grace period (possibly saves in progress)."""
+    kept_live: list[str] = field(default_factory=list)
+    """Attempt folders of multi-rank saves in progress (a live heartbeat, a young verdict)."""
+    kept_undecided: list[str] = field(default_factory=list)
+    """Attempt folders of multi-rank saves whose commit was claimed and whose manifest never
+    appeared: their coordinator may still write it, so gc never removes them."""
     kept_unreadable: list[int] = field(default_factory=list)
     """Committed steps whose manifest cannot be read: left whole."""
     sizes: dict[str, int] = field(default_factory=dict)
     """Bytes each planned item holds (steps by their folder name)."""
+    heartbeats: dict[str, bytes] = field(default_factory=dict)
+    """The heartbeats of planned attempts as read: one that changed by removal time is live."""
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +82,8 @@ class GcReport:
     removed_incomplete: list[str] = field(default_factory=list)
     """Attempt folders and temporary files removed."""
     kept_recent: list[str] = field(default_factory=list)
+    kept_live: list[str] = field(default_factory=list)
+    kept_undecided: list[str] = field(default_factory=list)
     kept_unreadable: list[int] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Planned, but no longer garbage when re-checked (a save wrote to it meanwhile)."""
@@ -91,7 +108,7 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
     objects = await storage.walk()
     attempts: dict[tuple[int, str], list[ObjectInfo]] = {}
     temps: list[ObjectInfo] = []
-    committed: set[int] = set()
+    committed: dict[int, float] = {}  # step -> when its manifest was written
     for obj in objects:
         where = split_name(obj.name)
         if where is None:
@@ -100,7 +117,7 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
         if save_id is not None:
             attempts.setdefault((step, save_id), []).append(obj)
         elif obj.name == f"{step_dir(step)}/{MANIFEST_FILE}":
-            committed.add(step)
+            committed[step] = obj.mtime
         elif _TEMP_MANIFEST.fullmatch(obj.name.split("/", 1)[1]) and obj.mtime < cutoff:
             temps.append(obj)
     plan = GcPlan()
@@ -115,6 +132,7 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
     readable = sorted(owners)
     doomed = set(readable[:-keep_last])
     plan.steps = sorted(doomed)
+    watched: dict[str, Look] = {}
     for (step, save_id), members in sorted(attempts.items()):
         if step in plan.kept_unreadable or (step in owners and owners[step] == save_id):
             if step in doomed:
@@ -124,21 +142,61 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
         if max(o.mtime for o in members) >= cutoff:
             plan.kept_recent.append(prefix)
             continue
-        plan.attempts.append(prefix)
-        plan.sizes[prefix] = sum(o.size for o in members)
+        look = await judge(
+            storage, members, now, save_id=save_id, owner=owners.get(step), manifest_mtime=committed.get(step)
+        )
+        if look.state == "watch":
+            watched[prefix] = look
+        _place(plan, prefix, look, members)
+    if watched:  # heartbeats that only this host's clock says ran out: look again after their lease
+        slept = time.monotonic()
+        await asyncio.sleep(max(look.watch_s for look in watched.values()))
+        later = now + time.monotonic() - slept
+        for prefix, look in watched.items():
+            plan.attempts.remove(prefix)
+            del plan.sizes[prefix]
+            again = await _look_again(storage, prefix, later, look.heartbeats)
+            _place(plan, prefix, again, await storage.walk(prefix))
     plan.temp_files = [o.name for o in temps]
     plan.sizes.update({o.name: o.size for o in temps})
     plan.uploads = [(name, upload) for name, upload in await storage.stale_uploads(cutoff) if split_name(name)]
     return plan
 
 
-async def _still_garbage(storage: Storage, prefix: str, cutoff: float) -> bool:
-    """Right before removing an attempt folder: still old, and no manifest names it."""
+def _place(plan: GcPlan, prefix: str, look: Look, members: list[ObjectInfo]) -> None:
+    if look.state == "live":
+        plan.kept_live.append(prefix)
+    elif look.state == "undecided":
+        plan.kept_undecided.append(prefix)
+    else:  # removable (or watched: placed again after the second look)
+        plan.attempts.append(prefix)
+        plan.sizes[prefix] = sum(o.size for o in members)
+        plan.heartbeats.update(look.heartbeats)
+
+
+async def _look_again(storage: Storage, prefix: str, now: float, seen: dict[str, bytes]) -> Look:
+    """The attempt ``prefix`` as it stands now, its heartbeats compared with ``seen``."""
+    folder, save_id = prefix.split("/")
+    step = parse_step_dir(folder)
+    assert step is not None
+    found = await storage.walk(folder)
+    manifest = next((o for o in found if o.name == manifest_name(step)), None)
+    members = [o for o in found if o.name.startswith(prefix + "/")]
+    return await judge(
+        storage, members, now, save_id=save_id, owner=await committed_save_id(storage, step) if manifest else None,
+        manifest_mtime=None if manifest is None else manifest.mtime, seen=seen,
+    )  # fmt: skip
+
+
+async def _still_garbage(storage: Storage, prefix: str, cutoff: float, now: float, seen: dict[str, bytes]) -> bool:
+    """Right before removing an attempt folder: still old, not live, and no manifest names it."""
     folder, save_id = prefix.split("/")
     step = parse_step_dir(folder)
     assert step is not None
     found = await storage.walk(prefix)
     if found and max(o.mtime for o in found) >= cutoff:
+        return False
+    if found and (await _look_again(storage, prefix, now, seen)).state != "removable":
         return False
     return await committed_save_id(storage, step) != save_id
 
@@ -151,8 +209,9 @@ async def collect_garbage(
     now = time.time() if now is None else now
     plan = await plan_gc(storage, keep_last=keep_last, grace_s=grace_s, now=now)
     report = GcReport(
-        kept_recent=plan.kept_recent, kept_unreadable=plan.kept_unreadable, freed_bytes=plan.nbytes, dry_run=dry_run
-    )
+        kept_recent=plan.kept_recent, kept_live=plan.kept_live, kept_undecided=plan.kept_undecided,
+        kept_unreadable=plan.kept_unreadable, freed_bytes=plan.nbytes, dry_run=dry_run,
+    )  # fmt: skip
     if dry_run:
         report.deleted_steps = list(plan.steps)
         report.removed_incomplete = plan.attempts + plan.temp_files
@@ -167,9 +226,10 @@ async def collect_garbage(
         report.deleted_steps.append(step)
     cutoff = now - grace_s
     for prefix in plan.attempts:
-        if not await _still_garbage(storage, prefix, cutoff):
+        if not await _still_garbage(storage, prefix, cutoff, now, plan.heartbeats):
             report.skipped.append(prefix)
             continue
+        await storage.delete(f"{prefix}/{VERDICT_FILE}")  # first: no rank reads a verdict beside removed data
         await storage.delete_prefix(prefix)
         await storage.remove_empty_folder(prefix.split("/", 1)[0])
         report.removed_incomplete.append(prefix)

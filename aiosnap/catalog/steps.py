@@ -18,13 +18,15 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
+from ..core.names import manifest_name, parse_step_dir, step_dir
 from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
+from .tombstones import Tombstones, retire_attempt
 
 __all__ = [
     "apply_retention",
+    "committed_document",
     "committed_steps",
     "latest_committed",
     "manifest_of",
@@ -99,7 +101,12 @@ async def _look_until_settled(storage: Storage, look: Callable[[list[int]], Awai
 
 async def read_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of ``step``; CheckpointNotFoundError if it is not committed,
-    ManifestError (a CorruptCheckpointError) if it cannot be trusted."""
+    ManifestError (a CorruptCheckpointError) if it cannot be trusted. A foreign checkpoint
+    (a DCP folder, ...) gives the manifest translated from its own metadata."""
+    translated = await storage.translated_manifest(step)
+    if translated is not None:
+        assert isinstance(translated, Manifest)
+        return translated
     return _validated(await _manifest_bytes(storage, step), storage, step)
 
 
@@ -183,8 +190,9 @@ _TRUSTED = _TrustedManifests()
 
 
 def trust_committed(step: int, document: bytes, save_id: str) -> None:
-    """This process just committed ``document`` (a manifest it built, which was validated
-    as it was built): the same bytes read back need no second validation."""
+    """This process just committed ``document``, which it read back with the readers' own
+    parser and validator before writing it (:func:`~aiosnap.format.manifest.checked_json`):
+    the same bytes read back need no second validation."""
     _TRUSTED.learn(step, document, save_id)
 
 
@@ -239,22 +247,35 @@ async def _read_naming_older(storage: Storage, step: int) -> Manifest:
 async def committed_save_id(storage: Storage, step: int) -> str | None:
     """The save id of ``step``'s manifest; None when there is none or it cannot be read.
     A manifest this process has validated before, byte for byte, is not validated again."""
+    found = await committed_document(storage, step)
+    return None if found is None else found[1]
+
+
+async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | None] | None:
+    """The bytes of ``step``'s manifest and its save id (None when it cannot be read); None
+    when there is no manifest."""
     try:
         data = await _manifest_bytes(storage, step)
-        known = _TRUSTED.save_id(step, data)
-        return known if known is not None else _validated(data, storage, step).save_id
-    except (CheckpointNotFoundError, CorruptCheckpointError):
+    except CheckpointNotFoundError:
         return None
+    known = _TRUSTED.save_id(step, data)
+    if known is not None:
+        return data, known
+    try:
+        return data, _validated(data, storage, step).save_id
+    except CorruptCheckpointError:
+        return data, None
 
 
-async def remove_step(storage: Storage, step: int) -> None:
-    """Uncommit ``step`` (manifest first), then delete the attempt folder it named. Other
-    attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap gc``;
-    so is the data of a step whose manifest could not be read."""
+async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
+    """Uncommit ``step`` (manifest first), then delete the attempt folder it named (with
+    ``tombstones``, a multi-rank attempt's verdict stays a while: see :mod:`.tombstones`).
+    Other attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap
+    gc``; so is the data of a step whose manifest could not be read."""
     save_id = await committed_save_id(storage, step)
     await storage.delete(manifest_name(step))
     if save_id is not None:
-        await storage.delete_prefix(attempt_prefix(step, save_id))
+        await retire_attempt(storage, step, save_id, tombstones)
     await storage.remove_empty_folder(step_dir(step))
 
 
@@ -275,15 +296,20 @@ async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -
 
 
 async def apply_retention(
-    storage: Storage, keep_last: int | None, just_committed: int, in_flight_steps: set[int]
+    storage: Storage,
+    keep_last: int | None,
+    just_committed: int,
+    in_flight_steps: set[int],
+    tombstones: Tombstones | None = None,
 ) -> list[int]:
     """Delete what :func:`retention_victims` names; never ``just_committed`` and never a
-    step with a save in flight. Returns the steps deleted."""
+    step with a save in flight (``tombstones``: see :func:`remove_step`). Returns the steps
+    deleted."""
     if keep_last is None:
         return []
     doomed = await retention_victims(storage, keep_last, {just_committed, *in_flight_steps})
     for step in doomed:
-        await remove_step(storage, step)
+        await remove_step(storage, step, tombstones)
     return doomed
 
 

@@ -16,15 +16,22 @@ T = TypeVar("T")
 
 async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
     """Await ``operation``; if the caller is cancelled meanwhile, let the operation run to
-    its end first (no buffer still in use by a thread, no file left open), then re-raise."""
+    its end first (no buffer still in use by a thread, no file left open, no file written
+    after the caller's cleanup), then re-raise the cancellation. Every further cancellation
+    while it waits is absorbed too: one that gave up waiting would leave the thread running
+    past the cleanup (a save cancelled twice, by its caller and then by its own abort)."""
     task = asyncio.ensure_future(operation)
     try:
         return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
+    except asyncio.CancelledError as cancelled:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                continue  # still running: the caller hears of its cancellation once it ends
         if not task.cancelled():
             task.exception()  # mark retrieved: the cancellation is what the caller reports
-        raise
+        raise cancelled
 
 
 async def finish_despite_cancel(operation: Coroutine[Any, Any, T]) -> T:

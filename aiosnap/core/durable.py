@@ -88,8 +88,9 @@ def makedirs_durably(folder: Path, attempts: int = 5) -> None:
                 raise
 
 
-def copy_file_atomically(source: str, path: Path) -> None:
-    """Copy (kernel-side where possible), fsync, rename into place, fsync the directory."""
+def copy_file_atomically(source: str, path: Path, if_absent: bool = False) -> None:
+    """Copy (kernel-side where possible), fsync, rename into place (with ``if_absent``,
+    :func:`publish_if_absent`), fsync the directory."""
     makedirs_durably(path.parent)
     tmp = temp_name(path)
     try:
@@ -99,7 +100,10 @@ def copy_file_atomically(source: str, path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if if_absent:
+            publish_if_absent(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
             tmp.unlink()

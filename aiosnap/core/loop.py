@@ -12,8 +12,8 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Coroutine
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, Literal, TypeVar
 
 from ..errors import ForkedProcessError, WrongThreadError
 
@@ -38,6 +38,41 @@ def _new_loop(kind: Literal["auto", "uvloop", "asyncio"]) -> asyncio.AbstractEve
         else:
             return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+class _Handoff(Generic[T]):
+    """The result of one :meth:`LoopThread.run` with an ``abandoned`` callback: either the
+    caller takes it, or, once the caller has given up, ``abandoned`` does (see there)."""
+
+    def __init__(self, abandoned: Callable[[T], None]) -> None:
+        self._abandoned = abandoned
+        self._lock = threading.Lock()
+        self._given_up = False
+        self._returned = False
+
+    async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs on the loop thread: ``coro``, its result handed over under the lock."""
+        result = await coro
+        with self._lock:
+            if not self._given_up:
+                self._returned = True
+                return result
+        self._abandoned(result)
+        raise asyncio.CancelledError
+
+    def give_up(self, future: concurrent.futures.Future[T]) -> None:
+        """The caller's thread, leaving early: the result goes to ``abandoned``."""
+        with self._lock:
+            self._given_up = True
+            returned = self._returned
+        if not returned:  # the coroutine sees _given_up if it still returns: cancel it
+            future.cancel()
+            return
+        future.add_done_callback(self._done)  # returned: the future holds it, or soon will
+
+    def _done(self, future: concurrent.futures.Future[T]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._abandoned(future.result())
 
 
 class LoopThread:
@@ -92,19 +127,36 @@ class LoopThread:
             )
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None = None,
+        *,
+        abandoned: Callable[[T], None] | None = None,
+    ) -> T:
         """Run ``coro`` on the loop and block the calling thread for its result. Left early
-        (KeyboardInterrupt, timeout), the coroutine is cancelled."""
+        (KeyboardInterrupt, timeout), the coroutine is cancelled; a result it returned anyway
+        -- it was done, or finished before the cancellation reached it -- is handed to
+        ``abandoned`` (a resource the caller will never see, to give back; called on the
+        loop thread or this one), never lost."""
         if self.in_loop_thread():
             coro.close()
             raise WrongThreadError(
                 "a blocking aiosnap call was made from aiosnap's own event-loop thread; use the async API (await) there"
             )
-        future = self.submit(coro)
+        if abandoned is None:
+            future = self.submit(coro)
+            try:
+                return future.result(timeout)
+            except BaseException:
+                future.cancel()
+                raise
+        handoff = _Handoff(abandoned)
+        future = self.submit(handoff.guard(coro))
         try:
             return future.result(timeout)
         except BaseException:
-            future.cancel()
+            handoff.give_up(future)
             raise
 
     def stop(self, timeout: float = CLOSE_TIMEOUT_S) -> None:

@@ -11,6 +11,7 @@ import re
 
 __all__ = [
     "MANIFEST_FILE",
+    "STEP_LIMIT",
     "attempt_prefix",
     "check_object_name",
     "check_save_id",
@@ -22,6 +23,8 @@ __all__ = [
 
 MANIFEST_FILE = "manifest.json"
 STEP_DIGITS = 12
+STEP_LIMIT = 10**20
+"""Steps are below this: a step folder's name has at most 20 digits."""
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 _STEP_DIR = re.compile(r"[0-9]{12,20}")
 

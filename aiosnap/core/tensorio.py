@@ -12,7 +12,10 @@ import torch
 
 from .checksums import crc32c_of
 
-__all__ = ["bytes_view", "copy_range_into", "host_address", "iter_row_major_views", "value_crc32c", "write_constants"]
+__all__ = [
+    "bytes_view", "copy_range_into", "copyable", "host_address", "iter_row_major_views", "storage_holds",
+    "value_crc32c", "write_constants",
+]  # fmt: skip
 
 _DEVICE_PIECE = 64 * 1024 * 1024
 """Bytes of a device tensor copied to host at a time by :func:`value_crc32c`."""
@@ -34,6 +37,14 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_BYTES_ONLY = frozenset(
+    dtype
+    for kind in ("int", "uint")
+    for bits in range(1, 8)
+    if isinstance(dtype := getattr(torch, f"{kind}{bits}", None), torch.dtype)
+)
+"""Bit-packed dtypes (``torch.int1`` ... ``torch.uint7``, one byte each) that torch views but does
+not copy ("copy_kernel not implemented"): copied as the bytes they are."""
 
 
 def value_crc32c(tensor: torch.Tensor) -> int:
@@ -60,7 +71,8 @@ def host_address(tensor: torch.Tensor, nbytes: int) -> int:
     """Where the first ``nbytes`` of ``tensor``'s row-major bytes lie in host memory, as
     they are; 0 when they do not lie there plainly (a device tensor, a strided view, a lazy
     conjugate or negative view, a subclass other than Parameter, a tensor that no longer
-    holds ``nbytes``). Copying from this address is the same as copying its values."""
+    holds ``nbytes``, or whose storage no longer does: ``untyped_storage().resize_()``
+    leaves the view as it was). Copying from this address is the same as copying its values."""
     if (
         type(tensor) not in _PLAIN_TYPES
         or not tensor.is_cpu
@@ -71,7 +83,32 @@ def host_address(tensor: torch.Tensor, nbytes: int) -> int:
         or tensor._is_zerotensor()
     ):
         return 0
-    return int(tensor.data_ptr())
+    address = int(tensor.data_ptr())
+    storage = tensor.untyped_storage()  # ~1 us: the one check a copy by address needs
+    if storage.data_ptr() + storage.nbytes() < address + nbytes:
+        return 0
+    return address
+
+
+def copyable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or of a bit-packed dtype (:data:`_BYTES_ONLY`, which torch views but does not
+    copy) its bytes as ``uint8``: what a copy between two tensors of one dtype copies."""
+    return tensor.view(torch.uint8) if tensor.dtype in _BYTES_ONLY else tensor
+
+
+def storage_holds(tensor: torch.Tensor, storage_nbytes: int | None = None) -> bool:
+    """Whether ``tensor``'s storage (of ``storage_nbytes``, when known) holds every byte of
+    its view: a storage resized smaller (``untyped_storage().resize_()``) does not, and
+    reading the view would read memory that is not the tensor's."""
+    if tensor.numel() == 0:
+        return True
+    if storage_nbytes is None:
+        storage_nbytes = tensor.untyped_storage().nbytes()
+    itemsize = tensor.element_size()
+    if tensor.is_contiguous():
+        return (tensor.storage_offset() + tensor.numel()) * itemsize <= storage_nbytes
+    last = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return (tensor.storage_offset() + last + 1) * itemsize <= storage_nbytes
 
 
 def iter_row_major_views(tensor: torch.Tensor, start: int, stop: int) -> Iterator[torch.Tensor]:
@@ -110,6 +147,7 @@ def copy_range_into(
 ) -> None:
     """Copy ``nbytes`` of ``src``'s row-major bytes from ``src_offset`` into the uint8 buffer
     ``dest`` at ``dest_offset``. Offsets and lengths are multiples of the element size."""
+    src = copyable(src)
     itemsize = src.element_size()
     typed = dest[dest_offset : dest_offset + nbytes].view(src.dtype)
     first = src_offset // itemsize

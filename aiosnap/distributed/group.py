@@ -128,12 +128,32 @@ class RankGroup:
             )
         return found
 
-    def agree_step(self, step: int | None) -> int | None:
-        """Rank 0's choice of step for a load, for every rank."""
+    def agree_step(self, step: int | None, *, failed: bool = False) -> int | None:
+        """Rank 0's choice of step for a load, for every rank; ``failed``: rank 0 could not
+        look the latest step up, and every other rank raises :class:`RankFailedError` (rank
+        0 raises its own error)."""
         self._arrive("load()")
         words = [-1, 0] if step is None else [step // _HALF, step % _HALF]
-        first = self._exchange(_LOAD, words + [0] * (_WORDS - 2))[0]
+        first = self._exchange(_LOAD, words + [int(failed)] + [0] * (_WORDS - 3))[0]
+        if first[2]:
+            raise RankFailedError(
+                "load(): rank 0 could not look up the latest committed step (it raises its own error); no rank loads"
+            )
         return None if first[0] < 0 else first[0] * _HALF + first[1]
+
+    def agree_spools(self, digest: int) -> list[int]:
+        """Every rank's spool directory, as a digest of its host and path (0: none), when
+        the checkpointer is made."""
+        self._arrive("making the checkpointer")
+        return [row[0] for row in self._exchange(_OPEN, [digest] + [0] * (_WORDS - 1))]
+
+    def agree_loaded(self, save_id: str | None, failed: bool) -> list[tuple[str | None, bool]]:
+        """After a load read its step: the save id each rank's manifest named (None: it read
+        none) and whether its read failed, for every rank."""
+        self._arrive("the end of load()")
+        ours = [0, 0] if save_id is None else [1, int(save_id, 16) - _SIGNED]
+        rows = self._exchange(_LOADED, [int(failed), *ours] + [0] * (_WORDS - 3))
+        return [(f"{row[2] + _SIGNED:016x}" if row[1] else None, bool(row[0])) for row in rows]
 
     def close(self) -> None:
         """Nothing to release: the group is shared by this process's checkpointers (see
@@ -186,8 +206,8 @@ _FIXED = 7
 _WORDS = _FIXED + BUCKETS
 EXCHANGE_BYTES = 8 * (1 + _WORDS)
 """Bytes each rank sends per agreement: an operation tag and :data:`_WORDS` words."""
-_SAVE, _LOAD = 1, 2
-_OPERATIONS = {_SAVE: "save()", _LOAD: "load()"}
+_SAVE, _LOAD, _LOADED, _OPEN = 1, 2, 3, 4
+_OPERATIONS = {_SAVE: "save()", _LOAD: "load()", _LOADED: "the end of load()", _OPEN: "making a checkpointer"}
 
 
 def _encode(p: SaveProposal) -> list[int]:

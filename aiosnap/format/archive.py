@@ -26,13 +26,16 @@ __all__ = [
     "ALIGN",
     "ARCHIVE",
     "MANIFEST_RECORD",
+    "MARKS_BYTES",
     "MAX_TRAILER_BYTES",
     "Record",
     "Trailer",
     "build_tail",
     "data_record_name",
+    "has_aiosnap_marks",
     "local_header",
     "parse_trailer",
+    "zip_directory",
 ]
 
 ARCHIVE = "archive"
@@ -58,6 +61,10 @@ _UTF8 = 1 << 11
 _COMMENT = re.compile(rb"aiosnap-archive step=(\d{1,20}) save=([0-9a-f]{16}) manifest=(\d{1,20})\+(\d{1,20})")
 MAX_TRAILER_BYTES = _EOCD.size + 128
 """Bytes at the end of the file that hold the end record and its comment."""
+MARKS_BYTES = 1024
+"""Bytes at the end of the file that hold :func:`has_aiosnap_marks`' marks (the end records,
+the comment and the central directory entry of the manifest, which comes last)."""
+_MARKS = (b"aiosnap-archive ", MANIFEST_RECORD.split("/", 1)[1].encode())
 
 
 def data_record_name(entry: int) -> str:
@@ -138,23 +145,27 @@ def build_tail(
         if full == MANIFEST_RECORD:
             manifest_at = at + len(out)
         out += data
-    directory_at = at + len(out)
-    for record in records:
-        out += _central_entry(record)
-    directory_size = at + len(out) - directory_at
-    count = len(records)
-    if count >= _U16 or directory_at >= _U32 or directory_size >= _U32:
-        end64_at = at + len(out)
-        out += _EOCD64.pack(
-            _EOCD64_SIG, _EOCD64.size - 12, _VERSION, _VERSION, 0, 0, count, count, directory_size, directory_at
-        )
-        out += _LOCATOR.pack(_LOCATOR_SIG, 0, end64_at, 1)
     comment = b"aiosnap-archive step=%d save=%s manifest=%d+%d" % (
         step, save_id.encode("ascii"), manifest_at, len(manifest_bytes),
     )  # fmt: skip
+    out += zip_directory(records, at + len(out), comment)
+    return bytes(out)
+
+
+def zip_directory(records: Sequence[Record], at: int, comment: bytes = b"") -> bytes:
+    """The central directory of ``records`` and the end records (zip64 where needed), for a
+    directory that starts at offset ``at`` of the archive."""
+    out = bytearray()
+    for record in records:
+        out += _central_entry(record)
+    directory_size = len(out)
+    count = len(records)
+    if count >= _U16 or at >= _U32 or directory_size >= _U32:
+        end64_at = at + len(out)
+        out += _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, _VERSION, _VERSION, 0, 0, count, count, directory_size, at)
+        out += _LOCATOR.pack(_LOCATOR_SIG, 0, end64_at, 1)
     out += _EOCD.pack(
-        _EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16),
-        min(directory_size, _U32), min(directory_at, _U32), len(comment),
+        _EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16), min(directory_size, _U32), min(at, _U32), len(comment),
     )  # fmt: skip
     out += comment
     return bytes(out)
@@ -190,3 +201,11 @@ def parse_trailer(tail: bytes, file_size: int) -> Trailer | None:
     if offset + nbytes > file_size - len(tail) + found:
         return None
     return Trailer(step, match[2].decode("ascii"), offset, nbytes)
+
+
+def has_aiosnap_marks(tail: bytes) -> bool:
+    """True when the last :data:`MARKS_BYTES` (or fewer) bytes of a file carry aiosnap's
+    marks: the start of the trailer's comment, or the name of the manifest's record in the
+    central directory. A file that has them but no :func:`parse_trailer` trailer is an aiosnap
+    archive whose end is damaged (one byte is enough: ``torch.load`` reads on without it)."""
+    return any(mark in tail for mark in _MARKS)

@@ -22,22 +22,30 @@ if cancelled (no record can land after the save's cleanup).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticSerializationError, to_json
 
 from ..core import durable
 from ..core.aio import complete_before_cancel
 from ..core.checksums import crc32c_of
 from ..core.names import check_save_id
 from ..errors import AiosnapError
-from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest
+from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest, checked_json
+from .merge import merge_parts
+from .parts import build_part
 from .spec import SaveSpec
+from .values import json_int
 
-__all__ = ["JOURNAL", "JournalError", "JournalState", "JournalWriter", "read_journal"]
+__all__ = [
+    "JOURNAL", "JournalError", "JournalState", "JournalWriter", "RankPartJournal", "begin_record", "manifest_of_spec",
+    "read_journal",
+]  # fmt: skip
 
 JOURNAL = "journal.jsonl"
 FORMAT = 3
@@ -46,6 +54,10 @@ MAX_JOURNAL_BYTES = 2 * MAX_MANIFEST_BYTES
 
 class JournalError(AiosnapError, ValueError):
     """A spool journal that cannot be trusted (the save it describes is not resumed)."""
+
+
+class RankPartJournal(JournalError):
+    """A valid journal of one rank's part of a multi-rank save, which no spool can finish."""
 
 
 class _Record(BaseModel):
@@ -88,8 +100,32 @@ class Captured(_Record):
 _KINDS: dict[str, type[_Record]] = {"begin": Begin, "spooled": Spooled, "landed": Landed, "captured": Captured}
 
 
+def begin_record(spec: SaveSpec, *, storage_url: str, owner_url: str, keep_last: int | None) -> dict[str, Any]:
+    """The first record of a save's journal (see :class:`Begin`)."""
+    return {
+        "kind": "begin",
+        "format": FORMAT,
+        "save_id": spec.save_id,
+        "step": spec.step,
+        "storage_url": storage_url,
+        "owner_url": owner_url,
+        "keep_last": keep_last,
+        "spec": spec.to_document(),
+    }
+
+
 def _line(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode("utf-8")
+    """One journal line. Written by pydantic's serializer, as manifests are: the same
+    nesting bound, and ints written whatever the process's digit limit; by ``json`` when
+    that cannot (a lone surrogate in a root's path, which ``json`` escapes). OSError if
+    neither can: the save goes on without its journal (see the callers)."""
+    try:
+        body = to_json(record)
+    except PydanticSerializationError:
+        try:
+            body = json.dumps(record, separators=(",", ":")).encode("ascii")
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise OSError(errno.EINVAL, f"a journal record cannot be written as JSON: {str(exc)[:200]}") from None
     return f"{crc32c_of(body):08x} ".encode() + body + b"\n"
 
 
@@ -103,8 +139,14 @@ class JournalWriter:
     async def append(self, *records: dict[str, Any]) -> None:
         data = b"".join(_line(r) for r in records)
         create = not self._created
-        await complete_before_cancel(asyncio.to_thread(durable.append, self.path, data, new_name=create))
+        await complete_before_cancel(asyncio.to_thread(_append, self.path, data, create))
         self._created = True
+
+
+def _append(path: Path, data: bytes, create: bool) -> None:
+    if create:  # a save with nothing spooled has no folder yet
+        path.parent.mkdir(exist_ok=True)
+    durable.append(path, data, new_name=create)
 
 
 @dataclass
@@ -128,6 +170,10 @@ class JournalState:
         """(offset, nbytes) of the byte ranges in ``chunk``'s object, by offset."""
         return _piece_ranges(self.manifest)[chunk]
 
+    def final_manifest(self) -> Manifest:
+        """The manifest to commit: the spec's, with every piece's crc32c."""
+        return manifest_of_spec(self.spec, self.checksums())
+
     def checksums(self) -> Checksums:
         """Every piece's crc32c, keyed like the manifest's ranges."""
         crcs: Checksums = {}
@@ -138,13 +184,27 @@ class JournalState:
         return crcs
 
 
+def manifest_of_spec(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
+    """The manifest a save made by one process commits (see
+    :func:`~aiosnap.format.manifest.build_manifest`): of a one-rank job saved in the
+    multi-rank format too (rank-local values, or DTensors on a mesh of one device), its only
+    part merged as its coordinator merges it. ValueError for a part of a larger job (its
+    coordinator commits it) or a spec that is not consistent. Not validated: see
+    :func:`~aiosnap.format.manifest.checked_json`."""
+    if spec.distributed is None or spec.world_size != 1:
+        return build_manifest(spec, crcs)
+    if crcs is None:
+        crcs = {(c.object_name, p.dst_offset): 0 for c in spec.chunks for p in c.pieces}
+    return merge_parts(spec, {spec.rank: build_part(spec, crcs)})
+
+
 def _piece_ranges(manifest: Manifest) -> list[list[tuple[int, int]]]:
-    """For each object, in order, its byte ranges (offset, nbytes), ascending."""
+    """For each object, in order, its byte ranges (offset, nbytes), ascending (of whole
+    entries, shards and rank-local values alike)."""
     index = {o.name: i for i, o in enumerate(manifest.objects)}
     ranges: list[list[tuple[int, int]]] = [[] for _ in manifest.objects]
-    for entry in manifest.entries:
-        for r in entry.ranges:
-            ranges[index[r.object]].append((r.offset, r.nbytes))
+    for _, r in manifest.all_ranges():
+        ranges[index[r.object]].append((r.offset, r.nbytes))
     return [sorted(found) for found in ranges]
 
 
@@ -152,7 +212,7 @@ def _parse_line(line: bytes) -> dict[str, Any]:
     head, _, body = line.partition(b" ")
     if len(head) != 8 or f"{crc32c_of(body):08x}".encode() != head:
         raise ValueError("checksum mismatch")
-    doc = json.loads(body)
+    doc = json.loads(body, parse_int=json_int)  # the readers' digit bound, whatever the process's
     if not isinstance(doc, dict):
         raise ValueError("not a record")
     return doc
@@ -190,8 +250,16 @@ def read_journal(path: Path, save_id: str) -> JournalState:
         raise JournalError(f"it describes save {begin.save_id!r}, not the folder's {save_id!r}")
     try:
         spec = SaveSpec.from_document(begin.spec)
-        manifest = build_manifest(spec)  # validated like any manifest read back
-    except (ValueError, TypeError, RecursionError, AiosnapError) as exc:
+        if spec.world_size > 1:
+            raise RankPartJournal(
+                f"it holds rank {spec.rank} of {spec.world_size}'s part of a multi-rank save of step {spec.step}, "
+                "which commits only while all its ranks run (the coordinator merges every rank's part): no spool "
+                "can finish it (the step is committed if the coordinator finished it before the crash)"
+            )
+        _, manifest = checked_json(manifest_of_spec(spec), "the journal's save")  # as any reader would
+    except RankPartJournal:
+        raise
+    except Exception as exc:  # whatever a forged spec makes fail: never a crash of the caller
         raise JournalError(f"its save spec cannot be trusted: {_short(exc)}") from None
     if manifest.save_id != save_id or manifest.step != begin.step:
         raise JournalError("its manifest belongs to another save")

@@ -6,6 +6,16 @@ all of it before anything acts on it: strict types (``true`` is not a number), t
 version, every object named inside the save's own attempt folder, every byte range inside
 its object, shapes that match byte counts, and the tree (see :mod:`aiosnap.format.tree`). Every
 problem is a :class:`~aiosnap.errors.ManifestError` naming the file.
+
+*Unverified ranges.* A checkpoint of another format (a DCP folder, a ``torch.save`` file,
+safetensors) is presented to the load machinery as a manifest translated from its own
+metadata (see :mod:`aiosnap.interop`). Such a format may record no checksum for some bytes:
+their range has ``crc32c`` None, and it is read without a check. Only a *translated*
+manifest, one whose ``foreign`` names the format it came from, may hold such ranges; it is
+built in memory from the foreign metadata (:meth:`Manifest.translated`) and never stored:
+:meth:`Manifest.to_json` refuses it, and a stored document naming ``foreign`` is refused by
+:meth:`Manifest.from_document`. So aiosnap's own manifests (every commit, every copy) keep a
+crc32c on every range.
 """
 
 from __future__ import annotations
@@ -19,15 +29,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
 
 from ..core.checksums import crc32c_of
 from ..core.gcpause import gc_paused
-from ..core.names import MANIFEST_FILE, attempt_prefix, check_object_name, check_save_id, manifest_name
+from ..core.names import MANIFEST_FILE, STEP_LIMIT, attempt_prefix, check_object_name, check_save_id, manifest_name
 from ..errors import ManifestError
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
 from .tiling import check_tiling
 from .tree import check_tree
+from .values import MAX_NDIM, check_metadata, json_int
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,6 +55,7 @@ __all__ = [
     "Span",
     "StoredShard",
     "build_manifest",
+    "checked_json",
     "crc_matches",
     "describe_validation",
     "manifest_name",
@@ -78,6 +91,7 @@ class ByteRange(_Frozen):
     offset: int = Field(ge=0, lt=_MAX_INT)
     nbytes: int = Field(gt=0, lt=_MAX_INT)
     crc32c: int | None = Field(default=None, ge=0, lt=2**32)
+    """None only in a manifest translated from a foreign format (see the module docstring)."""
 
 
 class DataObject(_Frozen):
@@ -90,7 +104,7 @@ class DataObject(_Frozen):
 
 _S = Strict()
 _StoredRange = Annotated[
-    tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S]], Strict(False)
+    tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S] | None], Strict(False)
 ]
 StoredShard = Annotated[
     tuple[Annotated[list[int], _S], Annotated[list[int], _S], Annotated[list[_StoredRange], _S]], Strict(False)
@@ -108,6 +122,7 @@ class Span(NamedTuple):
     offset: int
     nbytes: int
     crc32c: int | None
+    """None: an unverified range of a translated manifest."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +176,7 @@ class EntryRecord(_Frozen):
             _check_shards(self, itemsize)
         elif sum(r.nbytes for r in self.ranges) != self.nbytes:
             raise ValueError(f"{self.path}: byte ranges do not add up to {self.nbytes}")
-        if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > 64:
+        if any(not 0 <= d < _MAX_INT for d in self.shape) or len(self.shape) > MAX_NDIM:
             raise ValueError(f"{self.path}: invalid shape {self.shape}")
         if len(self.stride) != len(self.shape):
             raise ValueError(f"{self.path}: stride {self.stride} does not match shape {self.shape}")
@@ -183,7 +198,7 @@ def _check_shards(entry: EntryRecord, itemsize: int) -> None:
         nbytes = math.prod(shape) * itemsize
         total = 0
         for _, offset, size, crc in ranges:  # what ByteRange checks for whole entries
-            if not (0 <= offset < _MAX_INT and 0 < size < _MAX_INT and 0 <= crc < 2**32):
+            if not (0 <= offset < _MAX_INT and 0 < size < _MAX_INT and (crc is None or 0 <= crc < 2**32)):
                 raise ValueError(f"{entry.path}: invalid byte range in the shard at {offsets}")
             total += size
         if total != nbytes:
@@ -206,7 +221,7 @@ class RankLocalRecord(_Frozen):
 class Manifest(_Frozen):
     format: Literal["aiosnap"] = "aiosnap"
     format_version: int
-    step: int = Field(ge=0, lt=10**20)
+    step: int = Field(ge=0, lt=STEP_LIMIT)
     save_id: str
     created_at: float
     world_size: int = Field(ge=1, lt=2**31)
@@ -216,6 +231,9 @@ class Manifest(_Frozen):
     metadata: dict[str, Any]
     rank_local: list[RankLocalRecord] | None = None
     """One record per rank (``world_size`` of them) when the save declared rank-local paths."""
+    foreign: Literal["dcp", "torch", "safetensors"] | None = None
+    """The format a translated manifest was made from (its ranges may lack a crc32c);
+    None for aiosnap's own manifests, which are the only ones ever stored."""
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -232,6 +250,8 @@ class Manifest(_Frozen):
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
         spans: dict[str, list[tuple[int, int]]] = {}
         for entry, r in self.all_ranges():
+            if r.crc32c is None and self.foreign is None:
+                raise ValueError(f"{entry.path}: a byte range without a crc32c (only translated manifests have them)")
             if r.object not in sizes:
                 raise ValueError(f"{entry.path}: range names unknown object {r.object!r}")
             if r.offset + r.nbytes > sizes[r.object]:
@@ -243,6 +263,10 @@ class Manifest(_Frozen):
                 if start < end:
                     raise ValueError(f"byte ranges overlap in object {name!r}")
         slots = check_tree(self.tree, [e.kind for e in self.entries])
+        try:
+            check_metadata(self.metadata)
+        except ValueError as exc:
+            raise ValueError(f"metadata: {exc}") from None
         if self.rank_local is not None and len(self.rank_local) != self.world_size:
             raise ValueError(f"rank-local values of {len(self.rank_local)} ranks in a world of {self.world_size}")
         if slots and self.rank_local is None:
@@ -287,8 +311,19 @@ class Manifest(_Frozen):
         return sum(span.nbytes for _, span in self.all_ranges())
 
     def to_json(self) -> bytes:
-        """The document, its last field the crc32c of every byte before that field."""
+        """The document, its last field the crc32c of every byte before that field. A
+        translated manifest is never stored: ValueError."""
+        if self.foreign is not None:
+            raise ValueError(f"a manifest translated from {self.foreign} is not stored; write a new one with checksums")
         return signed_json(self)
+
+    @classmethod
+    def translated(cls, doc: dict[str, Any], foreign: str, where: str) -> Manifest:
+        """The manifest ``doc`` (a document built in memory from a foreign format's
+        metadata), marked as translated from ``foreign``: validated like any manifest, its
+        ranges allowed to lack a crc32c; every problem a :class:`ManifestError`."""
+        with gc_paused():
+            return validated(cls, {**doc, "foreign": foreign}, where, f"manifest translated from {foreign}")
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -313,6 +348,10 @@ class Manifest(_Frozen):
         if not isinstance(doc, dict) or doc.get("format") != "aiosnap":
             raise ManifestError(f"{where}: not an aiosnap manifest")
         _check_version(doc.get("format_version"), where)
+        if "foreign" in doc:
+            raise ManifestError(
+                f"{where}: a stored manifest never names a foreign format (translated ones stay in memory)"
+            )
         return validated(cls, doc, where, "manifest")
 
 
@@ -322,6 +361,18 @@ def _check_version(version: Any, where: str) -> None:
             f"{where}: format version {version!r:.40} is not supported "
             f"(this aiosnap reads 1 to {FORMAT_VERSION}; upgrade aiosnap for newer ones)"
         )
+
+
+def checked_json(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
+    """``manifest`` as the bytes to commit, and the manifest the readers' own parser and
+    validator make of them (:meth:`Manifest.from_json`: the size limit, JSON's digit limit,
+    every check): bytes this returns, every reader accepts. :class:`ManifestError` naming
+    ``where`` and the problem otherwise (nothing may be written then)."""
+    try:
+        document = manifest.to_json()
+    except (PydanticSerializationError, ValueError, TypeError) as exc:
+        raise ManifestError(f"{where}: cannot be written as JSON: {str(exc)[:200]}") from None
+    return document, Manifest.from_json(document, where)
 
 
 def signed_json(model: BaseModel) -> bytes:
@@ -344,7 +395,7 @@ def parse_json(data: bytes, where: str, limit: int, what: str) -> Any:
     if len(data) > limit:
         raise ManifestError(f"{where}: {len(data)} bytes is too large for {what}")
     try:
-        return json.loads(data)
+        return json.loads(data, parse_int=json_int)  # the same digit bound in every process
     except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{where}: not valid JSON: {exc}") from exc
 
@@ -373,14 +424,16 @@ Checksums = dict[tuple[str, int], int]
 
 def build_manifest(spec: SaveSpec, crcs: Checksums | None = None) -> Manifest:
     """The manifest of ``spec``, every range's crc32c taken from ``crcs`` (KeyError if one is
-    missing; all 0 when ``crcs`` is None). Validated like any manifest read back (with the
-    collector paused, as :meth:`Manifest.from_json`)."""
+    missing; all 0 when ``crcs`` is None). Built, not validated: :func:`checked_json` reads
+    it back as every reader would before anything acts on it (one validation per commit,
+    the readers' own)."""
     with gc_paused():
         return _build_manifest(spec, crcs)
 
 
 def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
     ranges: list[list[ByteRange]] = [[] for _ in spec.entries]
+    make_range = ByteRange.model_construct
     for chunk in spec.chunks:
         for piece in chunk.pieces:
             if not 0 <= piece.entry < len(spec.entries):  # a spec read back from a journal
@@ -390,10 +443,11 @@ def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
                 )
             crc = 0 if crcs is None else crcs[(chunk.object_name, piece.dst_offset)]
             ranges[piece.entry].append(
-                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
+                make_range(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
             )
+    make_entry = EntryRecord.model_construct
     entries = [
-        EntryRecord(
+        make_entry(
             path=e.path,
             kind=e.kind,  # type: ignore[arg-type]
             dtype=e.dtype,
@@ -402,19 +456,22 @@ def _build_manifest(spec: SaveSpec, crcs: Checksums | None) -> Manifest:
             device=e.device,
             nbytes=e.nbytes,
             ranges=ranges[index],
+            shards=None,
         )
         for index, e in enumerate(spec.entries)
     ]
     if spec.distributed is not None:
         raise ValueError(f"step {spec.step}: a multi-rank save is committed by its coordinator, from every rank's part")
-    return Manifest(
+    return Manifest.model_construct(
+        format="aiosnap",
         format_version=PLAIN_VERSION,
         step=spec.step,
         save_id=spec.save_id,
         created_at=time.time(),
         world_size=spec.world_size,
-        objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
+        objects=[DataObject.model_construct(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
         entries=entries,
         tree=spec.tree,
         metadata=spec.metadata,
+        rank_local=None,
     )

@@ -20,7 +20,7 @@ Ranks may hold different entries; the checkpoint is their union:
   tensor (no gap, no overlap), boxes of other meshes (a copy tied across pipeline stages)
   are dropped.
 - **Values**: every copy, shipped crc32c and tie of one value must be the same bytes
-  (:mod:`aiosnap.format.values`), else :class:`~aiosnap.errors.RanksDisagreeError` names the
+  (:mod:`aiosnap.format.claims`), else :class:`~aiosnap.errors.RanksDisagreeError` names the
   path and the ranks: a value several ranks hold is written once.
 - **Tree**: the union of the classes' trees (:mod:`aiosnap.format.union`), lowest rank
   first; an entry no node of it names must be one the union left out by its rules (a tie,
@@ -42,13 +42,13 @@ from typing import Any
 from ..core.gcpause import gc_paused
 from ..errors import RanksDisagreeError
 from .buckets import bucket_of
+from .claims import Claim, differing_boxes, disagreement, value_crc32c
 from .classes import Described, describe
 from .dtypes import dtype_itemsize
 from .manifest import FORMAT_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
 from .parts import RankPart, TableEntry, WrittenRecord, spec_table
 from .spec import SaveSpec
 from .union import TreeUnion, map_entry_ids, referenced_entries
-from .values import Claim, differing_boxes, disagreement, value_crc32c
 
 __all__ = ["merge_parts"]
 

@@ -37,7 +37,7 @@ from .spec import SaveSpec
 from .tree import check_tree, shift_entry_ids
 
 __all__ = [
-    "ChecksumRecord", "RankPart", "TableEntry", "WrittenRecord", "aborted_name", "build_part", "failed_name",
+    "ChecksumRecord", "RankPart", "TableEntry", "WrittenRecord", "build_part", "failed_name",
     "part_name", "spec_table",
 ]  # fmt: skip
 
@@ -50,14 +50,9 @@ def part_name(step: int, save_id: str, rank: int) -> str:
 
 
 def failed_name(step: int, save_id: str, rank: int) -> str:
-    """Written (best effort) by a rank whose part of the save failed: the coordinator gives up at once."""
+    """Written (best effort) by a rank whose part of the save failed: the coordinator gives
+    up at once. (The other markers of a save: :mod:`.markers`.)"""
     return f"{attempt_prefix(step, save_id)}/rank-{rank}.failed"
-
-
-def aborted_name(step: int, save_id: str) -> str:
-    """Written by the coordinator when it gives a save up, before anyone removes data: the
-    step's manifest is then never written by this save."""
-    return f"{attempt_prefix(step, save_id)}/aborted"
 
 
 class _Frozen(BaseModel):
@@ -170,6 +165,12 @@ class RankPart(_Frozen):
             if checksum.entry >= self.main_entries or checksum.entry in seen:
                 raise ValueError(f"the checksum of entry {checksum.entry}: out of range, listed twice, or written")
             seen.add(checksum.entry)
+        for what, ranges in [
+            *((f"entry {w.entry}", w.ranges) for w in self.written),
+            *((f"rank-local {e.path!r}", e.ranges) for e in self.local.entries),
+        ]:
+            if any(r.crc32c is None for r in ranges):  # only translated manifests, never stored, have them
+                raise ValueError(f"{what}: a byte range without a crc32c")
         return self
 
     def to_json(self) -> bytes:

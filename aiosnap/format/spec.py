@@ -11,7 +11,7 @@ and again, completely, by the manifest it becomes.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter
@@ -190,11 +190,79 @@ class SaveSpec:
     @classmethod
     def from_document(cls, doc: Any) -> SaveSpec:
         """Validate a document read back from disk, with JSON's strict types (``true`` is
-        no number); ValueError (a pydantic ValidationError) if it is not a spec."""
-        return _ADAPTER.validate_json(json.dumps(doc))
+        no number), and that its indices hold together (every piece names an entry and lies
+        inside its chunk, each entry this rank writes is its pieces, a multi-rank part's
+        entries are in range); ValueError (a pydantic ValidationError) if it is not a spec.
+
+        The tree, the metadata and the rank-local values (any JSON, checked completely by
+        the manifest the spec makes) are set aside while the rest is validated: pydantic's
+        JSON parser stops at 200 levels, short of :data:`~aiosnap.format.values.MAX_TREE_DEPTH`
+        inside a journal record."""
+        if not isinstance(doc, dict):
+            raise ValueError("a save spec is a JSON object")
+        shallow = dict(doc)
+        deep = {name: shallow.pop(name) for name in ("tree", "metadata") if name in shallow}
+        for name in deep:
+            shallow[name] = {} if name == "metadata" else None
+        local_values: Any = ()
+        dist = shallow.get("distributed")
+        if isinstance(dist, dict) and "local_values" in dist:
+            local_values = dist["local_values"]
+            shallow["distributed"] = {**dist, "local_values": []}
+            if not isinstance(local_values, list):
+                raise ValueError("distributed.local_values must be a list")
+        if not isinstance(deep.get("metadata", {}), dict):
+            raise ValueError("metadata must be an object")
+        spec = _ADAPTER.validate_json(json.dumps(shallow))
+        if spec.distributed is not None:
+            spec = replace(spec, distributed=replace(spec.distributed, local_values=tuple(local_values)))
+        spec = replace(spec, tree=deep.get("tree"), metadata=deep.get("metadata", {}))
+        _check_indices(spec)
+        return spec
 
 
 _ADAPTER: TypeAdapter[SaveSpec] = TypeAdapter(SaveSpec)
+
+
+def _check_indices(spec: SaveSpec) -> None:
+    """ValueError unless the indices of ``spec`` (read back from a journal) hold together."""
+    if not (spec.step >= 0 and 0 <= spec.rank < spec.world_size):
+        raise ValueError(f"step {spec.step}, rank {spec.rank} of {spec.world_size} ranks")
+    count = len(spec.entries)
+    if any(not 0 <= e.nbytes < _MAX_BYTES for e in spec.entries):
+        raise ValueError("an entry's size is out of range")
+    stored = [0] * count
+    for chunk in spec.chunks:
+        if not 0 <= chunk.nbytes < _MAX_BYTES:
+            raise ValueError(f"object {chunk.object_name!r:.80}: size {chunk.nbytes} is out of range")
+        for piece in chunk.pieces:
+            if not 0 <= piece.entry < count:
+                where = f"object {chunk.object_name!r:.80}"
+                raise ValueError(f"{where}: a piece of entry {piece.entry}, but the save has {count} entries")
+            if not (piece.nbytes > 0 and piece.dst_offset >= 0 and piece.dst_offset + piece.nbytes <= chunk.nbytes):
+                raise ValueError(f"object {chunk.object_name!r:.80}: a piece runs outside the object")
+            stored[piece.entry] += piece.nbytes
+    writes: list[int] | range = range(count)
+    dist = spec.distributed
+    if dist is not None:
+        if not 0 <= dist.main_entries <= count:
+            raise ValueError(f"{dist.main_entries} shared entries of {count}")
+        if list(dist.written) != sorted(set(dist.written)) or not all(0 <= i < dist.main_entries for i in dist.written):
+            raise ValueError("the entries this rank writes are out of range, out of order or listed twice")
+        boxes = [s.entry for s in dist.shards]
+        if len(set(boxes)) != len(boxes) or not all(0 <= i < dist.main_entries for i in boxes):
+            raise ValueError("a DTensor shard names an entry out of range, or one twice")
+        for shard in dist.shards:
+            if not len(shard.offsets) == len(shard.global_shape) == len(spec.entries[shard.entry].shape):
+                raise ValueError(f"entry {shard.entry}: the shard's box does not match its dimensions")
+        writes = [*dist.written, *range(dist.main_entries, count)]
+    written = set(writes)
+    for index in range(count):
+        if stored[index] != (spec.entries[index].nbytes if index in written else 0):
+            raise ValueError(f"entry {index} ({spec.entries[index].path!r:.80}): its pieces are not its bytes")
+
+
+_MAX_BYTES = 2**63
 
 
 def _unpickle_save_spec(

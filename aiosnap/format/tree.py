@@ -18,30 +18,38 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from .dtypes import dtype_itemsize
+from .values import (
+    DEVICE_TYPES,
+    MAX_INT_DIGITS,
+    MAX_TREE_DEPTH,
+    float_text,
+    inline_int,
+    inline_str,
+    key_text,
+    plain_device,
+    plain_size,
+)
 
-__all__ = ["DEVICE_TYPES", "MAX_TREE_DEPTH", "check_tree", "float_text", "key_identity", "shift_entry_ids"]
-
-MAX_TREE_DEPTH = 100
-"""Deepest nesting of containers a tree may have (saving a deeper state is refused)."""
+__all__ = [
+    "DEVICE_TYPES",
+    "HASHABLE_TAGS",
+    "MAX_TREE_DEPTH",
+    "check_tree",
+    "float_text",
+    "key_identity",
+    "shift_entry_ids",
+]
 
 _CONTAINERS = {"dict", "odict", "list", "tuple", "stateful"}
-_HASHABLE_TAGS = {"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"}
-_MAX_DIM = 2**62
+HASHABLE_TAGS = frozenset({"float", "complex", "bytes", "dtype", "device", "size", "tensor", "pickle"})
+"""Leaf tags whose values can be dict keys (as can plain leaves, and tuples of keys)."""
 _MAX_SLOTS = 2**20
 _ENTRY_KINDS = {"tensor": "tensor", "pickle": "pickle", "dtensor": "sharded"}
 """Tree tags that name an entry, and the kind of entry each must name."""
-
-
-DEVICE_TYPES = (
-    "cpu", "cuda", "mps", "xpu", "xla", "meta", "hpu", "mtia", "hip", "ipu", "maia", "privateuseone", "lazy", "ve",
-    "vulkan", "fpga", "opengl", "opencl", "ideep",
-)  # fmt: skip
-_DEVICE = re.compile(rf"({'|'.join(DEVICE_TYPES)})(:[0-9]{{1,4}})?")
 
 
 def _fields(node: dict[str, Any], *names: str) -> None:
@@ -58,12 +66,6 @@ def _items(node: dict[str, Any]) -> list[Any]:
     if not isinstance(items, list):
         raise ValueError(f"{node['t']!r} node: items must be a list")
     return items
-
-
-def float_text(value: Any) -> float:
-    if not isinstance(value, str) or len(value) > 64:
-        raise ValueError(f"expected a float as text, got {value!r:.40}")
-    return float(value)
 
 
 def _check_leaf_node(node: dict[str, Any]) -> None:
@@ -92,11 +94,11 @@ def _check_leaf_node(node: dict[str, Any]) -> None:
         dtype_itemsize(node["v"])
     elif tag == "device":
         _fields(node, "v")
-        if not isinstance(node["v"], str) or not _DEVICE.fullmatch(node["v"]):
+        if not isinstance(node["v"], str) or not plain_device(node["v"]):
             raise ValueError(f"device node: {node['v']!r:.40} is not a device name")
     elif tag == "size":
         _fields(node, "items")
-        if not all(type(d) is int and 0 <= d < _MAX_DIM for d in _items(node)):
+        if not plain_size(_items(node)):
             raise ValueError("size node: items must be non-negative ints")
     else:
         raise ValueError(f"unknown tree node type {tag!r:.40}")
@@ -113,10 +115,11 @@ def key_identity(key: Any) -> Any:
     if tag == "tuple" or tag == "size":
         return tuple(key_identity(item) for item in key["items"])
     if tag == "float":
-        value = float(key["v"])
-        return value if value == value else (_MARK, "nan", key["v"])  # NaN keys: equal only to the same text
+        value = float_text(key["v"])
+        return value if value == value else object()  # a NaN key equals no other key (a dict may hold several)
     if tag == "complex":
-        return complex(float(key["v"][0]), float(key["v"][1]))
+        number = complex(float_text(key["v"][0]), float_text(key["v"][1]))
+        return number if number == number else object()
     if tag == "bytes":
         return base64.b64decode(key["v"])
     return (_MARK, tag, key.get("v", key.get("id")))  # dtype, device; tensor and pickle by their entry
@@ -137,7 +140,8 @@ class _Checker:
         self.slots: set[int] = set()
 
     def check(self, node: Any, path: str, depth: int) -> bool:
-        """Validate ``node``; returns whether the value it decodes to is hashable."""
+        """Validate ``node``, inside ``depth`` JSON arrays and objects; returns whether the
+        value it decodes to is hashable."""
         try:
             return self._check(node, path, depth)
         except _TreeError:
@@ -146,15 +150,24 @@ class _Checker:
             raise _TreeError(f"tree at {path or '/'!r}: {exc}") from None
 
     def _check(self, node: Any, path: str, depth: int) -> bool:
-        if node is None or type(node) in (bool, int, str):
+        if node is None or type(node) is bool:
+            return True
+        if type(node) is int:
+            if not inline_int(node):
+                raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
+            return True
+        if type(node) is str:
+            if not inline_str(node):
+                raise ValueError("a str that is not valid UTF-8")
             return True
         if type(node) is float:
             if not math.isfinite(node):
                 raise ValueError("non-finite float leaf")
             return True
         if not isinstance(node, dict) or type(node.get("t")) is not str:
-            raise ValueError(f"malformed tree node {node!r:.60}")
+            raise ValueError(f"malformed tree node {_shown(node)}")
         tag = node["t"]
+        _nest(depth + 1)  # the node itself
         if tag in _ENTRY_KINDS:
             _fields(node, "id")
             index = node["id"]
@@ -171,37 +184,56 @@ class _Checker:
             self.slots.add(slot)
             return False
         if tag not in _CONTAINERS:
+            if tag in ("complex", "size"):
+                _nest(depth + 2)  # [real, imag], the items
             _check_leaf_node(node)
-            return tag in _HASHABLE_TAGS
-        if depth >= MAX_TREE_DEPTH:
-            raise ValueError(f"nested deeper than {MAX_TREE_DEPTH} levels")
+            return tag in HASHABLE_TAGS
         if tag == "stateful":
             _fields(node, "v")
             self.check(node["v"], path, depth + 1)
             return False
+        _nest(depth + 2)  # the items
         if tag in ("list", "tuple"):
             _fields(node, "items")
-            hashable = [self.check(v, f"{path}/{i}", depth + 1) for i, v in enumerate(_items(node))]
+            hashable = [self.check(v, f"{path}/{i}", depth + 2) for i, v in enumerate(_items(node))]
             return tag == "tuple" and all(hashable)
         _fields(node, *(("items", "meta") if tag == "odict" else ("items",)))  # metadata: OrderedDicts only
         keys: set[Any] = set()
         for pair in _items(node):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ValueError("dict node: each item must be [key, value]")
-            if not self.check(pair[0], path, depth + 1):
+            _nest(depth + 3)
+            if not self.check(pair[0], path, depth + 3):
                 raise ValueError("dict node: a key that cannot be a dict key")
             identity = key_identity(pair[0])
             if identity in keys:
                 raise ValueError(f"dict node: the key {_key_text(pair[0])!r} twice")
             keys.add(identity)
-            self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 1)
+            self.check(pair[1], f"{path}/{_key_text(pair[0])}", depth + 3)
         if "meta" in node:
             self.check(node["meta"], path + "#_metadata", depth + 1)
         return False
 
 
+def _nest(level: int) -> None:
+    """Refuse a JSON array or object at ``level`` (the tree's own node at 1) past the bound."""
+    if level > MAX_TREE_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_TREE_DEPTH} levels of JSON")
+
+
 def _key_text(node: Any) -> str:
-    return node if isinstance(node, str) else repr(node)[:40]
+    return key_text(node) if not isinstance(node, dict) else _shown(node)
+
+
+def _shown(node: Any) -> str:
+    """A bounded text of an untrusted node for messages (never fails: an int's text is
+    bounded by the process's digit limit)."""
+    if type(node) is int:
+        return key_text(node)[:40]
+    try:
+        return repr(node)[:60]
+    except ValueError:  # an int inside, longer than this process prints
+        return f"a {type(node).__name__}"
 
 
 def check_tree(tree: Any, entry_kinds: Sequence[str], *, local: bool = False) -> int:

@@ -26,10 +26,21 @@ from ..core.budget import ByteBudget
 from ..core.checksums import RangeChecksums
 from ..errors import SpoolBusyError
 
-__all__ = ["LOCK", "Spool"]
+__all__ = ["LOCK", "Spool", "spool_budget_bytes"]
 
 log = logging.getLogger("aiosnap")
 LOCK = "LOCK"
+
+
+def spool_budget_bytes(config: SpoolConfig, root: Path) -> int:
+    """``spool.budget`` in bytes for the spool directory ``root`` (which exists): a share of
+    its free space, or the size given, at most the free space."""
+    free = shutil.disk_usage(root).free
+    if isinstance(config.budget, str):
+        return int(free * float(config.budget[:-1]) / 100)
+    if config.budget > free:
+        log.warning("aiosnap: spool.budget %d exceeds the free space of %s; using %d", config.budget, root, free)
+    return min(config.budget, free)
 
 
 class Spool:
@@ -62,15 +73,7 @@ class Spool:
         except BlockingIOError:
             os.close(lock_fd)
             raise SpoolBusyError(f"spool.dir {root} is in use by another checkpointer (its lock is held)") from None
-        free = shutil.disk_usage(root).free
-        if isinstance(config.budget, str):
-            budget = int(free * float(config.budget[:-1]) / 100)
-        else:
-            budget = min(config.budget, free)
-            if budget < config.budget:
-                log.warning(
-                    "aiosnap: spool.budget %d exceeds the free space of %s; using %d", config.budget, root, free
-                )
+        budget = spool_budget_bytes(config, root)
         if budget < min_bytes:
             log.warning(
                 "aiosnap: spool budget %d bytes cannot hold one chunk of %d: spooling is off", budget, min_bytes

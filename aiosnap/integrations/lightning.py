@@ -5,21 +5,27 @@ one file in the zip format of ``torch.save`` (:class:`~aiosnap.interop.singlefil
 ``torch.load``, ``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)`` without
 the plugin, the loggers' ``log_model`` and ``os.path.isfile`` checks all work on it, and it
 carries aiosnap's manifest (a crc32c per tensor) for the plugin's verified loads. Writing a
-path again replaces the file atomically once the new version is complete. An
-``s3://bucket/...`` URL is an aiosnap checkpoint root (a prefix of data objects and a
-manifest). A folder saved by an older aiosnap at a local path is still read, and written, as
-a folder. All paths share one background thread, one RAM budget and one set of staging
-slabs (from ``config``).
+path again replaces the file atomically once the new version is complete; while a save runs,
+its bytes are in a partial file that listings of the folder do not show
+(:mod:`aiosnap.interop.partialfile`). An ``s3://bucket/...`` URL is an aiosnap checkpoint
+root (a prefix of data objects and a manifest); any other URL (``http(s)://``, ``memory://``,
+...) is fsspec's, as with Lightning's own CheckpointIO (:mod:`.fetch`). A folder saved by an
+older aiosnap at a local path is still read, and written, as a folder. All paths share one
+background thread, one RAM budget and one set of staging slabs (from ``config``).
 
 Threads: every method runs on the caller's (the trainer's) thread; saves continue on
 aiosnap's loop thread, removals on a small helper thread of this plugin.
 
 - ``save_checkpoint`` returns once the state is captured into host RAM (no clone of the
   model on the GPU); durability follows in the background. A local path exists when it
-  returns (an empty file until the first version is committed; an older version until the
-  new one is), so Lightning's version counter and ``save_last="link"`` see it.
+  returns (a placeholder until the first version is committed, which ``torch.load`` refuses
+  with a message saying so: :mod:`.inflight`; an older version until the new one is), so
+  Lightning's version counter and ``save_last="link"`` see it.
 - ``load_checkpoint`` first waits for saves in flight to that path (made by any plugin in
-  this process; a symlink is followed to its target).
+  this process; a symlink is followed to its target), as :func:`wait_for_checkpoint` does
+  for any other reader. A plain read of the path (``torch.load``) by the thread that saved
+  it waits too with ``plain_reads_wait=True`` (:mod:`.plainreads`; up to
+  ``plain_reads_timeout`` seconds); by default it does not wait.
 - ``remove_checkpoint`` of a symlink (``save_last="link"``) unlinks the link at once and
   never touches its target. Of a checkpoint, it never blocks training and never races a
   save: it waits (on the
@@ -29,6 +35,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
   supersedes the removal; only a save to that same path waits while it is deleted.
 - ``teardown`` waits for everything and re-raises a background failure with its original
   type, unless Lightning was already told about it (by a later ``save_checkpoint``).
+- Values only pickle can store (hyper-parameters, loop and callback states) are saved
+  pickled, as ``torch.save`` does; loading them needs ``allow_pickle=True``.
 - The plugin pickles (``torch.save(trainer)``, ``copy.deepcopy``, ``strategy="ddp_spawn"``):
   a copy is a fresh plugin with the same settings; saves in flight stay with the original.
 - Saves accepted before the process exits normally are finished at exit (see *Lifecycle* in
@@ -38,8 +46,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -57,117 +65,44 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..checkpointer import ConfigLike, SyncCheckpointer, SyncSaveHandle
 from ..config import Config
 from ..core.events import EventHandler
-from ..errors import CheckpointNotFoundError
-from ..interop.singlefile import ArchiveStorage, is_archive
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ..interop.singlefile import ArchiveStorage, is_archive, is_damaged_archive
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
+from . import plainreads
+from .fetch import fetched, scrubbed, shown, through_fsspec, unreadable_download_named
+from .inflight import (
+    is_local,
+    key_of,
+    location_of,
+    make_placeholder,
+    placeholder_at,
+    remove_if_empty,
+    save_not_started,
+    take_failed,
+    track,
+    wait_for_checkpoint,
+)
 
-__all__ = ["AiosnapCheckpointIO", "checkpoint_storage"]
+__all__ = ["AiosnapCheckpointIO", "checkpoint_storage", "wait_for_checkpoint"]
 
 log = logging.getLogger("aiosnap")
 
-_in_flight_lock = threading.Lock()
-_in_flight: dict[str, list[SyncSaveHandle]] = {}
-"""Saves in flight in this process, by path, whichever plugin made them: a reader of a path
-waits for them (another plugin instance, ``Trainer(ckpt_path=...)``)."""
 
-
-def _track(key: str, handle: SyncSaveHandle) -> None:
-    with _in_flight_lock:
-        handles = [h for h in _in_flight.get(key, []) if not h.done()]
-        _in_flight[key] = [*handles, handle]
-    handle.future.add_done_callback(lambda future: _settled(key, future))
-
-
-_failed_keys: set[str] = set()
-"""Local paths whose latest save failed: what was made for them goes at teardown if empty."""
-_placeholders: dict[str, tuple[int, int]] = {}
-"""Empty files this process put at paths so that they exist while their first save is in
-flight: path -> (st_dev, st_ino)."""
-
-
-def _settled(key: str, future: concurrent.futures.Future[Any]) -> None:
-    """A save to ``key`` ended (any thread): forget it; if it failed, what was made for it
-    at ``save_checkpoint`` goes again if it holds nothing (see :func:`_remove_if_empty`)."""
-    if _saves_in_flight(key) or future.exception() is None or not _is_local(key):
-        return
-    with _in_flight_lock:
-        _failed_keys.add(key)
-    _remove_if_empty(key)
-
-
-def _make_placeholder(key: str) -> None:
-    """Caller's thread: an empty file at ``key`` unless something is there already."""
-    os.makedirs(os.path.dirname(key), exist_ok=True)
-    try:
-        fd = os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return
-    try:
-        stat = os.fstat(fd)
-    finally:
-        os.close(fd)
-    with _in_flight_lock:
-        _placeholders[key] = (stat.st_dev, stat.st_ino)
-
-
-def _remove_if_empty(key: str) -> None:
-    """Remove what was made for ``key`` if it still holds nothing: the empty file made by
-    :func:`_make_placeholder` (the very same file), or a tree of empty folders (a failed
-    folder checkpoint's cleanup leaves those), so that ``ckpt_path="last"`` never picks an
-    empty one. Never while a save to ``key`` is in flight."""
-    if _saves_in_flight(key):
-        return
-    with _in_flight_lock:
-        made = _placeholders.pop(key, None)
-    if made is not None:
-        with contextlib.suppress(OSError):
-            stat = os.stat(key, follow_symlinks=False)
-            if (stat.st_dev, stat.st_ino) == made and stat.st_size == 0:
-                os.unlink(key)
-        return
-    for folder, _, _ in os.walk(key, topdown=False, followlinks=False):
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
-
-
-def _saves_in_flight(key: str) -> list[SyncSaveHandle]:
-    with _in_flight_lock:
-        handles = [h for h in _in_flight.get(key, []) if not h.done()]
-        if handles:
-            _in_flight[key] = handles
-        else:
-            _in_flight.pop(key, None)
-        return handles
-
-
-def _is_local(key: str) -> bool:
-    return "://" not in key
-
-
-def location_of(path: str | os.PathLike[str]) -> str:
-    """A Lightning checkpoint path as given: URLs as they are, local paths absolute (not
-    resolved: the path may be a symlink)."""
-    text = os.fspath(path)
-    if "://" in text:
-        return text.rstrip("/")
-    return str(Path(text).expanduser().absolute())
-
-
-def key_of(path: str | os.PathLike[str]) -> str:
-    """The storage root for a Lightning checkpoint path, one spelling per folder: URLs as
-    given, local paths with every symlink resolved (saves, loads and removals of one folder
-    reached through different links meet)."""
-    where = location_of(path)
-    return os.path.realpath(where) if _is_local(where) else where
+def _checkpoint_dict(state: Any, path: Any) -> dict[str, Any]:
+    """``state`` if it is a Lightning checkpoint (a dict); TypeError naming ``path`` else,
+    whichever format held it (``torch.save`` of a list, an aiosnap save of a tensor)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{shown(path)}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
+    return state
 
 
 def checkpoint_storage(url: str, config: Config) -> Storage:
     """The plugin's default backend for one checkpoint path: a local path is one file
     (:class:`ArchiveStorage`), unless it is a folder an older aiosnap saved (then a folder
     root, as before); a URL is the root its scheme names (``s3://``)."""
-    if _is_local(url) and not os.path.isdir(url):
-        return ArchiveStorage(url)
+    if is_local(url) and not os.path.isdir(url):
+        return ArchiveStorage.for_config(url, config)
     return storage_from_url(url, config)
 
 
@@ -180,7 +115,12 @@ class AiosnapCheckpointIO(CheckpointIO):
     as non-JSON hyper-parameters); off by default because unpickling runs code.
     ``event_handlers``: callables receiving every event. ``storage_for(url, config)``: the
     backend for one checkpoint path (custom or wrapped backends; default
-    :func:`checkpoint_storage`).
+    :func:`checkpoint_storage`). ``plain_reads_wait`` (off by default): a plain read of a
+    local checkpoint path (``torch.load``, ``open``) by the thread that saved it waits for the
+    save in flight (:mod:`.plainreads`), logging a warning once per save it waits for, and
+    raises :class:`~aiosnap.errors.PlainReadTimeoutError` naming the path after
+    ``plain_reads_timeout`` seconds; off, such a read gets the previous version, or during a
+    first save an error saying that the save is still running.
     """
 
     def __init__(
@@ -190,9 +130,15 @@ class AiosnapCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         event_handlers: Sequence[EventHandler] = (),
         storage_for: Callable[[str, Config], Storage] = checkpoint_storage,
+        plain_reads_wait: bool = False,
+        plain_reads_timeout: float = 300.0,
     ) -> None:
         super().__init__()
+        if not (isinstance(plain_reads_timeout, int | float) and 0 < plain_reads_timeout < math.inf):
+            raise ConfigError(f"plain_reads_timeout: {plain_reads_timeout!r} is not a positive number of seconds")
         self.storage_for = storage_for
+        self.plain_reads_wait = plain_reads_wait
+        self.plain_reads_timeout = float(plain_reads_timeout)
         self.config = Config.coerce(config)
         self.allow_pickle = allow_pickle
         self.event_handlers = list(event_handlers)
@@ -219,6 +165,8 @@ class AiosnapCheckpointIO(CheckpointIO):
             "allow_pickle": self.allow_pickle,
             "event_handlers": self.event_handlers,
             "storage_for": self.storage_for,
+            "plain_reads_wait": self.plain_reads_wait,
+            "plain_reads_timeout": self.plain_reads_timeout,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -231,7 +179,11 @@ class AiosnapCheckpointIO(CheckpointIO):
         if self._checkpointer is None:
             # Lightning's CheckpointIO: one process writes each file (global rank 0), every rank
             # may read it; so aiosnap acts as a job of one rank here, whatever the job's size
-            self._checkpointer = SyncCheckpointer(self.config, rank=0, world_size=1, event_handlers=self.event_handlers)
+            # Lightning checkpoints hold values only pickle stores (hyper-parameters, loop and
+            # callback states), as with torch.save: this plugin saves them (loading them is
+            # still the caller's choice: allow_pickle)
+            saving = self.config.model_copy(update={"pickle_values": True})
+            self._checkpointer = SyncCheckpointer(saving, rank=0, world_size=1, event_handlers=self.event_handlers)
             self._checkpointer._closed_at_exit_by_its_owner()  # Lightning may never call teardown
         return self._checkpointer
 
@@ -260,73 +212,119 @@ class AiosnapCheckpointIO(CheckpointIO):
     # -- CheckpointIO -----------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Capture ``checkpoint`` for ``path`` and return; it commits in the background."""
+        """Capture ``checkpoint`` for ``path`` and return; it commits in the background. A URL
+        aiosnap does not store (``memory://``, ``gs://``: see :mod:`.fetch`) is saved by
+        Lightning's own writer, through fsspec, before this returns."""
+        key = key_of(path)  # a save through a link goes to its target
+        if through_fsspec(key):
+            with self._key_lock(key), self._lock:
+                self._generation[key] = self._generation.get(key, 0) + 1
+            log.info("aiosnap: %s is saved by Lightning's own writer (fsspec), not by aiosnap", shown(key))
+            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
         if storage_options is not None:
             raise TypeError(
                 "AiosnapCheckpointIO.save_checkpoint does not take storage_options; "
                 "configure storage through the aiosnap config instead"
             )
-        key = key_of(path)  # a save through a link goes to its target
         with self._key_lock(key), self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1  # supersedes a pending removal
             location = self._location(key)
-            if _is_local(key):  # the path exists when save_checkpoint returns
+            if is_local(key):  # the path exists when save_checkpoint returns
                 if self._single_file.get(key, False):
-                    _make_placeholder(key)
+                    make_placeholder(key)
                 else:
                     os.makedirs(key, exist_ok=True)
-            step = self._next_step.get(key)
-            if step is None:
-                committed = location.steps()
-                step = committed[-1] + 1 if committed else 1
-            metadata = {
-                "lightning": {
-                    "global_step": int(checkpoint.get("global_step", 0)),
-                    "epoch": int(checkpoint.get("epoch", 0)),
-                    "path": os.fspath(path),
+            try:
+                step = self._next_step.get(key)
+                if step is None:
+                    committed = location.steps()
+                    step = committed[-1] + 1 if committed else 1
+                metadata = {
+                    "lightning": {
+                        "global_step": int(checkpoint.get("global_step", 0)),
+                        "epoch": int(checkpoint.get("epoch", 0)),
+                        "path": os.fspath(path),
+                    }
                 }
-            }
-            handle = location.save(checkpoint, step=step, metadata=metadata)
+                handle = location.save(checkpoint, step=step, metadata=metadata)
+            except BaseException:
+                if is_local(key):
+                    save_not_started(key)  # refused on this thread: nothing of it stays at the path
+                raise
             self._next_step[key] = step + 1
             self._pending.setdefault(key, []).append(handle)
             self._last_save = handle
-            _track(key, handle)
+            reads_wait = self.plain_reads_wait and is_local(key)
+            if reads_wait:
+                plainreads.install()
+            track(key, handle, read_timeout=self.plain_reads_timeout if reads_wait else None)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load the checkpoint at ``path`` (waiting for saves to it in flight), checking every
         tensor's crc32c. A file ``torch.save`` wrote (not by aiosnap) is read with Lightning's
-        own loader, for migrating."""
+        own loader, for migrating; its pickled objects only with ``allow_pickle`` (or
+        ``weights_only=False``). A URL aiosnap does not store (``http(s)://``, ...) is copied
+        to a temporary file through fsspec first, then read the same way."""
         key = key_of(path)  # a symlinked ``last`` reads (and waits for) its target
+        if through_fsspec(key):
+            with fetched(key) as local:
+                return unreadable_download_named(
+                    key, lambda: self._load_file(str(local), path, map_location, weights_only)
+                )
         with self._lock:
             handles = self._handles(key)
-        concurrent.futures.wait([h.future for h in [*handles, *_saves_in_flight(key)]])
-        if _is_local(key) and os.path.isfile(key) and not is_archive(key):
-            if os.path.getsize(key) == 0:  # the placeholder of a first save that never finished
-                raise FileNotFoundError(
-                    f"Checkpoint file not found: {path} is empty: a save to it never completed (the process "
-                    "that made it stopped before its first version was committed)"
-                )
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        concurrent.futures.wait([h.future for h in handles])
+        wait_for_checkpoint(key)  # every plugin's saves to it, and the clean-up after a failed one
+        if is_local(key) and os.path.isfile(key) and not is_archive(key):
+            return self._load_file(key, path, map_location, weights_only)
         with self._lock:
             location = self._location(key)
+        return self._loaded(location, path, map_location, weights_only)
+
+    def _load_file(self, file: str, path: Any, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """A local file that is no aiosnap root of this plugin: an aiosnap single file
+        (verified, through a view closed afterwards), a placeholder (FileNotFoundError:
+        nothing committed there yet), an aiosnap file whose end is damaged
+        (CorruptCheckpointError), or a file for ``torch.load``."""
+        if is_archive(file):
+            view = self._root().at(file, keep_last=1, storage=ArchiveStorage(file))
+            try:
+                return self._loaded(view, path, map_location, weights_only)
+            finally:
+                view.close()
+        waiting = placeholder_at(file)
+        if waiting is not None:
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(path)} holds no checkpoint. {waiting}")
+        if is_damaged_archive(file):
+            raise CorruptCheckpointError(
+                f"{shown(path)}: an aiosnap checkpoint whose end (the zip end record and aiosnap's trailer) is "
+                "damaged: not loaded, as torch.load would read it without checking a byte"
+            )
+        if weights_only is None:
+            weights_only = not self.allow_pickle
+        state = TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+        return _checkpoint_dict(state, path)
+
+    def _loaded(
+        self, location: SyncCheckpointer, path: Any, map_location: Any, weights_only: bool | None
+    ) -> dict[str, Any]:
         try:
             state = location.load(allow_pickle=self.allow_pickle and weights_only is not True)
         except CheckpointNotFoundError as exc:
-            raise FileNotFoundError(f"Checkpoint file not found: {path} ({exc})") from exc
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(path)} ({scrubbed(str(exc), path)})") from exc
         if isinstance(map_location, (str, torch.device)):
             device = torch.device(map_location)
             state = apply_to_collection(state, torch.Tensor, lambda tensor: tensor.to(device))
-        if not isinstance(state, dict):
-            raise TypeError(f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict")
-        return state
+        return _checkpoint_dict(state, path)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Schedule removal of ``path`` once every save now in flight, and the latest save,
         have committed."""
         where = location_of(path)
-        if _is_local(where) and os.path.islink(where):
+        if is_local(where) and os.path.islink(where):
             os.unlink(where)  # a link is not a checkpoint: never delete through it
             return
         key = key_of(where)
@@ -346,18 +344,23 @@ class AiosnapCheckpointIO(CheckpointIO):
         failed = [f.exception() for f in waiting_for if f.exception() is not None]
         if failed:
             log.warning(
-                "aiosnap: keeping %s: a newer save failed (%r), so it may be the last good checkpoint", key, failed[0]
+                "aiosnap: keeping %s: a newer save failed (%s), so it may be the last good checkpoint",
+                shown(key),
+                scrubbed(repr(failed[0]), key),
             )
             return
         with self._key_lock(key):
             with self._lock:
                 if self._generation.get(key, 0) != generation:
                     return  # saved again since: the new version replaced the old one already
-                if _is_local(where) and os.path.islink(where):  # linked since: not ours to follow
+                if is_local(where) and os.path.islink(where):  # linked since: not ours to follow
                     log.warning("aiosnap: not removing %s: it is a symbolic link now", where)
                     return
-                if _is_local(key) and Path(key).is_file() and not is_archive(key):  # torch.save's, or empty
+                if is_local(key) and Path(key).is_file() and not is_archive(key):  # torch.save's, or a placeholder
                     Path(key).unlink()
+                    return
+                if through_fsspec(key):  # saved by Lightning's writer
+                    TorchCheckpointIO().remove_checkpoint(key)
                     return
                 location = self._location(key)
                 del self._locations[key]
@@ -390,8 +393,5 @@ class AiosnapCheckpointIO(CheckpointIO):
                 if checkpointer is not None:
                     checkpointer.close()  # raises a failure Lightning has not been told about, once
             finally:
-                with _in_flight_lock:
-                    failed = set(_failed_keys)
-                    _failed_keys.clear()
-                for key in failed:  # their failed attempts are cleaned up by now
-                    _remove_if_empty(key)
+                for key in take_failed():  # their failed attempts are cleaned up by now
+                    remove_if_empty(key)

@@ -5,16 +5,18 @@ committed step, the one whose archive is at ``P``. It speaks the same object pro
 every backend, so the commit protocol, loads and retention run unchanged:
 
 - A save's data objects (its chunks) are byte ranges of the file. Each attempt writes them
-  with ``pwrite`` at their offsets into its own *partial* file beside ``P``
-  (``.<name>.<step>.<save id>.aiosnap-partial``), in any order, from several threads.
+  with ``pwrite`` at their offsets into its own *partial* file in ``P``'s folder, in any
+  order, from several threads: an unnamed ``O_TMPFILE`` that listings of the folder never
+  show and a crash never leaves behind, or where there is none (or the config has a spool,
+  which may resume the save) the hidden ``.<name>.<step>.<save id>.aiosnap-partial`` (:mod:`.partialfile`).
 - Writing the step's manifest is the commit: the tail (the pickle, the manifest, the zip
-  central directory) is written, the partial file fsynced and renamed over ``P``, the
-  folder fsynced, under an ``flock`` of the folder: a reader sees the old file or the new
-  one, never a part; a ``P`` holding a newer step is never replaced (StepOrderError), and
-  with ``if_absent`` one that already holds the step is refused (FileExistsError).
+  central directory) is written, the partial file fsynced and linked or renamed to ``P``,
+  the folder fsynced, under an ``flock`` of the folder: a reader sees the old file or the
+  new one, never a part; a ``P`` holding a newer step is never replaced (StepOrderError),
+  and with ``if_absent`` one that already holds the step is refused (FileExistsError).
 - Reading a step's manifest or objects reads the archive at ``P`` whose trailer names that
   step (and the object's save id); a file at ``P`` that is not an aiosnap archive (an
-  empty placeholder, a ``torch.save`` file) holds no step. Inside :meth:`ArchiveStorage.reading`
+  empty or placeholder file, a ``torch.save`` file) holds no step. Inside :meth:`ArchiveStorage.reading`
   every read comes from one version of the file, even while a writer replaces it.
 - Deleting a step's manifest (or its attempt) unlinks ``P`` when ``P`` holds that step;
   partial files of the step (or attempt) are deleted with it.
@@ -42,22 +44,33 @@ import stat as stat_module
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..config import Config
 from ..core.aio import complete_before_cancel
-from ..core.durable import fsync_dir, publish_if_absent
+from ..core.durable import fsync_dir
 from ..core.names import MANIFEST_FILE, check_object_name, check_save_id, manifest_name, parse_step_dir, step_dir
 from ..errors import CorruptCheckpointError, ManifestError, StepOrderError
-from ..format.archive import MAX_TRAILER_BYTES, Record, Trailer, build_tail, data_record_name, parse_trailer
+from ..format.archive import (
+    MARKS_BYTES,
+    MAX_TRAILER_BYTES,
+    Record,
+    Trailer,
+    build_tail,
+    data_record_name,
+    has_aiosnap_marks,
+    parse_trailer,
+)
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..format.spec import SaveSpec
 from ..storage.base import BytesLike, ObjectInfo, Storage, preadv_all
 from ..storage.registry import storage_from_url
+from .dcp.api import checkpoint_storage, is_dcp_checkpoint
+from .partialfile import PartialFile, partial_name
 
-__all__ = ["ArchiveStorage", "is_archive", "storage_for"]
+__all__ = ["ArchiveStorage", "is_archive", "is_damaged_archive", "storage_for"]
 
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<step>[0-9]{12,20})\.(?P<save>[0-9a-f]{16})\.aiosnap-partial")
 _COPY_BLOCK = 8 * 1024**2
@@ -65,13 +78,11 @@ _COPY_BLOCK = 8 * 1024**2
 
 @dataclass
 class _Attempt:
-    """One save's partial file (loop thread creates; worker threads write)."""
+    """One save in progress (loop thread creates; worker threads write its partial file)."""
 
     spec: SaveSpec
-    path: Path
+    partial: PartialFile
     offsets: dict[str, tuple[int, int]]  # object name -> (offset in the file, size)
-    fd: int | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Version:
@@ -91,16 +102,31 @@ inside the context see the same list)."""
 
 
 class ArchiveStorage(Storage):
-    """A checkpoint root that is one file (see the module docstring)."""
+    """A checkpoint root that is one file (see the module docstring).
+
+    ``resumable_partials``: partial files have names, so that what a save wrote outlives a
+    crash and a spool resume can finish it (:meth:`for_config` sets it whenever the config
+    has a spool: the trainer's saves and ``aiosnap resume``, which does not resume at start,
+    must agree); otherwise they are unnamed where the platform allows. Either way, a named
+    partial file of the same save already on disk (left by a crash) is the one written."""
 
     settled_writes = True
     single_file = True
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, resumable_partials: bool = False) -> None:
         given = Path(path).expanduser().absolute()
         self.url = str(given)
         self.path = Path(os.path.realpath(given))  # a link at the path: its target is the checkpoint
+        self.resumable_partials = resumable_partials
         self._fresh()
+
+    @classmethod
+    def for_config(cls, path: str | os.PathLike[str], config: Config | None, **kwargs: Any) -> Self:
+        """The file ``path``, its partial files named whenever ``config`` has a spool (a save
+        it journals may be finished by another process: the next trainer, ``aiosnap resume``),
+        whether or not ``spool.resume`` finishes them at start. ``kwargs``: a subclass's own."""
+        named = config is not None and config.spool.effective_mode != "off"
+        return cls(path, resumable_partials=named, **kwargs)
 
     def _fresh(self) -> None:
         self._attempts: dict[str, _Attempt] = {}
@@ -109,7 +135,7 @@ class ArchiveStorage(Storage):
 
     def __getstate__(self) -> dict[str, Any]:
         """Its path only (the upload process makes its own attempts and opens its own files)."""
-        return {"path": self.path, "url": self.url}
+        return {"path": self.path, "url": self.url, "resumable_partials": self.resumable_partials}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -128,10 +154,9 @@ class ArchiveStorage(Storage):
             position += chunk.nbytes
         if position != spec.archive.tail_offset:
             raise ValueError(f"{self.url}: the save's chunks end at {position}, not at {spec.archive.tail_offset}")
-        self._attempts[spec.save_id] = _Attempt(spec, self._partial(spec.step, spec.save_id), offsets)
-
-    def _partial(self, step: int, save_id: str) -> Path:
-        return self.path.with_name(f".{self.path.name}.{step_dir(step)}.{check_save_id(save_id)}.aiosnap-partial")
+        name = partial_name(self.path, step_dir(spec.step), check_save_id(spec.save_id))
+        partial = PartialFile(self.path, name, resumable=self.resumable_partials)
+        self._attempts[spec.save_id] = _Attempt(spec, partial, offsets)
 
     def _attempt_of(self, name: str) -> _Attempt:
         parts = check_object_name(name).split("/")
@@ -151,20 +176,14 @@ class ArchiveStorage(Storage):
             raise ValueError(f"{self.url}: object {name!r} is {len(data)} bytes, the plan says {nbytes}")
         await complete_before_cancel(asyncio.to_thread(self._pwrite, attempt, offset, data))
 
-    async def write_file(self, name: str, path: str) -> None:
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        # data objects only (a manifest comes through write): each has its own place in the file
         attempt = self._attempt_of(name)
         offset, nbytes = attempt.offsets.get(name, (0, -1))
         await complete_before_cancel(asyncio.to_thread(self._copy_in, attempt, offset, nbytes, path))
 
-    @staticmethod
-    def _open(attempt: _Attempt) -> int:
-        with attempt.lock:
-            if attempt.fd is None:
-                attempt.fd = os.open(attempt.path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
-            return attempt.fd
-
     def _pwrite(self, attempt: _Attempt, offset: int, data: BytesLike, *, sync: bool = True) -> None:
-        fd = self._open(attempt)
+        fd = attempt.partial.fd()
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
@@ -200,13 +219,10 @@ class ArchiveStorage(Storage):
             spec.archive.tail_offset, records, base64.b64decode(spec.archive.pickle), manifest_bytes,
             step=step, save_id=spec.save_id,
         )  # fmt: skip
-        fd = self._open(attempt)
+        fd = attempt.partial.fd()
         self._pwrite(attempt, spec.archive.tail_offset, tail)
         os.ftruncate(fd, spec.archive.tail_offset + len(tail))
         os.fsync(fd)
-        with attempt.lock:
-            os.close(fd)
-            attempt.fd = None
         with self._folder_lock():  # another process's commit or removal waits
             held = self._held_trailer()
             if held is not None and held.step > step:
@@ -216,10 +232,7 @@ class ArchiveStorage(Storage):
                 )
             if if_absent and held is not None and held.step == step:
                 raise FileExistsError(f"{self.url}: step {step} is there already")
-            if self.path.exists():
-                os.replace(attempt.path, self.path)
-            else:
-                publish_if_absent(attempt.path, self.path)
+            attempt.partial.publish()
             fsync_dir(self.path.parent)
         self._attempts.pop(spec.save_id, None)
         self._retire_all()
@@ -408,7 +421,8 @@ class ArchiveStorage(Storage):
             attempt = self._attempts.get(name.split("/")[1] if name.count("/") >= 2 else "")
             if attempt is not None:  # a save in progress (resumed): what landed in its partial file
                 offset, nbytes = attempt.offsets.get(name, (0, -1))
-                if nbytes < 0 or not attempt.path.exists() or attempt.path.stat().st_size < offset + nbytes:
+                landed = attempt.partial.landed_size()
+                if nbytes < 0 or landed is None or landed < offset + nbytes:
                     raise FileNotFoundError(f"{self.url}: {name!r} has not landed")
                 return nbytes
             version = self._use_saved(name)
@@ -451,7 +465,8 @@ class ArchiveStorage(Storage):
         return True
 
     def _partials(self) -> list[tuple[int, str, Path]]:
-        """Worker thread: (step, save id, path) of the partial files of ``P``."""
+        """Worker thread: (step, save id, path) of the named partial files of ``P`` (of any
+        process; unnamed ones are not listed anywhere)."""
         found = []
         with suppress(FileNotFoundError, NotADirectoryError):
             for entry in os.scandir(self.path.parent):
@@ -533,14 +548,12 @@ class ArchiveStorage(Storage):
                     self.path.unlink()
         self._retire_all()
         if partials:
-            for found_step, found_save, path in self._partials():
+            for found_save, attempt in list(self._attempts.items()):
+                if attempt.spec.step == step and save_id in (None, found_save):
+                    self._attempts.pop(found_save, None)
+                    attempt.partial.discard()
+            for found_step, found_save, path in self._partials():  # other processes', and crashes'
                 if found_step == step and save_id in (None, found_save):
-                    attempt = self._attempts.pop(found_save, None)
-                    if attempt is not None:
-                        with attempt.lock:
-                            if attempt.fd is not None:
-                                os.close(attempt.fd)
-                                attempt.fd = None
                     with suppress(FileNotFoundError):
                         path.unlink()
         with suppress(OSError):
@@ -555,10 +568,7 @@ class ArchiveStorage(Storage):
     async def close(self) -> None:
         self._retire_all()
         for attempt in list(self._attempts.values()):
-            with attempt.lock:
-                if attempt.fd is not None:
-                    os.close(attempt.fd)
-                    attempt.fd = None
+            attempt.partial.close()  # an unnamed one is gone with it; a named one stays for gc or a resume
         self._attempts.clear()
 
 
@@ -572,6 +582,19 @@ def is_archive(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return parse_trailer(tail, size) is not None
+
+
+def is_damaged_archive(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a file aiosnap wrote as a single-file checkpoint whose end is
+    damaged: no :func:`is_archive`, yet aiosnap's marks (blocks: one small read of its end).
+    Such a file is never to be read unverified with ``torch.load``."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            tail = os.pread(f.fileno(), min(size, MARKS_BYTES), max(0, size - MARKS_BYTES))
+    except OSError:
+        return False
+    return parse_trailer(tail[-MAX_TRAILER_BYTES:], size) is None and has_aiosnap_marks(tail)
 
 
 _MANIFEST_HEAD = re.compile(rb'\{"format":"aiosnap","format_version":\d+,"step":(\d+),"save_id":"([0-9a-f]{16})"')
@@ -607,8 +630,12 @@ def _manifest_step(name: str) -> int | None:
 
 def storage_for(url: str, config: Config | None = None) -> Storage:
     """The backend for a checkpoint location: a local path that is a file is a single-file
-    checkpoint (a Lightning checkpoint saved through aiosnap, say); anything else is the root
+    checkpoint (a Lightning checkpoint saved through aiosnap, say); a local folder holding a
+    DCP checkpoint (its ``.metadata``) is that checkpoint, read-only (see
+    :func:`aiosnap.interop.dcp.api.checkpoint_storage`); anything else is the root
     :func:`~aiosnap.storage.registry.storage_from_url` makes."""
     if "://" not in url and os.path.isfile(os.path.expanduser(url)):
-        return ArchiveStorage(url)
+        return ArchiveStorage.for_config(url, config)
+    if "://" not in url and is_dcp_checkpoint(url):
+        return checkpoint_storage(url, config)
     return storage_from_url(url, config)

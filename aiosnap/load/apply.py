@@ -6,6 +6,7 @@ optimizers and user objects runs where the caller expects it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -13,16 +14,43 @@ import torch
 
 from ..core.cudaorder import CudaOrder
 from ..core.stateful import is_stateful, restores_by_key
+from ..core.tensorio import copyable
 from ..errors import PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Manifest
+from ..format.values import key_path
 from .decode import TreeDecoder, is_skipped
 from .fetch import ReadPlan
-from .inplace import destinations, staged_destinations
+from .inplace import destinations, staged_destinations, tensor_paths
 from .reshard import shard_targets
-from .select import check_keys_present, entries_under, needed_for_state, read_keys_only, select_paths
+from .select import (
+    check_keys_present,
+    dict_node,
+    entries_under,
+    needed_for_state,
+    read_keys_only,
+    refuse_unavailable,
+    saved_children,
+    select_paths,
+)
 from .staged import stageable
 
-__all__ = ["apply_state", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
+__all__ = ["apply_state", "check_meta_targets", "check_pickles", "decode_tree", "key_decoder", "plan_read"]
+
+_META = (
+    "a tensor on the meta device has no memory to load into: materialise it first "
+    "(module.to_empty(device=...)), or load() without a state and restore with load_state_dict(..., assign=True)"
+)
+
+
+def check_meta_targets(targets: Any) -> None:
+    """Caller's thread, before anything is read: :class:`StateMismatchError` naming the
+    tensors of ``targets`` (:func:`~aiosnap.load.inplace.target_tree`) on the meta device,
+    which a load would otherwise leave unloaded without a word (``copy_`` into a meta
+    tensor, and a module's ``load_state_dict`` into meta parameters, do nothing)."""
+    found = [path for path, tensor in tensor_paths(targets) if tensor.is_meta]
+    if found:
+        shown = ", ".join(repr(p) for p in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise StateMismatchError(f"{shown}: {_META}")
 
 
 def check_pickles(manifest: Manifest, allow_pickle: bool, only: set[int] | None = None) -> None:
@@ -79,8 +107,11 @@ def plan_read(
     tensor metadata of the caller's objects)."""
     keys = key_decoder(manifest, allow_pickle)
     if paths is not None:
-        return ReadPlan(only=entries_under(select_paths(manifest.tree, paths, keys)))
+        selected = select_paths(manifest.tree, paths, keys)
+        refuse_unavailable(selected)
+        return ReadPlan(only=entries_under(selected))
     if state is None:
+        refuse_unavailable(manifest.tree)
         return ReadPlan()
     only = needed_for_state(manifest.tree, state, keys, manifest.step, targets)
     into = {} if targets is None else destinations(manifest, targets, keys)
@@ -118,12 +149,6 @@ def _load_state_dict(target: Any, value: Any, where: str) -> None:
         raise StateMismatchError(f"{where}: {str(exc)[:2000]}; {_BY_KEY}") from exc
 
 
-def _dict_node_items(node: Any) -> list[tuple[Any, Any]] | None:
-    if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
-        return list(node["items"])
-    return None
-
-
 def apply_state(
     manifest: Manifest, tensors: dict[int, torch.Tensor], state: dict[str, Any], *, allow_pickle: bool = False
 ) -> None:
@@ -136,21 +161,23 @@ def apply_state(
 def _apply(
     decode: TreeDecoder, read: Callable[[int], bool], step: int, node: Any, target: dict[Any, Any], path: str
 ) -> None:
-    items = _dict_node_items(node)
-    if items is None:
+    inner = dict_node(node)
+    if inner is None:
         raise StateMismatchError(f"{path or 'state'}: checkpoint holds no dict here to load into a dict")
-    saved = {decode(k): v for k, v in items}
+    saved = saved_children(inner["items"], target, decode)
     check_keys_present(target, saved, step, path)
     for key, current in target.items():
         child = saved[key]
         if is_skipped(child):  # a rank-local value this load leaves as it is
             continue
-        where = f"{path}/{key}" if path else str(key)
+        where = key_path(path, key)
         if restores_by_key(current):  # its own keys: what this load read of it (and plain values)
             current.load_state_dict(decode(read_keys_only(child, read)))
         elif is_stateful(current) and not isinstance(current, dict):
             _load_state_dict(current, decode(child), where)
         elif isinstance(current, torch.Tensor):
+            if current.is_meta:
+                raise StateMismatchError(f"{where}: {_META}")
             value = decode(child)
             if not isinstance(value, torch.Tensor):
                 raise StateMismatchError(f"{where}: checkpoint holds {type(value).__name__}, state has a tensor")
@@ -158,9 +185,17 @@ def _apply(
                 raise StateMismatchError(
                     f"{where}: checkpoint shape {tuple(value.shape)} != state shape {tuple(current.shape)}"
                 )
+            same = value.dtype == current.dtype
             with torch.no_grad():  # read in place: the same memory, torch returns at once (and
-                current.copy_(value)  # bumps the version counter, so autograd knows it changed)
-        elif isinstance(current, dict) and _dict_node_items(child) is not None:
+                try:  # bumps the version counter, so autograd knows it changed)
+                    (copyable(current) if same else current).copy_(copyable(value) if same else value)
+                except NotImplementedError as exc:  # no conversion between these dtypes
+                    raise StateMismatchError(
+                        f"{where}: checkpoint {value.dtype} cannot be copied into the state's {current.dtype}"
+                    ) from exc
+        elif isinstance(current, dict) and dict_node(child) is not None:  # a Stateful's state dict too
             _apply(decode, read, step, child, current, where)
         else:
             target[key] = decode(child)
+    if "meta" in inner and isinstance(target, OrderedDict):  # its version metadata, as saved
+        target._metadata = decode(inner["meta"])  # type: ignore[attr-defined]

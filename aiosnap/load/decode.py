@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from ..core.tensorio import bytes_view
-from ..errors import ManifestError, PickleNotAllowedError
+from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from ..format.dtypes import dtype_itemsize
 from ..format.tree import float_text
+from .select import UNAVAILABLE
 
 __all__ = ["TreeDecoder", "is_skipped", "torch_dtype"]
 
@@ -77,6 +78,8 @@ class TreeDecoder:
         if not isinstance(node, dict) or "t" not in node:
             raise ManifestError(f"{self.where}: malformed tree node {node!r:.80}")
         tag = node["t"]
+        if tag == UNAVAILABLE:
+            raise StateMismatchError(str(node["why"]))
         if tag == "tensor":
             return self.tensor_of(self._entry(node, "tensor"))
         if tag == "dtensor":

@@ -82,8 +82,8 @@ def plan_runs(ranges: list[Range]) -> list[Run]:
 
 
 def _verify(where: str, run: Run) -> None:
-    """Worker thread: every range's crc32c against the manifest (a range translated from a
-    foreign format that records none is taken as read)."""
+    """Worker thread: every range's crc32c against the manifest (an unverified range of a
+    translated manifest, crc32c None, has none to check)."""
     for r in run.ranges:
         if r.where.crc32c is None:
             continue

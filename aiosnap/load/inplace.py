@@ -24,9 +24,10 @@ import torch
 
 from ..core.stateful import is_stateful
 from ..format.manifest import Manifest
+from ..format.values import key_path
 from .select import entries_under
 
-__all__ = ["destinations", "staged_destinations", "target_tree", "tensor_targets"]
+__all__ = ["destinations", "staged_destinations", "target_tree", "tensor_paths", "tensor_targets"]
 
 
 def target_tree(state: Any, *, inside_stateful: bool = False) -> Any:
@@ -138,6 +139,23 @@ def written_tensors(targets: Any) -> list[torch.Tensor]:
         elif isinstance(current, list):
             pending.extend(current)
     return found
+
+
+def tensor_paths(targets: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``targets`` (:func:`target_tree`) with its key path, in order."""
+    pending: list[tuple[Any, str]] = [(targets, "")]
+    while pending:
+        current, path = pending.pop()
+        if isinstance(current, torch.Tensor):
+            yield path or "state", current
+            continue
+        if isinstance(current, dict):
+            children: list[tuple[Any, Any]] = list(current.items())
+        elif isinstance(current, list):
+            children = list(enumerate(current))
+        else:
+            continue
+        pending.extend(reversed([(value, key_path(path, key)) for key, value in children]))
 
 
 def _span(tensor: torch.Tensor) -> tuple[str, int, int]:

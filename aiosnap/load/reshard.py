@@ -28,7 +28,7 @@ import torch
 
 from ..core.aio import complete_before_cancel, run_all
 from ..core.placements import local_boxes
-from ..core.tensorio import bytes_view
+from ..core.tensorio import bytes_view, copyable
 from ..format.manifest import EntryRecord, Manifest, ShardRecord
 from ..format.tiling import Box, overlap
 from ..storage.base import Storage
@@ -317,7 +317,7 @@ def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _copy(dest: torch.Tensor, view: torch.Tensor) -> None:
     with torch.no_grad():
-        dest.copy_(view)
+        copyable(dest).copy_(copyable(view))
 
 
 async def read_into_targets(

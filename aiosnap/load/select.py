@@ -22,10 +22,31 @@ from typing import Any
 from ..core.stateful import is_stateful, restores_by_key
 from ..errors import StateMismatchError
 from ..format.union import referenced_entries
+from ..format.values import key_path
 
 __all__ = [
-    "check_keys_present", "check_patterns", "entries_under", "needed_for_state", "read_keys_only", "select_paths",
+    "UNAVAILABLE", "check_keys_present", "check_patterns", "dict_node", "entries_under", "needed_for_state",
+    "read_keys_only", "refuse_unavailable", "saved_children", "select_paths",
 ]  # fmt: skip
+
+UNAVAILABLE = "unavailable"
+"""The tag of a node this load cannot restore (another rank's value: :mod:`aiosnap.load.ranks`),
+with the reason as ``why``."""
+
+
+def refuse_unavailable(node: Any) -> None:
+    """:class:`StateMismatchError` (its reason) if ``node`` holds a value this load cannot
+    restore; before anything is read."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("t") == UNAVAILABLE:
+                raise StateMismatchError(str(current["why"]))
+            if current.get("t") not in ("tensor", "pickle", "dtensor"):
+                stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
 
 
 def entries_under(node: Any) -> set[int]:
@@ -37,6 +58,27 @@ def _dict_items(node: Any) -> list[Any] | None:
     if isinstance(node, dict) and node.get("t") in ("dict", "odict"):
         return list(node["items"])
     return None
+
+
+def dict_node(node: Any) -> Any | None:
+    """The dict node a load into a dict walks: a dict's, or the state dict a Stateful object
+    saved (a step saved from a module restores into a plain dict of its tensors); None for
+    anything else."""
+    if isinstance(node, dict) and node.get("t") == "stateful":
+        node = node["v"]
+    return node if _dict_items(node) is not None else None
+
+
+def saved_children(items: Iterable[Any], target: dict[Any, Any], decode_key: Callable[[Any], Any]) -> dict[Any, Any]:
+    """The children of a dict node's ``items`` by decoded key, enough to find every key of
+    ``target``: the keys that are plain values, and the keys that are tensors or pickled
+    objects (which need their data, or ``allow_pickle``) only when a key of ``target`` is not
+    among those. (Keys of one dict are distinct, so no other key can match a found one.)"""
+    items = list(items)
+    plain = {decode_key(k): v for k, v in items if not entries_under(k)}
+    if all(key in plain for key in target):
+        return plain
+    return {decode_key(k): v for k, v in items}
 
 
 def _listed(keys: list[Any], limit: int = 8) -> str:
@@ -104,18 +146,20 @@ def needed_for_state(
         if items is None:
             return None  # apply_state reports the mismatch
         try:
-            saved = {decode_key(k): v for k, v in items}
+            saved = saved_children(items, target, decode_key)
         except Exception:  # a key the selection cannot decode without the data
             return None
         check_keys_present(target, saved, step, path)
         for key, current in target.items():
             child = saved[key]
-            where = f"{path}/{key}" if path else str(key)
-            inner = below.get(key) if isinstance(below, dict) else None
-            if isinstance(current, dict) and not is_stateful(current) and _dict_items(child) is not None:
-                pending.append((child, current, where, inner))
-            elif restores_by_key(current) and isinstance(inner, dict) and _stateful_dict(child) is not None:
-                pending.append((_stateful_dict(child), inner, where, inner))
+            refuse_unavailable(child)
+            where = key_path(path, key)
+            below_key = below.get(key) if isinstance(below, dict) else None
+            inner = dict_node(child) if isinstance(current, dict) and not is_stateful(current) else None
+            if inner is not None:
+                pending.append((inner, current, where, below_key))
+            elif restores_by_key(current) and isinstance(below_key, dict) and _stateful_dict(child) is not None:
+                pending.append((_stateful_dict(child), below_key, where, below_key))
             else:
                 needed |= entries_under(child)
     return needed
@@ -170,7 +214,7 @@ def select_paths(tree: Any, patterns: Iterable[str], decode_key: Callable[[Any],
             if entries_under(raw_key):  # a tensor or pickled key: needs data to be named
                 continue
             key = decode_key(raw_key)
-            path = f"{prefix}/{key}" if prefix else str(key)
+            path = key_path(prefix, key)
             if any(fnmatchcase(path, p) for p in wanted):
                 kept.append([raw_key, child])
                 continue

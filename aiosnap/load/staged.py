@@ -25,7 +25,7 @@ import torch
 
 from ..core.aio import complete_before_cancel, run_all
 from ..core.cudaorder import CudaOrder
-from ..core.tensorio import bytes_view, iter_row_major_views
+from ..core.tensorio import bytes_view, copyable, iter_row_major_views
 from ..format.manifest import ByteRange, Manifest
 from .decode import torch_dtype
 from .fetch_runs import Range, read_in_turn
@@ -134,7 +134,8 @@ def _copy_slot(
     caller: CudaOrder | None,
     used: set[torch.device],
 ) -> None:
-    dtype = torch_dtype(manifest.entries[slot.entry].dtype)
+    target = copyable(target)  # the same dtype as the entry's (or both as bytes)
+    dtype = target.dtype
     source = slab[slot.offset : slot.offset + slot.where.nbytes].view(dtype)
     first = slot.at // dtype.itemsize
     cuda = target.device.type == "cuda"

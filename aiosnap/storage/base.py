@@ -18,6 +18,7 @@ import abc
 import asyncio
 import bisect
 import contextlib
+import contextvars
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "ScatterTarget",
     "Storage",
     "check_spool_file",
+    "in_control_lane",
     "preadv_all",
 ]
 
@@ -43,6 +45,14 @@ PartRecord = dict[str, Any]
 completes the object can be another than the one that wrote the part)."""
 PART_BYTES = 8 * 1024**2
 """Default part size of an object written in parts."""
+
+_CONTROL_LANE: contextvars.ContextVar[bool] = contextvars.ContextVar("aiosnap_control_lane", default=False)
+
+
+def in_control_lane() -> bool:
+    """Whether the write running now is a :meth:`Storage.write_marker` (backends serve those
+    apart from data writes: they must never queue behind them)."""
+    return _CONTROL_LANE.get()
 
 
 def _read_file(path: str) -> bytes:
@@ -79,6 +89,7 @@ class ScatterTarget:
 
 
 _IOV_MAX = 1024
+_DELETES_AT_ONCE = 16
 
 
 def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -115,6 +126,14 @@ class Storage(abc.ABC):
     """True when a :meth:`write` that returned, raised or was cancelled can have no effect
     later (local files: the rename happened or it did not). False for object stores, where
     a request abandoned mid-way may still land."""
+    conditional_writes: bool = False
+    """True when ``write(name, data, if_absent=True)`` lets exactly one of several writers of
+    ``name`` win (local files: an atomic link; S3: ``If-None-Match`` with
+    ``s3.conditional_commit``). A multi-rank save needs it: of its coordinator claiming the
+    commit and another rank declaring the save aborted, exactly one must win."""
+    read_only: bool = False
+    """True when the root is only ever read (a translation of a foreign format such as a
+    safetensors folder): saves to it are refused, so it needs no conditional writes."""
     single_file: bool = False
     """True when the root is one file holding one checkpoint that ``torch.load`` reads
     (:class:`~aiosnap.interop.singlefile.ArchiveStorage`): saves to it are planned as one file."""
@@ -130,12 +149,25 @@ class Storage(abc.ABC):
 
         With ``if_absent``, raise :class:`FileExistsError` instead when ``name`` exists."""
 
-    async def write_file(self, name: str, path: str) -> None:
-        """Store the local file ``path`` under ``name`` (used for spooled chunks).
+    async def write_marker(self, name: str, data: BytesLike, *, if_absent: bool = False) -> None:
+        """:meth:`write` of a small control object of a multi-rank save (a heartbeat, the
+        verdict, a failure report), which must never wait behind data writes: a heartbeat
+        queued behind a rank's uploads would make that live rank look stopped. Backends
+        serve it in a lane of its own (:func:`in_control_lane` is true while it runs); this
+        default is :meth:`write` in that lane."""
+        token = _CONTROL_LANE.set(True)
+        try:
+            await self.write(name, data, if_absent=if_absent)
+        finally:
+            _CONTROL_LANE.reset(token)
+
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        """Store the local file ``path`` under ``name`` (used for spooled chunks); with
+        ``if_absent``, as :meth:`write`.
 
         This default reads the whole file into memory; the built-in backends stream it."""
         data = await asyncio.to_thread(_read_file, path)
-        await self.write(name, data)
+        await self.write(name, data, if_absent=if_absent)
 
     async def write_checksummed(self, name: str, data: memoryview, checksums: RangeChecksums) -> None:
         """:meth:`write` of a staged buffer whose CRC32Cs are known (``checksums.of(start,
@@ -201,9 +233,23 @@ class Storage(abc.ABC):
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``; a missing prefix is not an error."""
 
+    async def delete_many(self, names: Sequence[str]) -> None:
+        """Delete each of ``names`` (missing ones are not an error). This default deletes
+        them one by one, a few at a time; backends with a batch delete use it."""
+        limit = asyncio.Semaphore(_DELETES_AT_ONCE)
+
+        async def one(name: str) -> None:
+            async with limit:
+                await self.delete(name)
+
+        async with asyncio.TaskGroup() as group:
+            for name in names:
+                group.create_task(one(name))
+
     async def walk(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), names relative to the root. Used by
-        maintenance (``aiosnap ls --all``, ``aiosnap gc``), not by saves or loads."""
+        maintenance (``aiosnap ls --all``, ``aiosnap gc``) and the DCP writer's commit (which
+        does without it), not by aiosnap's own saves or loads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list objects with sizes and times")
 
     # -- an object written in parts (a safetensors shard: header first, bytes as they come) --
@@ -237,6 +283,21 @@ class Storage(abc.ABC):
     async def abort_upload(self, name: str, upload_id: str) -> None:  # noqa: B027 - optional hook
         """Abort one unfinished multipart upload, or object written in parts (one already
         gone is not an error)."""
+
+    async def translated_manifest(self, step: int) -> Any:
+        """The manifest of ``step`` translated from a foreign checkpoint's own metadata
+        (a read-only view of a DCP folder or a ``torch.save`` file:
+        :class:`~aiosnap.interop.foreign.ForeignStorage`), or None for a root of aiosnap's
+        own, whose ``manifest.json`` is read and validated as usual. (Typed ``Any``: storage
+        sits below the format.)"""
+        return None
+
+    async def integrity_spans(self, step: int) -> list[Any]:
+        """Byte ranges of ``step`` that :func:`~aiosnap.catalog.maintenance.verify_step`
+        checks besides the manifest's, as ``(what, Span)`` pairs: of a DCP folder aiosnap's
+        writer made, every whole item (its archive headers and pickle around the payload).
+        None here. (Typed ``Any``: storage sits below the format.)"""
+        return []
 
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Get ready to serve requests (make clients, load service models), called in the

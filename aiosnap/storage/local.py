@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
@@ -26,14 +28,46 @@ from ..core.durable import (
     remove_if_empty,
     remove_tree,
     temp_name,
+    write_file,
 )
 from ..core.names import check_object_name
 from ..core.progress import report_sent
-from .base import BytesLike, ObjectInfo, PartRecord, Storage, preadv_all
+from .base import BytesLike, ObjectInfo, PartRecord, Storage, in_control_lane, preadv_all
 
 __all__ = ["LocalStorage"]
 
 _fsync = aiofiles.os.wrap(os.fsync)
+
+_CONTROL_THREADS = 2
+_control_pool: ThreadPoolExecutor | None = None
+_control_lock = threading.Lock()
+
+
+def _control_executor() -> ThreadPoolExecutor:
+    """The threads that write control objects (:meth:`Storage.write_marker`), apart from the
+    loop's default executor, where data writes queue behind each other's fsyncs."""
+    global _control_pool
+    with _control_lock:
+        if _control_pool is None:
+            _control_pool = ThreadPoolExecutor(_CONTROL_THREADS, thread_name_prefix="aiosnap-markers")
+        return _control_pool
+
+
+def _write_small(path: Path, data: BytesLike, if_absent: bool) -> None:
+    """Blocking: :meth:`LocalStorage.write` of a small object, all on the calling thread."""
+    makedirs_durably(path.parent)
+    tmp = temp_name(path)
+    try:
+        write_file(tmp, memoryview(data))
+        if if_absent:
+            publish_if_absent(tmp, path)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 WRITE_PIECE = 16 * 1024 * 1024
@@ -45,6 +79,7 @@ class LocalStorage(Storage):
     """Objects are files under ``root``; names map to relative paths."""
 
     settled_writes = True
+    conditional_writes = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
@@ -68,6 +103,9 @@ class LocalStorage(Storage):
         await complete_before_cancel(self._write(self._path(name), data, if_absent))
 
     async def _write(self, path: Path, data: BytesLike, if_absent: bool) -> None:
+        if in_control_lane():  # a heartbeat or verdict: never behind the data writes' fsyncs
+            await asyncio.get_running_loop().run_in_executor(_control_executor(), _write_small, path, data, if_absent)
+            return
         await asyncio.to_thread(makedirs_durably, path.parent)
         tmp = temp_name(path)
         try:
@@ -91,8 +129,8 @@ class LocalStorage(Storage):
             raise
         await asyncio.to_thread(fsync_dir, path.parent)
 
-    async def write_file(self, name: str, path: str) -> None:
-        await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name)))
+    async def write_file(self, name: str, path: str, *, if_absent: bool = False) -> None:
+        await complete_before_cancel(asyncio.to_thread(copy_file_atomically, path, self._path(name), if_absent))
 
     # -- an object written in parts: a temporary file beside it, written at offsets in any
     #    order (by any process sharing the file system), fsynced and renamed over it at the end
@@ -134,9 +172,20 @@ class LocalStorage(Storage):
     @staticmethod
     async def _read(path: Path, limit: int | None) -> bytes:
         async with aiofiles.open(path, "rb") as f:
-            if limit is not None:  # read(n) allocates n bytes first: never more than the file holds
-                limit = min(limit, os.fstat(f.fileno()).st_size)
-            return await f.read(-1 if limit is None else limit + 1)
+            if limit is None:
+                return await f.read()
+            # read(n) reserves n bytes first: a limit far above the file's size (1 GiB for a
+            # DCP .metadata) must not become an allocation of that much
+            size = os.fstat(f.fileno()).st_size
+            parts: list[bytes] = []
+            total = 0
+            while total <= limit:
+                part = await f.read(min(limit + 1 - total, max(size + 1 - total, 1024**2)))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+            return b"".join(parts)
 
     async def size(self, name: str) -> int:
         path = self._path(name)

@@ -14,7 +14,7 @@ from ..config import URL_SCHEMES, Config, redacted
 from ..errors import ConfigError
 from .base import Storage
 
-__all__ = ["register_scheme", "roots_overlap", "storage_from_url"]
+__all__ = ["has_scheme", "register_scheme", "roots_overlap", "storage_from_url"]
 
 
 def roots_overlap(a: Storage, b: Storage) -> bool:
@@ -41,6 +41,11 @@ def register_scheme(scheme: str, factory: Factory) -> None:
     then on ``storage.url`` may use the scheme in a config."""
     _SCHEMES[scheme] = factory
     URL_SCHEMES.add(scheme)
+
+
+def has_scheme(scheme: str) -> bool:
+    """True when ``scheme://`` URLs have a backend (``file``, ``s3``, registered ones)."""
+    return scheme in _SCHEMES
 
 
 def _local(url: str, path: str, config: Config) -> Storage:

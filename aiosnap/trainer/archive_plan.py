@@ -9,8 +9,13 @@ Pure code on the caller's thread inside ``save()``. Two parts:
   rebuilt by ``torch._utils._rebuild_tensor_v2`` from storages named by persistent ids),
   except that each storage is the tensor's own bytes in row-major order -- what aiosnap
   stores -- so every tensor is rebuilt contiguous at offset 0. Tensors seen twice (tied
-  weights) share one storage, as with ``torch.save``. Stateful objects are pickled as
-  their state dict (an ``OrderedDict``); anything else pickles as usual.
+  weights) share one storage, as with ``torch.save``, and keep their Python attributes.
+  Stateful values of the state are pickled as their state dict (an ``OrderedDict``, with
+  its attributes: a module's ``_metadata``), at the state's own value positions only;
+  anything else pickles as itself, as with ``torch.save`` (tensors inside it of dtypes
+  without a legacy storage as :mod:`.pickling` reduces them; a Stateful object inside it
+  as itself). Tensors held in a state tensor's Python attributes are entries of their own
+  (:func:`attribute_tensors`), so that ``torch.load``'s ``weights_only`` reads them.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from torch.serialization import location_tag
 
 from ..core.stateful import is_stateful
 from ..format.archive import ALIGN, data_record_name, local_header
+from ..format.values import key_path, key_text
 from .chunks import Chunk, Entry, Piece
+from .pickling import LEGACY_STORAGES, check_storage, reduce_without_legacy_storage
 
-__all__ = ["MIN_ARCHIVE_CHUNK_BYTES", "layout_archive", "torch_pickle"]
+__all__ = ["MIN_ARCHIVE_CHUNK_BYTES", "attribute_tensors", "layout_archive", "torch_pickle"]
 
 MIN_ARCHIVE_CHUNK_BYTES = 4096
 """Smallest chunk an archive layout takes (a local header and some bytes must fit)."""
@@ -90,12 +97,6 @@ def layout_archive(entries: list[Entry], chunk_bytes: int, prefix: str) -> tuple
     return chunks, header_offsets, position
 
 
-_LEGACY_STORAGES = torch.storage._dtype_to_storage_type_map()
-"""dtype -> the legacy storage class name ``torch.save`` pickles (``FloatStorage``); dtypes
-not in it (``uint16``, float8, ...) are pickled as ``torch.save`` does them: an untyped
-storage and ``_rebuild_tensor_v3``."""
-
-
 class _EntryTensor:
     """A parameter's data, to be pickled as entry ``index`` (inside ``_rebuild_parameter``)."""
 
@@ -114,8 +115,8 @@ class _StorageRef:
     def __init__(self, key: int, tensor: torch.Tensor) -> None:
         self.key = key
         self.location = location_tag(tensor.untyped_storage())
-        legacy = _LEGACY_STORAGES.get(tensor.dtype)
-        if legacy is None:
+        legacy = LEGACY_STORAGES.get(tensor.dtype)
+        if legacy is None:  # uint16, float8, ...: as torch.save, an untyped storage and _rebuild_tensor_v3
             self.storage_type: Any = torch.UntypedStorage
             self.numel = tensor.numel() * tensor.element_size()
         else:
@@ -132,34 +133,107 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+class _StateDict:
+    """A Stateful value of the state, pickled as its state dict: an ``OrderedDict`` with the
+    state dict's attributes (a module's ``_metadata``)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+
+def _state_positions(value: Any, stateful_dicts: dict[int, Any], seen: dict[int, Any]) -> Any:
+    """``value`` with each Stateful object at a value position of the state (inside dicts,
+    lists and tuples from the top, as the flattener walks them) replaced by its state dict;
+    containers copied (once each: one shared twice stays shared), anything else as it is, so
+    that a Stateful object inside a pickled value pickles as itself, as with ``torch.save``."""
+    kind = type(value)
+    known = seen.get(id(value))
+    if known is not None:
+        return known
+    if kind is dict or kind is OrderedDict:
+        copy: Any = kind()
+        seen[id(value)] = copy
+        copy.update((k, _state_positions(v, stateful_dicts, seen)) for k, v in value.items())
+        if kind is OrderedDict:
+            copy.__dict__.update(value.__dict__)  # its attributes: a module's _metadata
+        return copy
+    if kind is list:
+        items: list[Any] = []
+        seen[id(value)] = items
+        items.extend(_state_positions(v, stateful_dicts, seen) for v in value)
+        return items
+    made: Any = value
+    if kind is tuple:
+        made = tuple(_state_positions(v, stateful_dicts, seen) for v in value)
+    elif is_stateful(value) and not isinstance(value, (dict, list, tuple)) and id(value) in stateful_dicts:
+        made = _StateDict(_state_positions(stateful_dicts[id(value)], stateful_dicts, seen))
+    seen[id(value)] = made
+    return made
+
+
+def attribute_tensors(entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of the tensors held in the Python attributes of the entries' tensors
+    (``t.extra = torch.zeros(3)``: ``path#extra``), inside dicts, lists and tuples too.
+    ``torch.save`` stores their bytes as records, as it stores every tensor's, and
+    ``torch.load``'s default ``weights_only`` unpickler reads nothing else: a single file
+    makes them entries."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for entry in entries:
+        if entry.kind != "tensor":
+            continue
+        state = torch._utils._get_obj_state(entry.tensor)  # type: ignore[no-untyped-call]
+        parts = state if isinstance(state, tuple) else (state,)  # (__dict__, __slots__ values)
+        pending = [
+            (v, f"{entry.path}#{key_text(k)}") for part in parts if isinstance(part, dict) for k, v in part.items()
+        ]
+        while pending:
+            value, path = pending.pop()
+            if isinstance(value, torch.Tensor):
+                found.append((path, value))
+            elif type(value) in (dict, OrderedDict):
+                pending.extend((v, key_path(path, k)) for k, v in value.items())
+            elif type(value) in (list, tuple):
+                pending.extend((v, key_path(path, i)) for i, v in enumerate(value))
+    return found
+
+
 class _Pickler(pickle.Pickler):
-    def __init__(
-        self, file: io.BytesIO, entry_of: Callable[[torch.Tensor], int | None], stateful_dicts: dict[int, Any]
-    ) -> None:
+    def __init__(self, file: io.BytesIO, entry_of: Callable[[torch.Tensor], int | None]) -> None:
         super().__init__(file, protocol=2)  # torch.save's default protocol
         self._entry_of = entry_of
-        self._stateful_dicts = stateful_dicts
         self._refs: dict[int, _StorageRef] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _StateDict):  # a Stateful value of the state: its state dict
+            state = obj.state
+            attributes = getattr(state, "__dict__", None) or None  # a module's _metadata
+            return OrderedDict, (), attributes, None, iter(state.items())
         if isinstance(obj, _EntryTensor):
             return self._rebuild(obj.tensor, obj.index, False)  # a parameter's data, as torch.save
         if type(obj) is torch.nn.Parameter:
             index = self._entry_of(obj)
             if index is None:
                 return NotImplemented
-            return torch._utils._rebuild_parameter, (_EntryTensor(obj, index), obj.requires_grad, OrderedDict())
+            data, hooks = _EntryTensor(obj, index), OrderedDict()  # type: ignore[var-annotated]
+            state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]  # Python attributes, kept as torch.save keeps them
+            if state:
+                return torch._utils._rebuild_parameter_with_state, (data, obj.requires_grad, hooks, state)
+            return torch._utils._rebuild_parameter, (data, obj.requires_grad, hooks)
         if type(obj) is torch.Tensor:
             index = self._entry_of(obj)
             if index is None:  # not one of the save's entries (inside a pickled object)
-                return NotImplemented
-            return self._rebuild(obj, index, obj.requires_grad)
-        if is_stateful(obj) and not isinstance(obj, (dict, list, tuple)):
-            state = self._stateful_dicts.get(id(obj))
-            if state is None:
-                state = obj.state_dict()
-            return OrderedDict, (), None, None, iter(state.items())
-        return NotImplemented
+                check_storage(obj)
+                return reduce_without_legacy_storage(obj) or NotImplemented
+            function, args = self._rebuild(obj, index, obj.requires_grad)
+            state = torch._utils._get_obj_state(obj)  # type: ignore[no-untyped-call]
+            if state:  # Python attributes: rebuilt, then set on the result, as torch.save does
+                return torch._tensor._rebuild_from_type_v2, (function, torch.Tensor, args, state)
+            return function, args
+        if isinstance(obj, torch.Tensor):
+            check_storage(obj)
+        return NotImplemented  # anything else (a Stateful dict key, or inside a pickled object) as itself
 
     def _rebuild(self, obj: torch.Tensor, index: int, requires_grad: bool) -> Any:
         """The reduction of entry ``index`` (the tensor ``obj``): contiguous, at offset 0."""
@@ -183,5 +257,5 @@ def torch_pickle(state: Any, entry_of: Callable[[torch.Tensor], int | None], sta
     that is an entry of the save named by its entry index (``entry_of``); the state dicts
     the flattener took from Stateful objects (by ``id``) are reused, not taken again."""
     buffer = io.BytesIO()
-    _Pickler(buffer, entry_of, stateful_dicts).dump(state)
+    _Pickler(buffer, entry_of).dump(_state_positions(state, stateful_dicts, {}))
     return buffer.getvalue()

@@ -17,7 +17,8 @@ from ctypes import memmove
 import torch
 
 from ..core.cudaorder import CudaOrder
-from ..core.tensorio import copy_range_into, host_address, write_constants
+from ..core.tensorio import copy_range_into, host_address, storage_holds, write_constants
+from ..errors import UnsupportedStateError
 from ..handoff.contract import SlabChunk, Staged
 from .chunks import Chunk, SavePlan
 from .slabs import SlabPool
@@ -66,6 +67,11 @@ class Copier:
                     if address:
                         memmove(base + piece.dst_offset, address + piece.src_offset, piece.nbytes)
                         continue
+                if not storage_holds(src):  # a copy would read memory that is not the tensor's
+                    raise UnsupportedStateError(
+                        f"{entries[piece.entry].path}: its storage holds fewer bytes than its view reaches "
+                        "(resized smaller with untyped_storage().resize_()?); nothing was saved"
+                    )
                 if src.device.type == "cuda" and order is not None:
                     stream = self._stream(src.device)
                     if src.device not in used:

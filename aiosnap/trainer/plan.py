@@ -13,228 +13,28 @@ but the last is full (slabs are used fully). Each chunk becomes one data object.
 from __future__ import annotations
 
 import base64
-import math
-import pickle
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
 from ..core.gcpause import gc_paused
-from ..core.names import object_prefix
-from ..core.stateful import is_stateful
-from ..errors import UnsupportedStateError
+from ..core.names import STEP_LIMIT, object_prefix
+from ..errors import StepOrderError, UnsupportedStateError
 from ..format.classes import Row, describe
 from ..format.spec import ArchiveSpec, ChunkSpec, DistSpec, EntrySpec, PieceSpec, SaveSpec, ShardSpec
-from ..format.tree import MAX_TREE_DEPTH, shift_entry_ids
-from .archive_plan import layout_archive, torch_pickle
+from ..format.tree import shift_entry_ids
+from ..format.values import check_metadata
+from .archive_plan import attribute_tensors, layout_archive, torch_pickle
 from .chunks import ALIGN, Chunk, Entry, Piece, SavePlan
-from .dtensor import DTensorShard, dtensor_shards, is_dtensor
+from .dtensor import DTensorShard
+from .flatten import Flattener
 from .layout_memo import Layout, LayoutMemo
+from .manifest_size import check_manifest_size
 
 __all__ = ["Agreement", "Flattened", "layout_chunks", "make_plan"]
-
-
-def _plain_tensor_or_refuse(tensor: torch.Tensor, path: str) -> None:
-    """Refuse tensors whose bytes are not plain host or device memory of their own."""
-    kind = type(tensor).__name__
-    if kind == "DTensor":
-        raise UnsupportedStateError(
-            f"{path}: a DTensor cannot be saved here (in a rank-local value, or in a single-file "
-            "checkpoint); save it in the shared state of a multi-rank folder checkpoint"
-        )
-    if tensor.layout != torch.strided:
-        raise UnsupportedStateError(f"{path}: {tensor.layout} tensors are not supported")
-    if tensor.is_meta:
-        raise UnsupportedStateError(f"{path}: meta tensors hold no data to save")
-    if tensor.is_quantized:
-        raise UnsupportedStateError(f"{path}: quantized tensors are not supported")
-    try:
-        tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
-        raise UnsupportedStateError(f"{path}: a {kind} has no storage of its own to save ({exc})") from exc
-
-
-class _Flattener:
-    """Flattens a state into a tree and an entry table. ``rank_local``: path patterns whose
-    values are flattened apart (:attr:`local`), each leaving a ``rank_local`` node behind;
-    ``dtensors``: DTensors are saved as their local shards (else refused)."""
-
-    def __init__(self, rank_local: Sequence[str] = (), *, dtensors: bool = True) -> None:
-        self.entries: list[Entry] = []
-        self.keys: list[tuple[Any, ...] | None] = []  # each entry's view key (None: not a plain tensor)
-        self._seen: dict[tuple[Any, ...], int] = {}
-        self.by_id: dict[int, int] = {}  # id(tensor) -> entry, for the tensors met
-        self.stateful_dicts: dict[int, Any] = {}  # id(Stateful) -> the state dict it gave
-        self._depth = 0
-        self._patterns = tuple(rank_local)
-        self._dtensors = dtensors
-        self.shards: dict[int, DTensorShard] = {}  # entry -> its DTensor shard
-        self.local: _Flattener | None = None
-        self.local_values: list[Any] = []  # one tree per rank_local node, ids into local.entries
-        self.local_paths: list[str] = []  # where each rank_local node is
-
-    def encode(self, value: Any, path: str) -> Any:
-        if self._patterns and path and any(fnmatchcase(path, p) for p in self._patterns):
-            return self._rank_local(value, path)
-        if self._depth >= MAX_TREE_DEPTH:
-            raise UnsupportedStateError(f"{path}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
-        if type(value) is torch.Tensor:  # the common leaf first: states hold many tensors
-            return {"t": "tensor", "id": self._plain(value, path)}
-        self._depth += 1
-        try:
-            return self._encode(value, path)
-        finally:
-            self._depth -= 1
-
-    def _rank_local(self, value: Any, path: str) -> Any:
-        if self.local is None:
-            self.local = _Flattener(dtensors=False)
-            self.local._depth = self._depth
-        self.local_values.append(self.local.encode(value, path))
-        self.local_paths.append(path)
-        return {"t": "rank_local", "slot": len(self.local_values) - 1}
-
-    def _encode(self, value: Any, path: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int) and type(value) is int:
-            return value
-        if type(value) is float:
-            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
-        if isinstance(value, torch.Tensor):
-            index = self._tensor(value, path)
-            return {"t": "dtensor" if index in self.shards else "tensor", "id": index}
-        if is_stateful(value) and not isinstance(value, (dict, list, tuple)):
-            state = self.stateful_dicts[id(value)] = value.state_dict()
-            return {"t": "stateful", "v": self.encode(state, path)}
-        if type(value) in (dict, OrderedDict):
-            node: dict[str, Any] = {"t": "dict" if type(value) is dict else "odict", "items": self._items(value, path)}
-            meta = getattr(value, "_metadata", None)
-            if meta is not None:
-                node["meta"] = self.encode(meta, path + "#_metadata")
-            return node
-        if type(value) is list:
-            return {"t": "list", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
-        if type(value) is torch.Size:
-            return {"t": "size", "items": list(value)}
-        if type(value) is tuple:
-            return {"t": "tuple", "items": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
-        if isinstance(value, torch.dtype):
-            return {"t": "dtype", "v": str(value).removeprefix("torch.")}
-        if isinstance(value, torch.device):
-            return {"t": "device", "v": str(value)}
-        if type(value) is bytes:
-            return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
-        if type(value) is complex:
-            return {"t": "complex", "v": [repr(value.real), repr(value.imag)]}
-        return {"t": "pickle", "id": self._pickle(value, path)}
-
-    def _items(self, mapping: dict[Any, Any], path: str) -> list[list[Any]]:
-        """A dict's ``[key, value]`` pairs, encoded; plain tensors (most of a state's
-        values) without a call to :meth:`encode` each."""
-        prefix = f"{path}/" if path else ""
-        inline = not self._patterns and self._depth < MAX_TREE_DEPTH
-        items = []
-        for k, v in mapping.items():
-            key = k if type(k) is str else self.encode(k, path)
-            where = f"{prefix}{k}" if prefix else str(k)
-            if inline and type(v) is torch.Tensor:
-                items.append([key, {"t": "tensor", "id": self._plain(v, where)}])
-            else:
-                items.append([key, self.encode(v, where)])
-        return items
-
-    def _tensor(self, tensor: torch.Tensor, path: str) -> int:
-        if self._dtensors and is_dtensor(tensor):
-            return self._dtensor(tensor, path)
-        _plain_tensor_or_refuse(tensor, path)
-        return self._plain(tensor, path)
-
-    def _dtensor(self, tensor: torch.Tensor, path: str) -> int:
-        """A DTensor's entries: one per box of its local shard (one box, but for rare
-        ``_StridedShard`` layouts); the tree names the first, the others share its path."""
-        first = len(self.entries)
-        for shard in dtensor_shards(tensor, path):
-            index = len(self.entries)
-            self.shards[index] = shard
-            _plain_tensor_or_refuse(shard.local, path)
-            self.entries.append(
-                Entry(index, path, "sharded", shard.local, shard.local.numel() * shard.local.element_size())
-            )
-            self.keys.append(None)
-        self.by_id[id(tensor)] = first
-        return first
-
-    def _plain(self, tensor: torch.Tensor, path: str) -> int:
-        """A tensor's entry (a new one, or the one of the same view met before); refuses
-        tensors whose bytes cannot be saved. The per-tensor path of every save: kept short."""
-        if tensor.layout is not _STRIDED or tensor.is_meta or tensor.is_quantized:
-            _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
-        try:
-            key = _view_key(tensor)
-        except (RuntimeError, NotImplementedError, TypeError):
-            _plain_tensor_or_refuse(tensor, path)  # raises, naming what it is
-            raise
-        nbytes = tensor.nbytes
-        # The same view twice (tied weights) is stored once; not a lazy conjugate or negative
-        # view, whose values differ from its memory's (and from the plain view's).
-        lazy = tensor.is_conj() or tensor.is_neg()
-        index = self._seen.get(key) if nbytes and not lazy else None
-        if index is None:
-            index = len(self.entries)
-            self.entries.append(Entry(index, path, "tensor", tensor, nbytes))
-            self.keys.append(key)
-            if not lazy:
-                self._seen[key] = index
-        self.by_id[id(tensor)] = index
-        return index
-
-    def entry_of(self, tensor: torch.Tensor) -> int | None:
-        """The entry of a tensor met while flattening (or the same view of it), else None."""
-        index = self.by_id.get(id(tensor))
-        if (
-            index is None
-            and tensor.numel() > 0
-            and tensor.layout == torch.strided
-            and not (tensor.is_meta or tensor.is_conj() or tensor.is_neg())
-        ):
-            index = self._seen.get(_view_key(tensor))
-        return index
-
-    def _pickle(self, value: Any, path: str) -> int:
-        try:
-            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise UnsupportedStateError(f"{path}: {type(value).__name__} cannot be saved: {exc}") from exc
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-        index = len(self.entries)
-        self.entries.append(Entry(index, path, "pickle", data, len(blob)))
-        self.keys.append(None)
-        return index
-
-
-_STRIDED = torch.strided
-
-
-def _view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Two tensors with one key are the same bytes (one view of one storage)."""
-    return (
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tensor.shape,
-        tensor.stride(),
-        tensor.dtype,
-        tensor.device,
-    )
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}/{key}" if path else str(key)
 
 
 def _aligned(offset: int) -> int:
@@ -345,16 +145,28 @@ def make_plan(
     rank_local: Sequence[str] = (),
     agree: Callable[[Flattened], Agreement] | None = None,
     memo: LayoutMemo | None = None,
+    pickle_values: bool = False,
 ) -> SavePlan:
     """Flatten ``state`` (calling ``state_dict()`` on Stateful values) and lay out its chunks;
     with ``single_file``, as one ``torch.load``-readable file (:mod:`.archive_plan`). A
     multi-rank save (``agree``: how the ranks agree, :meth:`Flattened` in, who writes what
     out) lays out only what this rank writes. ``memo``: the layout of the caller's last
-    one-rank folder save, taken as is while the table stays the same (:mod:`.layout_memo`)."""
+    one-rank folder save, taken as is while the table stays the same (:mod:`.layout_memo`).
+    ``pickle_values``: values only pickle can store are pickled; else they are refused.
+
+    Everything a reader would refuse is refused here, before the ranks agree, with an
+    :class:`UnsupportedStateError` (or a :class:`StepOrderError` for a step out of range):
+    values outside :mod:`aiosnap.format.values`, metadata JSON cannot give back exactly, a
+    manifest too large to be read."""
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < STEP_LIMIT:
+        raise StepOrderError(f"step must be an int from 0 to {STEP_LIMIT - 1}, got {step!r:.40}")
+    if metadata is not None:
+        try:
+            check_metadata(metadata)
+        except ValueError as exc:
+            raise UnsupportedStateError(f"metadata must be JSON that loads back as it is: {exc}") from None
     if single_file and world_size != 1:
         raise UnsupportedStateError(
             f"a single-file checkpoint is written by one process; rank {rank} of {world_size} cannot save "
@@ -362,9 +174,12 @@ def make_plan(
         )
     if rank_local and single_file:
         raise UnsupportedStateError("rank_local values need a folder checkpoint (a single file holds one rank's state)")
-    flattener = _Flattener(rank_local, dtensors=not single_file)
+    flattener = Flattener(rank_local, dtensors=not single_file, pickles=pickle_values)
     with gc_paused():
         tree = flattener.encode(state, "")  # on failure the caller leaves the agreement (see checkpointer)
+    if flattener.refused:
+        raise _pickles_refused(flattener.refused)
+    check_manifest_size(flattener, tree, metadata or {}, chunk_bytes)
     if agree is None and (flattener.shards or flattener.local is not None):
         if world_size != 1:
             raise ValueError(f"rank {rank} of {world_size}: a multi-rank save needs the ranks' agreement")
@@ -375,8 +190,20 @@ def make_plan(
         return _local_plan(flattener, tree, state, step, chunk_bytes, rank, world_size, metadata, single_file, memo)
 
 
+def _pickles_refused(refused: list[tuple[str, str]]) -> UnsupportedStateError:
+    shown = ", ".join(f"{path!r} ({what})" for path, what in refused[:10])
+    if len(refused) > 10:
+        shown += f" and {len(refused) - 10} more"
+    return UnsupportedStateError(
+        f"{len(refused)} value(s) of the state can only be pickled, which this checkpointer does not allow: "
+        f"{shown}. Store them as plain data (tensors; str, int, float, bool, None, bytes; lists, tuples and "
+        "dicts of them), or let save() pickle them with pickle_values: true in the config "
+        "(Config(pickle_values=True)); loading them then needs load(..., allow_pickle=True)"
+    )
+
+
 def _local_plan(
-    flattener: _Flattener,
+    flattener: Flattener,
     tree: Any,
     state: dict[str, Any],
     step: int,
@@ -392,6 +219,12 @@ def _local_plan(
     prefix = object_prefix(step, save_id, rank)
     archive: ArchiveSpec | None = None
     if single_file:
+        found = attribute_tensors(flattener.entries)
+        while found:  # tensors in the attributes of tensors (and in theirs): entries, as torch.save stores them
+            known = len(flattener.entries)
+            for path, tensor in found:
+                flattener.add_tensor(tensor, path)
+            found = attribute_tensors(flattener.entries[known:])
         chunks, header_offsets, tail_offset = layout_archive(flattener.entries, chunk_bytes, prefix)
         blob = torch_pickle(state, flattener.entry_of, flattener.stateful_dicts)
         archive = ArchiveSpec(tuple(header_offsets), tail_offset, base64.b64encode(blob).decode("ascii"))
@@ -413,7 +246,7 @@ def _local_plan(
 
 
 def _laid_out(
-    flattener: _Flattener, chunk_bytes: int, prefix: str, memo: LayoutMemo | None
+    flattener: Flattener, chunk_bytes: int, prefix: str, memo: LayoutMemo | None
 ) -> tuple[list[Chunk], tuple[EntrySpec, ...], tuple[ChunkSpec, ...]]:
     """The chunks and specs of a table: the memo's when the table is the one it remembers,
     else laid out (and remembered, when every entry is a plain tensor)."""
@@ -458,7 +291,7 @@ def _chunk_specs(chunks: list[Chunk]) -> tuple[ChunkSpec, ...]:
 
 
 def _distributed_plan(
-    flattener: _Flattener,
+    flattener: Flattener,
     tree: Any,
     step: int,
     chunk_bytes: int,
@@ -481,7 +314,7 @@ def _distributed_plan(
 
 
 def _rank_plan(
-    flattener: _Flattener,
+    flattener: Flattener,
     flat: Flattened,
     agreed: Agreement,
     step: int,

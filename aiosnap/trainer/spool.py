@@ -20,7 +20,7 @@ import torch
 
 from ..core.aio import complete_before_cancel
 from ..core.tensorio import bytes_view
-from ..format.journal import JOURNAL, JournalWriter
+from ..format.journal import JOURNAL, JournalWriter, begin_record
 from ..handoff.contract import FileChunk
 from ..handoff.spooldir import Spool
 from .chunks import Chunk, SavePlan
@@ -76,6 +76,7 @@ class SpoolSession:
         self._journal: JournalWriter | None = None
         self._journal_ok = True
         self._journal_lock = asyncio.Lock()
+        self._over = False  # finish() began: no record may start the journal's folder again
         self._held = 0  # disk budget of files kept until finish()
         self._capture_over = False
         self._captured_journalled = False
@@ -153,8 +154,11 @@ class SpoolSession:
 
     async def _record(self, record: dict[str, object]) -> None:
         """Append a record, starting the journal (with what has landed so far) if needed.
-        OSError when the journal cannot be written."""
+        OSError when the journal cannot be written. Nothing once the save is over: the
+        record would make a new folder after :meth:`finish` removed it."""
         async with self._journal_lock:
+            if self._over:
+                return
             if not self._journal_ok:
                 raise OSError("the spool journal of this save could not be written earlier")
             try:
@@ -171,23 +175,18 @@ class SpoolSession:
                 raise
 
     def _begin(self) -> dict[str, object]:
-        return {
-            "kind": "begin",
-            "format": 3,
-            "save_id": self.plan.save_id,
-            "step": self.plan.step,
-            "storage_url": self.storage_url,
-            "owner_url": self.owner_url,
-            "keep_last": self.keep_last,
-            "spec": self.plan.spec.to_document(),
-        }
+        return begin_record(
+            self.plan.spec, storage_url=self.storage_url, owner_url=self.owner_url, keep_last=self.keep_last
+        )
 
     async def captured(self) -> None:
-        """Capture is complete: if anything went to the spool, journal it (before save()
-        returns, so that a crash from here on loses nothing that is on disk; after a
-        preemption, in any case: see :meth:`keep_resumable`)."""
+        """Capture is complete: journal it, before save() returns, so that a crash from here on
+        loses nothing that is on disk: when anything went to the spool, in ``always`` mode
+        whatever the save holds (a state without tensor bytes is all in its journal), and
+        after a preemption in any case (see :meth:`keep_resumable`)."""
         self._capture_over = True
-        if self._journal is None and not self._resumable:
+        always = self.spool.mode == "always" and self.fallback is None
+        if self._journal is None and not self._resumable and not always:
             return
         await self._journal_captured()
 
@@ -274,8 +273,10 @@ class SpoolSession:
 
     async def finish(self) -> None:
         """The save is over: its spool folder goes (unless :attr:`keep`), its disk budget
-        comes back."""
+        comes back. A record being appended ends first (the lock); none starts after."""
         try:
+            async with self._journal_lock:
+                self._over = True
             if not self.keep:
                 await self.spool.discard(self.plan.save_id)  # also the folder of a save cancelled mid-spill
         finally:

@@ -23,13 +23,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..catalog.commit import READ_BACK_TIMEOUT_S, commit_manifest, whose_commit
+from ..catalog.commit import (
+    READ_BACK_TIMEOUT_S,
+    checked_document,
+    commit_manifest,
+    remove_replaced,
+    whose_commit,
+    write_manifest,
+)
 from ..catalog.steps import latest_committed
 from ..core.names import attempt_prefix, step_dir
 from ..errors import StepOrderError
 from ..storage.base import Storage
 
-__all__ = ["READ_BACK_TIMEOUT_S", "Preflight", "commit_manifest", "preflight", "remove_attempt", "whose_commit"]
+__all__ = [
+    "READ_BACK_TIMEOUT_S", "Preflight", "checked_document", "commit_manifest", "preflight", "remove_attempt",
+    "remove_replaced", "whose_commit", "write_manifest",
+]  # fmt: skip
 
 log = logging.getLogger("aiosnap")
 

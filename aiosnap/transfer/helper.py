@@ -95,6 +95,10 @@ def _dispatch(transfer: LocalTransfer, message: tuple[Any, ...]) -> None:
 PARENT_POLL_S = 0.5
 """How often the upload process checks that its trainer is still its parent."""
 
+PING_LAPSE = 2.0
+"""Heartbeat intervals without a ping from the trainer after which the upload process stops
+writing heartbeats (until the pings come again)."""
+
 
 async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int | None = None) -> None:
     """Run commands until ``close`` or end of file (the trainer is gone)."""
@@ -104,6 +108,10 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
     stop = asyncio.Event()
     gone = False
 
+    pinged = [time.monotonic()]
+    lapse = PING_LAPSE * config.distributed.heartbeat_interval
+    transfer.trainer_alive = lambda: time.monotonic() - pinged[0] <= lapse
+
     def read() -> None:  # a reader thread: commands go to the loop in order
         nonlocal gone
         try:
@@ -111,6 +119,9 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
                 message = conn.recv()
                 if message[0] == "close":
                     break
+                if message[0] == "ping":  # noted here, so that a busy loop does not hide it
+                    pinged[0] = time.monotonic()
+                    continue
                 loop.call_soon_threadsafe(_dispatch, transfer, message)
         except (EOFError, OSError):
             gone = True
@@ -146,8 +157,10 @@ def main(argv: list[str]) -> int:
     if kind != "config":
         return 2
     if config.preemption.enabled:  # the trainer decides when it ends (and this process with it)
-        for name in config.preemption.signals:
-            signal.signal(signal.Signals[name], signal.SIG_IGN)
+        ignored = [signal.Signals[name] for name in config.preemption.signals]
+        for number in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)  # blocked until now (see ProcessTransfer)
     arena = Arena(slab_bytes, count, shared=True, fd=arena_fd)
     try:
         import uvloop

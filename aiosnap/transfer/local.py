@@ -16,31 +16,29 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..catalog.steps import apply_retention
+from ..catalog.tombstones import Tombstones
 from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
 from ..core.progress import counting_sent
 from ..errors import first_error
-from ..format.manifest import Checksums, build_manifest
+from ..format.manifest import Checksums, Manifest, build_manifest
 from ..format.spec import SaveSpec
 from ..handoff.contract import FileChunk, Staged, TransferListener, TransferOutcome
 from ..interop.safetensors.live import LiveExport
 from ..storage.base import Storage
 from ..storage.registry import storage_from_url
-from .commit import Preflight, commit_manifest, preflight, remove_attempt, whose_commit
-from .rank_commit import (
-    deliver_part,
-    gather_manifest,
-    give_up,
-    is_aborted,
-    remove_own_data,
-    report_failure,
-    wait_for_commit,
-)
+from .commit import Preflight, checked_document, commit_manifest, preflight, remove_attempt, whose_commit
+from .heartbeat import Heartbeat
+from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
+from .rank_settle import settle_rank
+from .rank_wait import wait_for_commit
 from .upload import upload_chunk
+from .verdict import claim_verdict, given_up
 
 __all__ = ["CLEANUP_WAIT_S", "LocalTransfer"]
 
@@ -76,6 +74,8 @@ class LocalTransfer:
         self._cleanups: set[asyncio.Task[None]] = set()
         self._abandoned = False
         self._warm_ups: set[asyncio.Task[None]] = set()
+        self.tombstones = Tombstones()  # verdicts of multi-rank steps this side removed, kept a while
+        self.trainer_alive: Callable[[], bool] | None = None  # upload process: heartbeats only while pinged
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
@@ -182,6 +182,8 @@ class LocalTransfer:
                 log.warning("aiosnap: %d failed attempt(s) not removed by close(); `aiosnap gc` will", len(late))
                 await asyncio.wait(late)
         for storage in self._roots.values():
+            if self.tombstones:
+                await self.tombstones.sweep(storage)  # the young ones are left for gc
             await storage.close()
         self._roots.clear()
 
@@ -223,12 +225,19 @@ class _Upload:
         self._workers = min(owner.config.upload.concurrency, max(1, len(spec.chunks)))
         self._stages: dict[str, float] = {}
         self._ran = False
+        self.reached: Reached = "uploading"
+        self.heartbeat = (
+            None if spec.distributed is None
+            else Heartbeat(storage, spec, owner.config.distributed, alive=owner.trainer_alive)
+        )  # fmt: skip
         self.live: LiveExport | None = None
         """The save's live export (``also_as``), fed each chunk before its slab goes back."""
 
     def put(self, chunk: Staged) -> None:
         self._outstanding.add(chunk.index)
         self._queue.put_nowait(chunk)
+        if self.heartbeat is not None:
+            self.heartbeat.advance()  # captured
 
     def all_staged(self) -> None:
         for _ in range(self._workers):
@@ -236,6 +245,8 @@ class _Upload:
         self.may_start.set()
 
     def _done(self, index: int, pieces: list[int] | None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.advance()  # uploaded (or given back)
         if index in self._outstanding:
             self._outstanding.discard(index)
             self.owner.listener.done_with(self.save_id, index, pieces)
@@ -257,12 +268,16 @@ class _Upload:
         listener = self.owner.listener
         look = asyncio.ensure_future(preflight(self.storage, self.spec.step))
         look.add_done_callback(self._tell_preflight)
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         try:
             try:
                 outcome = await self._save(look)
             except BaseException as exc:
                 outcome = await finish_despite_cancel(self._settle(exc))
         finally:
+            if self.heartbeat is not None:  # after the verdict (or this rank's failure) is written
+                await finish_despite_cancel(self.heartbeat.stop())
             self.accepting = False
             look.cancel()
             for index in sorted(self._outstanding):
@@ -303,21 +318,44 @@ class _Upload:
         dist = self.spec.distributed
         if dist is not None and dist.coordinator != self.spec.rank:
             self.commit_started = True  # the coordinator may commit with our part from now on
+            self.reached = "delivered"
             part_bytes = await deliver_part(self.storage, self.spec, crcs)
-            await wait_for_commit(self.storage, self.spec)
+            assert self.heartbeat is not None
+            await self.heartbeat.stop()  # the coordinator has all it needs of this rank
+            await wait_for_commit(self.storage, self.spec, self.owner.config.distributed)
             self._stages["commit"] = time.perf_counter() - started
             self.owner.listener.stage_ended(self.save_id, "commit", part_bytes, self._stages["commit"])
             return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
         if dist is not None:
-            manifest = await gather_manifest(self.storage, self.spec, crcs)
+            manifest, document = await self._gather(crcs)
+        self.commit_started = True
+        self.reached = "committing"
+        if dist is not None:  # the commit is checked to stand once its manifest landed: only then retention
+            manifest_bytes = await commit_claimed(
+                self.storage, self.spec, manifest, document, replace=decided.replaces, tombstones=self.owner.tombstones
+            )
         else:
             manifest = build_manifest(self.spec, crcs)
-        self.commit_started = True
-        manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces)
+            document = checked_document(self.storage, manifest)  # refused before the commit starts
+            manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention()
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
+
+    async def _gather(self, crcs: Checksums) -> tuple[Manifest, bytes]:
+        """Coordinator: every rank's part merged, its objects checked, the manifest
+        serialized (so that after the claim only its write remains), the commit claimed."""
+        assert self.heartbeat is not None
+        self.reached = self.heartbeat.phase = "gathering"
+        manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed)
+        await check_objects(self.storage, manifest)
+        document = checked_document(self.storage, manifest)  # a manifest no reader takes is never claimed
+        self.reached = "claiming"
+        verdict = await claim_verdict(self.storage, self.spec, "commit")
+        if verdict.verdict == "abort":  # a follower found this rank stopped (its heartbeat late)
+            raise given_up(self.spec, verdict)
+        return manifest, document
 
     async def _worker(self, crcs: Checksums, clock: _StageClock) -> None:
         await self.may_start.wait()
@@ -345,8 +383,11 @@ class _Upload:
 
     async def _retention(self) -> list[int]:
         busy = self.owner.busy_steps(self.storage) - {self.spec.step}
+        tombstones = None if self.spec.distributed is None else self.owner.tombstones
         try:
-            return await apply_retention(self.storage, self.keep_last, self.spec.step, busy)
+            if tombstones is not None:
+                await tombstones.sweep(self.storage)
+            return await apply_retention(self.storage, self.keep_last, self.spec.step, busy, tombstones)
         except Exception as exc:  # the checkpoint is committed; a failed cleanup must not undo that
             log.warning("aiosnap: retention after step %d failed: %r", self.spec.step, exc)
             return []
@@ -377,24 +418,7 @@ class _Upload:
     async def _settle_distributed(self, exc: BaseException) -> TransferOutcome:
         """A rank's part of a multi-rank save raised ``exc``: committed after all, or failed
         (this rank's own data removed only once the save can no longer be committed)."""
-        spec, failed = self.spec, TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))
-        assert spec.distributed is not None
-        if self.commit_started:  # the manifest (coordinator) or our part (other ranks) was being written
-            verdict = await whose_commit(self.storage, spec.step, self.save_id, write_interrupted=True)
-            if verdict == "ours":
-                return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
-            coordinator = spec.distributed.coordinator == spec.rank
-            if verdict == "other" and coordinator:
-                await give_up(self.storage, spec, exc)
-            if not await is_aborted(self.storage, spec):
-                log.warning(
-                    "aiosnap: step %d (rank %d) may still be committed; its data is left for gc", spec.step, spec.rank
-                )
-                return failed
-        elif spec.distributed.coordinator == spec.rank:
-            await give_up(self.storage, spec, exc)  # before removing anything: no manifest of this save from now on
-        else:
-            await report_failure(self.storage, spec, exc)  # the coordinator gives up at once
-        if not self.owner.abandoned:
-            await remove_own_data(self.storage, spec)
-        return failed
+        remove = not self.owner.abandoned
+        if await settle_rank(self.storage, self.spec, exc, self.reached, remove=remove):
+            return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
+        return TransferOutcome(committed=False, error=exc, stage_seconds=dict(self._stages))

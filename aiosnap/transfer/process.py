@@ -7,6 +7,10 @@ trainer's :class:`~aiosnap.handoff.contract.Transfer`: each call becomes one sma
 thread turns the upload process's reports into calls on the trainer's loop. When the upload
 process dies (killed, out of memory), the socket reaches end of file at once: the saves it
 had fail with :class:`~aiosnap.errors.UploadProcessError` and the next save starts a new one.
+Once a multi-rank save has begun, the trainer's loop pings the upload process every half
+``heartbeat_interval``: the upload process writes a rank's heartbeat only while the pings
+come (:data:`~.helper.PING_LAPSE`), so a trainer that is stopped or wedged is named by the
+other ranks like a dead one, not kept alive by its helper.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -99,14 +104,23 @@ class ProcessTransfer:
         self._opened: set[str] = set()
         self._closed = self._loop.create_future()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
-             str(arena.slab_bytes), str(arena.count)],
-            pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        # The preemption signals are blocked in the new process from its first instruction
+        # (a blocked set survives exec) until it ignores them: one that arrives while it starts
+        # (a cluster signals every process of the job) waits, and is then ignored.
+        blocked = [signal.Signals[name] for name in config.preemption.signals] if config.preemption.enabled else []
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
+                 str(arena.slab_bytes), str(arena.count)],
+                pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
+        self._pinger: asyncio.Task[None] | None = None
         self.config = config
         self._reader = threading.Thread(target=self._read, name="aiosnap-upload-reports", daemon=True)
         self._reader.start()
@@ -212,7 +226,19 @@ class ProcessTransfer:
             self._opened.add(url)
 
     def begin(self, save_id: str, url: str, keep_last: int | None, spec: SaveSpec) -> None:
+        if spec.distributed is not None and self._pinger is None:
+            self._send("ping")
+            self._pinger = self._loop.create_task(self._ping())
         self._send("begin", save_id, url, keep_last, spec)
+
+    async def _ping(self) -> None:
+        """Show the upload process that this trainer is alive, until it is gone (loop thread)."""
+        while self.dead is None:
+            await asyncio.sleep(self.config.distributed.heartbeat_interval / 2)
+            try:
+                self._send("ping")
+            except UploadProcessError:
+                return
 
     def staged(self, chunk: Staged) -> None:
         self._send("staged", chunk)
@@ -229,6 +255,8 @@ class ProcessTransfer:
 
     async def close(self) -> None:
         """Ask the upload process to finish and exit; wait (bounded), then reap it."""
+        if self._pinger is not None:
+            self._pinger.cancel()
         if self.dead is None:
             try:
                 self._send("close")

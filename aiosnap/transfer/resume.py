@@ -27,8 +27,7 @@ from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
 from ..core.progress import counting_sent
-from ..format.journal import JOURNAL, JournalError, JournalState, read_journal
-from ..format.manifest import build_manifest
+from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJournal, read_journal
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
@@ -66,6 +65,8 @@ def _journal_of(spool: Spool, save_id: str) -> JournalState:
         raise _Discard("no journal: the process stopped before anything was spooled")
     try:
         return read_journal(path, save_id)
+    except RankPartJournal as exc:
+        raise _Discard(str(exc)) from None
     except JournalError as exc:
         raise _Discard(f"its journal cannot be trusted: {exc}") from None
 
@@ -135,7 +136,7 @@ async def _finish(
         sent(obj.nbytes - told)  # a backend that reports nothing, or less
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
-    await commit_manifest(storage, build_manifest(state.spec, state.checksums()), replace=False)
+    await commit_manifest(storage, state.final_manifest(), replace=False)
     return True
 
 
@@ -162,6 +163,9 @@ async def resume_spooled(
             states[save_id] = await asyncio.to_thread(_journal_of, spool, save_id)
         except _Discard as why:
             states[save_id] = why
+        except Exception as exc:  # a journal never keeps the checkpointer from starting
+            log.error("aiosnap: reading the journal of spooled save %s failed (kept): %r", save_id, exc)
+            report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
     total = sum(
         s.manifest.objects[i].nbytes
         for s in states.values()

@@ -27,6 +27,7 @@ from ...errors import CheckpointNotFoundError
 from ...format.manifest import Manifest
 from ...storage.base import Storage
 from ...storage.registry import storage_from_url
+from ..detect import open_checkpoint
 from ..singlefile import storage_for
 from .export import ExportOptions, ExportReport, export_manifest
 from .layout import NameRule
@@ -56,8 +57,17 @@ def open_safetensors(url: str, config: ConfigLike = None, *, prefix: str = "mode
 async def open_source(
     url: str, config: Config, *, step: int | None = None, prefix: str = "model/"
 ) -> tuple[Storage, Manifest]:
-    """The storage and manifest of ``url``: an aiosnap root or file with a committed step
+    """The storage and manifest of ``url``: a DCP folder or a ``torch.save`` file (read
+    through their translated manifests), an aiosnap root or file with a committed step
     (``step``, or the latest), else a safetensors folder. Close the storage when done."""
+    found = await open_checkpoint(url, config)
+    if getattr(found, "translator", None) is not None:  # a foreign checkpoint, read-only
+        try:
+            return found, await manifest_of(found, step)
+        except BaseException:
+            await found.close()
+            raise
+    await found.close()
     storage = storage_for(url, config)
     try:
         if await committed_steps(storage):

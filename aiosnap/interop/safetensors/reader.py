@@ -38,7 +38,7 @@ from typing import Any
 from ...catalog.steps import trust_translated
 from ...core.names import MANIFEST_FILE, attempt_prefix, manifest_name, step_dir
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest
+from ...format.manifest import PLAIN_VERSION, ByteRange, DataObject, EntryRecord, Manifest, signed_json
 from ...format.tiling import row_major_strides
 from ...storage.base import BytesLike, ObjectInfo, Storage
 from .header import ParsedHeader, header_length, parse_header
@@ -115,6 +115,7 @@ def translate(headers: dict[str, tuple[int, ParsedHeader]], prefix: str, where: 
         format="aiosnap", format_version=PLAIN_VERSION, step=STEP, save_id=save_id, created_at=0.0, world_size=1,
         objects=[DataObject(name=f"{folder}/{file}", rank=0, nbytes=headers[file][0]) for file in sorted(headers)],
         entries=entries, tree=tree, metadata={"source": "safetensors", "header_metadata": metadata}, rank_local=None,
+        foreign="safetensors",
     )  # fmt: skip
 
 
@@ -123,6 +124,7 @@ class SafetensorsFolder(Storage):
     module docstring). ``prefix`` is where its tensors appear in the state (``model/``)."""
 
     settled_writes = True
+    read_only = True
 
     def __init__(self, inner: Storage, *, prefix: str = "model/") -> None:
         if prefix and not prefix.endswith("/"):
@@ -149,10 +151,18 @@ class SafetensorsFolder(Storage):
             async with self._lock:
                 if self._manifest is None:
                     manifest = await self._translate()
-                    self._document = await asyncio.to_thread(manifest.to_json)
+                    # served from memory, never stored (to_json refuses a translated manifest)
+                    self._document = await asyncio.to_thread(signed_json, manifest)
                     trust_translated(STEP, self._document, manifest)
                     self._manifest = manifest
         return self._manifest
+
+    async def translated_manifest(self, step: int) -> Manifest:
+        """What :func:`~aiosnap.catalog.steps.read_manifest` gives for this folder: the
+        translated manifest of its one step (the bytes it serves are never parsed again)."""
+        if step != STEP:
+            raise CheckpointNotFoundError(f"{self.url} is a safetensors folder: it holds step {STEP}, not {step}")
+        return await self.manifest()
 
     async def _files(self) -> tuple[list[str], dict[str, str] | None]:
         """The shard files, and the index's weight map when there is one."""
