@@ -25,7 +25,7 @@ LOCALSTACK_VENV ?= .venv-localstack
 LOCALSTACK_SPEC ?= "localstack-core[runtime]==4.12.0" "cbor2<6" "pyopenssl<24.3"
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed-4.12.0
 
-.PHONY: install localstack demo test lint bench soak gpu-check clean
+.PHONY: install localstack demo test lint docs bench soak gpu-check clean
 
 install: $(STAMP)
 
@@ -50,12 +50,16 @@ lint: install
 	$(VENV)/bin/ruff format --check aiosnap tests examples
 	$(VENV)/bin/mypy
 
+# The documentation site (Material for MkDocs, API pages from the docstrings), warnings as errors.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+
 # The suite in TEST_WORKERS processes (pytest-xdist; 0: in this one). Most tests wait on
 # child processes, servers and timers, so two workers finish sooner even on two cores;
 # LocalStack's tests share one worker (one server, see tests/conftest.py).
 TEST_WORKERS ?= 2
 
-test: lint localstack
+test: lint docs localstack
 	TEST_LOCALSTACK_PYTHON=$(LOCALSTACK_VENV)/bin/python TEST_REQUIRE_LOCALSTACK=1 \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
@@ -87,4 +91,4 @@ gpu-check: $(if $(filter command line,$(origin PY)),,install)
 	timeout 230 $(PY) -m aiosnap.bench gpu
 
 clean:
-	rm -rf $(VENV) $(LOCALSTACK_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints
+	rm -rf $(VENV) $(LOCALSTACK_VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache checkpoints

@@ -39,8 +39,8 @@ aiosnap's loop thread, removals on a small helper thread of this plugin.
   pickled, as ``torch.save`` does; loading them needs ``allow_pickle=True``.
 - The plugin pickles (``torch.save(trainer)``, ``copy.deepcopy``, ``strategy="ddp_spawn"``):
   a copy is a fresh plugin with the same settings; saves in flight stay with the original.
-- Saves accepted before the process exits normally are finished at exit (see the README's
-  *Lifecycle*), also when Lightning never calls ``teardown`` again.
+- Saves accepted before the process exits normally are finished at exit (see *Lifecycle* in
+  ``docs/concepts/captured-and-durable.md``), also when Lightning never calls ``teardown`` again.
 """
 
 from __future__ import annotations
