@@ -191,7 +191,7 @@ def helper_deaths(rank: int, world: int, work: str, params: dict[str, Any]) -> d
 def _close_while_helper_wedged(ckpt: Any, rank: int, marks: Path) -> dict[str, Any]:
     """Step 6: rank 1's helper wedges after its part landed, the coordinator is slow (its
     data takes RankFaults.SLOW_S), and rank 1 calls close(timeout=1)."""
-    import aiosnap.service
+    import aiosnap.runtime.savejob
 
     started = time.monotonic()
     handle = ckpt.save(_state(6, rank), step=6, rank_local=["me"])
@@ -200,7 +200,7 @@ def _close_while_helper_wedged(ckpt: Any, rank: int, marks: Path) -> dict[str, A
     deadline = time.monotonic() + 20
     while not (marks / "wedge_after_part-1-6").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    aiosnap.service.ABORT_GRACE_S = 2.0  # (10 s by default) before the wedged helper is killed
+    aiosnap.runtime.savejob.ABORT_GRACE_S = 2.0  # (10 s by default) before the wedged helper is killed
     closing = time.monotonic()
     try:
         ckpt.close(timeout=1)

@@ -206,9 +206,9 @@ def test_slabs_staged_after_a_failed_save_come_back(root: Path) -> None:
 
 
 def test_close_timeout_with_a_stopped_helper_returns(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiosnap import service
+    from aiosnap.runtime import savejob
 
-    monkeypatch.setattr(service, "ABORT_GRACE_S", 1.0)
+    monkeypatch.setattr(savejob, "ABORT_GRACE_S", 1.0)
     ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
     pid = _helper_pid(ckpt)
     os.kill(pid, signal.SIGSTOP)
@@ -311,10 +311,10 @@ def test_a_child_forked_from_the_trainer_does_not_keep_the_helper_alive(root: Pa
 def test_a_helper_killed_after_its_commit_landed_reports_the_save_committed(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiosnap import service
+    from aiosnap.runtime import savejob
     from tests.process_faults import WedgedAfterManifest
 
-    monkeypatch.setattr(service, "ABORT_GRACE_S", 1.0)
+    monkeypatch.setattr(savejob, "ABORT_GRACE_S", 1.0)
     ckpt = SyncCheckpointer(
         _process(Config(storage={"url": str(root)}, ram_budget="16MiB")), storage=WedgedAfterManifest(str(root))
     )

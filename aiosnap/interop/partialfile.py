@@ -36,24 +36,41 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 from contextlib import suppress
 from pathlib import Path
 
 from ..core.durable import publish_if_absent
+from ..core.names import parse_step_dir
 
-__all__ = ["PartialFile", "partial_name"]
+__all__ = ["PartialFile", "named_partials", "partial_name"]
 
 _NO_TMPFILE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOSYS}
 """What ``open(O_TMPFILE)`` fails with where the kernel or the file system lacks it."""
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV, errno.ENOENT}
 _COPY_BLOCK = 8 * 1024**2
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<step>[0-9]{12,20})\.(?P<save>[0-9a-f]{16})\.aiosnap-partial")
 
 
 def partial_name(target: Path, step_folder: str, save_id: str) -> Path:
     """The named partial file of one save to ``target`` (also the unnamed file's name for
     the instant between its link and its rename over ``target``)."""
     return target.with_name(f".{target.name}.{step_folder}.{save_id}.aiosnap-partial")
+
+
+def named_partials(target: Path) -> list[tuple[int, str, Path]]:
+    """Blocking: (step, save id, path) of the named partial files of ``target`` (of any
+    process; unnamed ones are not listed anywhere)."""
+    found = []
+    with suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(target.parent):
+            match = _PARTIAL.fullmatch(entry.name)
+            if match and match["name"] == target.name:
+                step = parse_step_dir(match["step"])
+                if step is not None:
+                    found.append((step, match["save"], Path(entry.path)))
+    return found
 
 
 class PartialFile:
