@@ -69,6 +69,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "dcp":  # the DCP storage layer: aiosnap.dcp.StorageWriter(...) after `import aiosnap`
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'aiosnap' has no attribute {name!r}")

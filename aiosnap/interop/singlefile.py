@@ -49,7 +49,7 @@ from ..config import Config
 from ..core.aio import complete_before_cancel
 from ..core.durable import fsync_dir
 from ..core.names import MANIFEST_FILE, manifest_name, parse_step_dir, step_dir
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..format.archive import MARKS_BYTES, MAX_TRAILER_BYTES, has_aiosnap_marks, parse_trailer
 from ..format.spec import SaveSpec
 from ..storage.base import BytesLike, ObjectInfo, Storage, preadv_all
@@ -324,6 +324,20 @@ def _manifest_step(name: str) -> int | None:
     return parse_step_dir(folder) if leaf == MANIFEST_FILE else None
 
 
+def _refuse_other_files(url: str) -> None:
+    """:class:`ConfigError` for an existing file that is no checkpoint (neither a zip, as
+    ``torch.save`` and aiosnap write them, nor a legacy pickle, nor empty): its first save
+    would replace it, and a user who passed a YAML config's path would lose the config."""
+    path = os.path.expanduser(url)
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head or head == b"PK\x03\x04" or head[:1] == b"\x80":
+        return
+    config_file = path.endswith((".yaml", ".yml", ".json"))
+    hint = " (a configuration file? pass aiosnap.load_config(path))" if config_file else ""
+    raise ConfigError(f"{url} is a file that is not a checkpoint{hint}; not opening it as one, nothing was written")
+
+
 def storage_for(url: str, config: Config | None = None) -> Storage:
     """The backend for a checkpoint location: a local path that is a file is a single-file
     checkpoint (a Lightning checkpoint saved through aiosnap, say); a local folder holding a
@@ -331,6 +345,7 @@ def storage_for(url: str, config: Config | None = None) -> Storage:
     :func:`aiosnap.interop.dcp.api.checkpoint_storage`); anything else is the root
     :func:`~aiosnap.storage.registry.storage_from_url` makes."""
     if "://" not in url and os.path.isfile(os.path.expanduser(url)):
+        _refuse_other_files(url)
         return ArchiveStorage.for_config(url, config)
     if "://" not in url and is_dcp_checkpoint(url):
         return checkpoint_storage(url, config)
