@@ -191,6 +191,12 @@ class StorageConfig(_Section):
     url: StorageUrl = "./checkpoints"
     """A directory path, ``file:///abs/path``, or ``s3://bucket/prefix``."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _a_url_alone(cls, data: Any) -> Any:
+        """``storage: ./ck`` is ``storage: {url: ./ck}``."""
+        return {"url": data} if isinstance(data, str) else data
+
 
 class RetentionConfig(_Section):
     """Which committed checkpoints to keep."""
@@ -615,6 +621,8 @@ def _resolve_paths(data: dict[str, Any], model: type[BaseModel], folder: Path) -
     for name, info in model.model_fields.items():
         value = data.get(name)
         section = _section_model(info)
+        if section is StorageConfig and isinstance(value, str):  # ``storage: ./ck``, the url alone
+            value = data[name] = {"url": value}
         if section is not None and isinstance(value, dict):
             _resolve_paths(value, section, folder)
         elif RELATIVE_TO_FILE in info.metadata and isinstance(value, str) and _is_relative_path(value):

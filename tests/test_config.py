@@ -371,3 +371,11 @@ def test_an_environment_variables_error_names_the_variable_not_the_file(
     monkeypatch.setenv("AIOSNAP_RAM_BUDGET", "512")
     with pytest.raises(ConfigError, match=r"^environment variable AIOSNAP_RAM_BUDGET: ram_budget: 512 bytes\?"):
         Config(storage={"url": "./fine"})
+
+
+def test_storage_may_be_given_as_its_url_alone(tmp_path: Path) -> None:
+    """``storage: ./ck`` (a newcomer's first try) is ``storage: {url: ./ck}``, relative to the file."""
+    path = tmp_path / "job.yaml"
+    path.write_text("storage: ./ck\n")
+    assert load_config(path).storage.url == str(tmp_path / "ck")
+    assert Config(storage="s3://bucket/run").storage.url == "s3://bucket/run"

@@ -5,7 +5,7 @@ one line to stderr when a save commits (rank 0 only: every rank of a multi-rank 
 reports the same commit) or fails (every rank: each failure is its own), and when a save
 left in the spool by an earlier process is finished::
 
-    aiosnap: step 200 committed: 503.0 MiB in 1.2 s (419.2 MiB/s) to /data/ckpt
+    aiosnap: step 200 committed: 479.7 MiB in 1.2 s (399.7 MiB/s) to /data/ckpt
 
 :class:`LiveDisplay` (``events.live``, off by default) draws a Rich progress bar per save on
 stderr while saves upload, once one has run for :data:`LIVE_AFTER_S`, and only when stderr is
@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from .events import Event
 from .progress import MiB, ProgressBoard, SaveProgress
+from .units import format_bytes, format_rate
 
 __all__ = ["LIVE_AFTER_S", "LiveDisplay", "SaveLineHandler", "save_line"]
 
@@ -34,8 +35,9 @@ _ERROR_CHARS = 300
 def _figures(nbytes: int | None, seconds: float | None) -> str:
     if nbytes is None or seconds is None:
         return ""
-    rate = f" ({nbytes / seconds / MiB:.1f} MiB/s)" if seconds > 0 else ""
-    return f": {nbytes / MiB:.1f} MiB in {seconds:.1f} s{rate}"
+    rate = f" ({format_rate(nbytes / seconds)})" if seconds > 0 else ""
+    timed = f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds * 1000:.0f} ms"
+    return f": {format_bytes(nbytes)} in {timed}{rate}"
 
 
 def save_line(event: Event) -> str | None:

@@ -163,7 +163,10 @@ class Preemption:
         assert self.deadline is not None
         if self._exited.wait(max(0.0, self.deadline - time.monotonic())):
             return  # the interpreter exited first (see _at_exit)
-        log.warning("aiosnap: the grace period of %g s is over: exiting as %s would", self.grace_period, signum.name)
+        log.warning(
+            "aiosnap: the grace period of %g s is over: exiting as %s would (a save not committed by now, if "
+            "kept on the spool, is finished by the next start or `aiosnap resume`)", self.grace_period, signum.name,
+        )  # fmt: skip
         self._exit_from_watcher(signum)
 
     def _begin(self, signum: signal.Signals) -> bool:
