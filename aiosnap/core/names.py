@@ -12,6 +12,7 @@ import re
 __all__ = [
     "MANIFEST_FILE",
     "STEP_LIMIT",
+    "attempt_of_object",
     "attempt_prefix",
     "check_object_name",
     "check_save_id",
@@ -55,6 +56,18 @@ def check_save_id(save_id: str) -> str:
 def attempt_prefix(step: int, save_id: str) -> str:
     """Root-relative folder of one save attempt of ``step``."""
     return f"{step_dir(step)}/{check_save_id(save_id)}"
+
+
+def attempt_of_object(name: str) -> tuple[int, str] | None:
+    """The (step, save id) of the attempt folder an object name lies in (``<step
+    folder>/<save id>/...``), or None when it lies in none."""
+    parts = name.split("/")
+    if len(parts) < 3:
+        return None
+    step = parse_step_dir(parts[0])
+    if step is None or not _SAVE_ID.fullmatch(parts[1]):
+        return None
+    return step, parts[1]
 
 
 def object_prefix(step: int, save_id: str, rank: int) -> str:

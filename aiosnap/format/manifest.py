@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +34,15 @@ from pydantic_core import PydanticSerializationError
 
 from ..core.checksums import crc32c_of
 from ..core.gcpause import gc_paused
-from ..core.names import MANIFEST_FILE, STEP_LIMIT, attempt_prefix, check_object_name, check_save_id, manifest_name
+from ..core.names import (
+    MANIFEST_FILE,
+    STEP_LIMIT,
+    attempt_of_object,
+    attempt_prefix,
+    check_object_name,
+    check_save_id,
+    manifest_name,
+)
 from ..errors import ManifestError
 from .dtypes import dtype_itemsize
 from .spec import SaveSpec
@@ -42,9 +51,13 @@ from .tree import check_tree
 from .values import MAX_NDIM, check_metadata, json_int
 
 __all__ = [
+    "DIGEST_HEX",
     "FORMAT_VERSION",
+    "INCREMENTAL_VERSION",
     "MANIFEST_FILE",
     "MAX_MANIFEST_BYTES",
+    "MULTI_RANK_VERSION",
+    "PLAIN_VERSION",
     "ByteRange",
     "Checksums",
     "DataObject",
@@ -53,6 +66,7 @@ __all__ = [
     "RankLocalRecord",
     "ShardRecord",
     "Span",
+    "StoredDigest",
     "StoredShard",
     "build_manifest",
     "checked_json",
@@ -60,14 +74,22 @@ __all__ = [
     "describe_validation",
     "manifest_name",
     "signed_json",
+    "version_for",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Read by this aiosnap: 1; 2 added a crc32c of the manifest's own bytes; 3 added multi-rank
-checkpoints (sharded entries, rank-local values). A manifest is written with the oldest
-version that holds it (:data:`PLAIN_VERSION` unless it has multi-rank parts), so that older
-readers keep reading what they can and refuse the rest by its version."""
+checkpoints (sharded entries, rank-local values); 4 added incremental saves (``references``
+to earlier saves' objects, ``digests`` of ranges). A manifest is written with the oldest
+version that holds it (:data:`PLAIN_VERSION` unless it has multi-rank parts or version-4
+fields; see :func:`version_for`), so that older readers keep reading what they can and
+refuse the rest by its version."""
 PLAIN_VERSION = 2
+MULTI_RANK_VERSION = 3
+INCREMENTAL_VERSION = 4
+DIGEST_HEX = 32
+"""A range's content digest: xxh3-128, as 32 lower-case hex digits."""
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 _CRC_FIELD = b',"crc32c":'
 MAX_MANIFEST_BYTES = 128 * 1024**2
 """A manifest larger than this is refused unread (a hostile file must not exhaust memory)."""
@@ -103,6 +125,8 @@ class DataObject(_Frozen):
 
 
 _S = Strict()
+StoredDigest = Annotated[tuple[Annotated[str, _S], Annotated[int, _S], Annotated[str, _S]], Strict(False)]
+"""``[object, offset, digest]``: the xxh3-128 of the range at ``offset`` of ``object``."""
 _StoredRange = Annotated[
     tuple[Annotated[str, _S], Annotated[int, _S], Annotated[int, _S], Annotated[int, _S] | None], Strict(False)
 ]
@@ -234,6 +258,16 @@ class Manifest(_Frozen):
     foreign: Literal["dcp", "torch", "safetensors"] | None = None
     """The format a translated manifest was made from (its ranges may lack a crc32c);
     None for aiosnap's own manifests, which are the only ones ever stored."""
+    references: list[DataObject] | None = None
+    """Objects that earlier saves of this root wrote and this step's ranges name (an
+    incremental save: bytes equal to ones already stored are not written again). Each
+    lies in the attempt folder of an *earlier* step (never this save's own folder), is
+    listed once, and is kept in storage while any kept manifest names it (see
+    :mod:`aiosnap.catalog`); its ``nbytes`` is its whole stored size, checked at load."""
+    digests: list[StoredDigest] | None = None
+    """The content digest (xxh3-128) of byte ranges, ``[object, offset, hex]``: what a
+    later incremental save compares its captured bytes with. Each names a range of this
+    manifest, at most once."""
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -248,6 +282,7 @@ class Manifest(_Frozen):
                 raise ValueError(f"object {obj.name!r}: rank {obj.rank} >= world size {self.world_size}")
             if sizes.setdefault(obj.name, obj.nbytes) != obj.nbytes:
                 raise ValueError(f"object {obj.name!r} is listed twice with different sizes")
+        self._check_references(folder, sizes)
         spans: dict[str, list[tuple[int, int]]] = {}
         for entry, r in self.all_ranges():
             if r.crc32c is None and self.foreign is None:
@@ -282,7 +317,51 @@ class Manifest(_Frozen):
                     raise ValueError(f"rank {rank}: rank-local values cannot nest")
         if self.format_version < 3 and (slots or any(e.kind == "sharded" for e in self.entries)):
             raise ValueError(f"format version {self.format_version} has no multi-rank parts")
+        self._check_digests(spans)
         return self
+
+    def _check_references(self, folder: str, sizes: dict[str, int]) -> None:
+        """Referenced objects: each in an earlier step's attempt folder, listed once (added
+        to ``sizes``, the objects ranges may name)."""
+        if self.references is None:
+            return
+        if self.format_version < INCREMENTAL_VERSION:
+            raise ValueError(f"format version {self.format_version} has no references to earlier saves")
+        for obj in self.references:
+            attempt = attempt_of_object(obj.name)
+            if attempt is None or obj.name.startswith(folder):
+                raise ValueError(f"reference {obj.name!r} is not an object of another save of this root")
+            if attempt[0] >= self.step:
+                raise ValueError(f"reference {obj.name!r} names step {attempt[0]}, not one before step {self.step}")
+            if obj.rank >= self.world_size:
+                raise ValueError(f"reference {obj.name!r}: rank {obj.rank} >= world size {self.world_size}")
+            if obj.name in sizes:
+                raise ValueError(f"object {obj.name!r} is listed twice")
+            sizes[obj.name] = obj.nbytes
+
+    def _check_digests(self, spans: dict[str, list[tuple[int, int]]]) -> None:
+        if self.digests is None:
+            return
+        if self.format_version < INCREMENTAL_VERSION:
+            raise ValueError(f"format version {self.format_version} has no range digests")
+        starts = {(name, start) for name, found in spans.items() for start, _ in found}
+        seen: set[tuple[str, int]] = set()
+        for name, offset, digest in self.digests:
+            key = (name, offset)
+            if key not in starts or key in seen:
+                raise ValueError(f"digest of {name!r:.200} at {offset}: no such range, or listed twice")
+            if not _DIGEST.fullmatch(digest):
+                raise ValueError(f"digest of {name!r:.200} at {offset} is not {DIGEST_HEX} lower-case hex digits")
+            seen.add(key)
+
+    def stored_objects(self) -> list[DataObject]:
+        """Every object a load of this step reads: its own, then the referenced ones."""
+        return [*self.objects, *(self.references or ())]
+
+    @property
+    def own_bytes(self) -> int:
+        """The bytes this step's own objects hold (what deleting it alone could free)."""
+        return sum(o.nbytes for o in self.objects)
 
     def all_ranges(self) -> Iterator[tuple[EntryRecord, Span]]:
         """Every stored byte range with its entry: whole entries, shards, rank-local values."""
@@ -296,9 +375,10 @@ class Manifest(_Frozen):
 
     @property
     def total_bytes(self) -> int:
-        """The bytes of the step's data objects: what it keeps in storage (a multi-rank
-        save's unreferenced copies, alignment between ranges included)."""
-        return sum(o.nbytes for o in self.objects)
+        """The bytes of every object a load of the step reads from: its own and the
+        referenced ones (a multi-rank save's unreferenced copies, alignment between ranges
+        included). A copy of the step that stands alone holds this much."""
+        return sum(o.nbytes for o in self.stored_objects())
 
     def has_unverified_ranges(self) -> bool:
         """Whether a byte range carries no crc32c (a manifest translated from a foreign
@@ -361,6 +441,15 @@ def _check_version(version: Any, where: str) -> None:
             f"{where}: format version {version!r:.40} is not supported "
             f"(this aiosnap reads 1 to {FORMAT_VERSION}; upgrade aiosnap for newer ones)"
         )
+
+
+def version_for(manifest: Manifest) -> int:
+    """The oldest format version that holds ``manifest``."""
+    if manifest.references is not None or manifest.digests is not None:
+        return INCREMENTAL_VERSION
+    if manifest.rank_local is not None or any(e.kind == "sharded" for e in manifest.entries):
+        return MULTI_RANK_VERSION
+    return PLAIN_VERSION
 
 
 def checked_json(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:

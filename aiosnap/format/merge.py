@@ -45,7 +45,7 @@ from .buckets import bucket_of
 from .claims import Claim, differing_boxes, disagreement, value_crc32c
 from .classes import Described, describe
 from .dtypes import dtype_itemsize
-from .manifest import FORMAT_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
+from .manifest import MULTI_RANK_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
 from .parts import RankPart, TableEntry, WrittenRecord, spec_table
 from .spec import SaveSpec
 from .union import TreeUnion, map_entry_ids, referenced_entries
@@ -313,7 +313,7 @@ class _Merge:
         assert spec.distributed is not None
         local = [self.parts[r].local for r in range(spec.world_size)] if spec.distributed.local_values else None
         return Manifest(
-            format_version=FORMAT_VERSION,
+            format_version=MULTI_RANK_VERSION,
             step=spec.step,
             save_id=spec.save_id,
             created_at=time.time(),

@@ -30,7 +30,7 @@ from typing import Any
 from ...core.names import attempt_prefix
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ...format.dtypes import DTYPE_ITEMSIZE
-from ...format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest, Span
+from ...format.manifest import MULTI_RANK_VERSION, PLAIN_VERSION, Manifest, Span
 from ...format.tree import MAX_TREE_DEPTH
 from ...storage.base import Storage
 from ..foreign import STEP, Translation, VirtualObject
@@ -194,7 +194,7 @@ class DcpTranslator:
         tree = builder.tree()
         ranks = {f: _rank_of(f) for f in meta.files}
         doc = {
-            "format_version": FORMAT_VERSION if builder.sharded else PLAIN_VERSION,
+            "format_version": MULTI_RANK_VERSION if builder.sharded else PLAIN_VERSION,
             "step": STEP,
             "save_id": save_id,
             "created_at": 0.0,
