@@ -15,7 +15,7 @@ from ..core.names import manifest_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ..format.manifest import Manifest, checked_json
 from ..storage.base import Storage
-from .steps import committed_document, read_manifest, trust_committed
+from .steps import committed_document, objects_to_keep, read_manifest, trust_committed
 from .tombstones import Tombstones, retire_attempt
 
 __all__ = [
@@ -88,12 +88,13 @@ async def write_manifest(
 async def remove_replaced(
     storage: Storage, manifest: Manifest, replaced: str | None, tombstones: Tombstones | None = None
 ) -> None:
-    """After a re-save's commit: remove the attempt the old manifest named (a failure is
-    only logged: the save has committed)."""
+    """After a re-save's commit: remove the attempt the old manifest named, except the
+    objects other committed manifests name (a failure is only logged: the save has
+    committed)."""
     if replaced is None or replaced == manifest.save_id:
         return
     try:
-        await retire_attempt(storage, manifest.step, replaced, tombstones)
+        await retire_attempt(storage, manifest.step, replaced, tombstones, keep=lambda: objects_to_keep(storage))
     except Exception as exc:
         log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
 

@@ -16,12 +16,14 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Set
 
-from ..core.names import manifest_name, parse_step_dir, step_dir
+from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
+from .keep import names_in_manifest
+from .pins import pins_for
 from .tombstones import Tombstones, retire_attempt
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "latest_committed",
     "manifest_of",
     "not_committed",
+    "objects_to_keep",
     "read_manifest",
     "remove_step",
     "retention_victims",
@@ -259,16 +262,64 @@ async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | 
         return data, None
 
 
+async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> set[str]:
+    """What no deletion may remove now (see :mod:`.keep`): every object a save in flight in
+    this process pins, then every object a committed manifest names, its own and its
+    references, read in that order and *after* the caller listed what it would delete.
+    ``leaving``: steps whose manifests do not count (a plan that will remove them first)."""
+    keep = set(pins_for(storage.url).pinned())
+    steps = [s for s in await committed_steps(storage) if s not in leaving]
+    documents = await asyncio.gather(*(_document_or_none(storage, s) for s in steps))
+    for step, data in zip(steps, documents, strict=True):
+        if data is not None:
+            keep |= names_in_manifest(step, data)
+    return keep
+
+
+async def _document_or_none(storage: Storage, step: int) -> bytes | None:
+    try:
+        return await _manifest_bytes(storage, step)
+    except CheckpointNotFoundError:
+        return None  # removed since the listing
+
+
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
-    """Uncommit ``step`` (manifest first), then delete the attempt folder it named (with
-    ``tombstones``, a multi-rank attempt's verdict stays a while: see :mod:`.tombstones`).
-    Other attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap
-    gc``; so is the data of a step whose manifest could not be read."""
-    save_id = await committed_save_id(storage, step)
+    """Uncommit ``step`` (manifest first), then delete the objects of the attempt it named
+    and the objects of earlier saves it referenced, except those another committed manifest
+    names or a save in flight pins (:mod:`.keep`: they stay where they are, and go with the
+    last step that names them). With ``tombstones``, a multi-rank attempt's verdict stays a
+    while (see :mod:`.tombstones`). Other attempt folders of the step (crashed or concurrent
+    saves) are left to ``aiosnap gc``; so is the data of a step whose manifest could not be
+    read."""
+    found = await committed_document(storage, step)
     await storage.delete(manifest_name(step))
+    data, save_id = found if found is not None else (b"", None)
     if save_id is not None:
-        await retire_attempt(storage, step, save_id, tombstones)
+        folder = attempt_prefix(step, save_id) + "/"
+        marked: list[set[str]] = []
+
+        async def keep() -> set[str]:  # once, after the attempt folder is listed
+            if not marked:
+                marked.append(await objects_to_keep(storage))
+            return marked[0]
+
+        await retire_attempt(storage, step, save_id, tombstones, keep=keep)
+        kept = await keep()
+        unnamed = sorted(n for n in names_in_manifest(step, data) if not n.startswith(folder) and n not in kept)
+        await _delete_with_folders(storage, unnamed)
     await storage.remove_empty_folder(step_dir(step))
+
+
+async def _delete_with_folders(storage: Storage, names: list[str]) -> None:
+    """Delete ``names`` (objects of earlier saves nothing names any more), then the folders
+    they leave empty."""
+    if not names:
+        return
+    await storage.delete_many(names)
+    folders = {name.rsplit("/", 1)[0] for name in names}
+    folders |= {folder.rsplit("/", 1)[0] for folder in folders} | {folder.split("/", 1)[0] for folder in folders}
+    for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
+        await storage.remove_empty_folder(folder)
 
 
 async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -> list[int]:
@@ -318,13 +369,14 @@ async def remove_steps_after(storage: Storage, step: int) -> list[int]:
 
 
 async def remove_everything(storage: Storage) -> list[int]:
-    """Delete every committed step (newest first, each manifest before its data), then every
-    other step folder, then the root folder itself where that means anything and it is
+    """Delete every committed step's manifest (newest first, each before its data), then
+    every step folder, then the root folder itself where that means anything and it is
     empty. Files that are not aiosnap's stay. The caller makes sure no save to ``storage``
-    is running. Returns the committed steps deleted."""
+    is running. Nothing is kept for references: no step stays to name anything. Returns
+    the committed steps deleted."""
     steps = await committed_steps(storage)
-    for step in reversed(steps):
-        await remove_step(storage, step)
+    for step in reversed(steps):  # nothing stays, so nothing is kept for references
+        await storage.delete(manifest_name(step))
     for name in await storage.list_children(""):
         if parse_step_dir(name) is not None:
             await storage.delete_prefix(name)
