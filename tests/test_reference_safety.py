@@ -1,0 +1,305 @@
+"""References are never dangling (issue 24, catalog side): retention, ``aiosnap gc``, rollback,
+purge and re-saves delete an object only when no kept manifest names it and no save in flight
+pins it; the last step naming a frozen weight takes its bytes with it. Referencing steps are
+made from real saves by :mod:`tests.referencing`, on real files and a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiosnap import Config, SyncCheckpointer
+from aiosnap.catalog.garbage import collect_garbage
+from aiosnap.catalog.keep import names_in_manifest
+from aiosnap.catalog.maintenance import verify_step
+from aiosnap.catalog.pins import ReferencePins, pins_for
+from aiosnap.catalog.steps import apply_retention, committed_steps, read_manifest, remove_steps_after
+from aiosnap.core.names import attempt_of_object, attempt_prefix, step_dir
+from aiosnap.format.manifest import Manifest
+from aiosnap.storage.base import Storage
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import assert_same, s3_config
+from tests.referencing import fine_tune_state, frozen_chain, on_root, reference
+
+
+def _with(config: Config, keep_last: int | None) -> Config:
+    return config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": keep_last})})
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_config(request: pytest.FixtureRequest, small_config: Config) -> Config:
+    """The tests' small local config, or the same sizes on the S3 test server."""
+    if request.param == "local":
+        return small_config
+    found = s3_config(request.getfixturevalue("moto_endpoint"), request.getfixturevalue("s3_bucket"))
+    return found.model_copy(update={"upload": small_config.upload, "ram_budget": small_config.ram_budget})
+
+
+def _load(config: Config, step: int) -> Any:
+    with SyncCheckpointer(_with(config, None)) as ckpt:
+        return ckpt.load(step=step)
+
+
+def _stored(config: Config) -> set[str]:
+    return {o.name for o in on_root(config, lambda s: s.walk())}
+
+
+def _manifest(config: Config, step: int) -> Manifest:
+    return on_root(config, lambda s: read_manifest(s, step))
+
+
+def _gc(config: Config, keep_last: int, grace_s: float = 0.0) -> Any:
+    return on_root(config, lambda s: collect_garbage(s, keep_last=keep_last, grace_s=grace_s))
+
+
+def _only_what_is_named(config: Config) -> set[str]:
+    """After gc: the root holds exactly its committed manifests and the objects they name."""
+
+    async def named(storage: Storage) -> set[str]:
+        found: set[str] = set()
+        for step in await committed_steps(storage):
+            manifest = await read_manifest(storage, step)
+            found |= {f"{step_dir(step)}/manifest.json", *(o.name for o in manifest.stored_objects())}
+        return found
+
+    expected = on_root(config, named)
+    assert _stored(config) == expected
+    return expected
+
+
+def _attempt_of(manifest: Manifest) -> str:
+    (first,) = {attempt_of_object(o.name) for o in manifest.references or ()}
+    assert first is not None
+    return attempt_prefix(*first)
+
+
+def test_retention_deletes_the_first_writer_and_its_frozen_bytes_stay_until_the_last_reference_goes(
+    any_config: Config,
+) -> None:
+    states = frozen_chain(any_config, [1, 2, 3])
+    third = _manifest(any_config, 3)
+    base_folder = _attempt_of(third)  # flattened: step 3 names step 1's objects, not step 2's
+    assert base_folder.startswith(step_dir(1) + "/")
+    frozen = {o.name for o in third.references or ()}
+    with SyncCheckpointer(_with(any_config, 2)) as ckpt:
+        states[4] = fine_tune_state(4)
+        ckpt.save(states[4], step=4).wait()  # retention deletes steps 1 and 2
+        assert ckpt.steps() == [3, 4]
+    for step in (3, 4):
+        assert_same(_load(any_config, step), states[step])
+    stored = _stored(any_config)
+    assert {n for n in stored if n.startswith(step_dir(1))} == frozen  # only the bytes step 3 names
+    assert not any(n.startswith(step_dir(2)) for n in stored)
+
+    report = _gc(any_config, keep_last=2)
+    assert report.kept_referenced == [base_folder] and not report.removed_incomplete
+    _only_what_is_named(any_config)
+
+    reference(any_config, 4, 3)  # step 4 now names step 1's frozen bytes as well
+    with SyncCheckpointer(_with(any_config, 2)) as ckpt:
+        states[5] = fine_tune_state(5)
+        ckpt.save(states[5], step=5).wait()  # deletes step 3; step 4 still names the base
+    assert frozen <= _stored(any_config)
+    assert_same(_load(any_config, 4), states[4])
+
+    report = _gc(any_config, keep_last=1)  # step 4 goes: the last step naming the frozen bytes
+    assert report.deleted_steps == [4]
+    assert not any(n.startswith(step_dir(1)) for n in _stored(any_config))
+    assert _only_what_is_named(any_config) == {
+        f"{step_dir(5)}/manifest.json",
+        *(o.name for o in _manifest(any_config, 5).objects),
+    }
+    assert_same(_load(any_config, 5), states[5])
+
+
+def test_rollback_keeps_what_kept_steps_reference_and_purge_deletes_everything(any_config: Config) -> None:
+    states = frozen_chain(any_config, [1, 2, 3, 4])
+    assert _gc(any_config, keep_last=3).deleted_steps == [1]  # step 1's base stays, named by 2-4
+    with SyncCheckpointer(_with(any_config, 3)) as ckpt:
+        assert ckpt.rollback(2) == [3, 4]
+        assert ckpt.steps() == [2]
+    assert_same(_load(any_config, 2), states[2])
+    _only_what_is_named(any_config)
+    with SyncCheckpointer(_with(any_config, 3)) as ckpt:
+        assert ckpt.purge() == [2]
+    assert _stored(any_config) == set()
+
+
+def test_rollback_to_the_step_that_first_wrote_the_base_keeps_it_whole(small_config: Config) -> None:
+    states = frozen_chain(small_config, [1, 2, 3])
+    assert on_root(small_config, lambda s: remove_steps_after(s, 1)) == [2, 3]
+    assert_same(_load(small_config, 1), states[1])
+    _only_what_is_named(small_config)
+
+
+def test_a_pinned_reference_survives_retention_and_goes_once_released(small_config: Config) -> None:
+    states = frozen_chain(small_config, [1, 2])
+    url = LocalStorage(small_config.storage.url).url
+    first = _manifest(small_config, 1)
+    pins = pins_for(url)
+    token = pins.pin(o.name for o in first.objects)  # a save in flight that references step 1
+    try:
+        with SyncCheckpointer(_with(small_config, 1)) as ckpt:
+            ckpt.save(fine_tune_state(3), step=3).wait()  # retention deletes steps 1 and 2
+            assert ckpt.steps() == [3]
+        assert {o.name for o in first.objects} <= _stored(small_config)
+        assert _gc(small_config, keep_last=1).kept_referenced == [attempt_prefix(1, first.save_id)]
+    finally:
+        pins.release(token)
+    pins.release(token)  # twice: ignored
+    _gc(small_config, keep_last=1)
+    assert not any(n.startswith(step_dir(1)) for n in _stored(small_config))
+    assert states[2]["step"] == 2
+
+
+def test_reference_pins_are_thread_safe_and_one_registry_per_root() -> None:
+    pins = ReferencePins()
+    held = pins.pin(["a/always"])
+    stop = threading.Event()
+    missing: list[frozenset[str]] = []
+
+    def churn(index: int) -> None:
+        for round_ in range(300):
+            token = pins.pin([f"t{index}/{round_}", "shared"])
+            pins.release(token)
+
+    def watch() -> None:
+        while not stop.is_set():
+            if "a/always" not in (seen := pins.pinned()):
+                missing.append(seen)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    workers = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    stop.set()
+    watcher.join(timeout=30)
+    assert not missing and pins.pinned() == {"a/always"} and len(pins) == 1
+    pins.release(held)
+    assert pins.pinned() == frozenset()
+    assert pins_for("s3://b/x") is pins_for("s3://b/x") and pins_for("s3://b/x") is not pins_for("s3://b/y")
+
+
+def test_a_crash_between_commit_and_retention_leaves_only_garbage_the_next_retention_and_gc_remove(
+    any_config: Config,
+) -> None:
+    states = frozen_chain(any_config, [1, 2, 3, 4])  # committed, retention never ran (as after a crash)
+    with SyncCheckpointer(_with(any_config, 2)) as ckpt:
+        states[5] = fine_tune_state(5)
+        ckpt.save(states[5], step=5).wait()  # the next save's retention: deletes 1, 2, 3
+        assert ckpt.steps() == [4, 5]
+    assert_same(_load(any_config, 4), states[4])
+    _gc(any_config, keep_last=2)
+    _only_what_is_named(any_config)
+    # a crash inside a deletion: step 4's manifest went, its data and its references did not
+    on_root(any_config, lambda s: s.delete(f"{step_dir(4)}/manifest.json"))
+    report = _gc(any_config, keep_last=2)
+    assert len(report.removed_incomplete) == 2  # step 4's own attempt and step 1's unnamed base
+    _only_what_is_named(any_config)
+    assert_same(_load(any_config, 5), states[5])
+
+
+def test_retention_in_this_process_keeps_what_a_later_committed_step_names(small_config: Config) -> None:
+    """apply_retention (the save path's) with every victim at once, oldest first."""
+    states = frozen_chain(small_config, [1, 2, 3, 4])
+    removed = on_root(small_config, lambda s: apply_retention(s, 1, 4, set()))
+    assert removed == [1, 2, 3]
+    assert_same(_load(small_config, 4), states[4])
+    _only_what_is_named(small_config)
+
+
+_GC_LOOP = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    from aiosnap.catalog.garbage import collect_garbage
+    from aiosnap.storage.local import LocalStorage
+
+    async def main(root, runs_file, stop, deadline):
+        storage, runs = LocalStorage(root), 0
+        while not Path(stop).exists() and time.monotonic() < deadline:
+            await collect_garbage(storage, keep_last=2, grace_s=60.0)
+            runs += 1
+            Path(runs_file).write_text(str(runs))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], time.monotonic() + 20))
+    """
+)
+
+
+def _runs(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _wait_for_runs(path: Path, more_than: int, child: subprocess.Popen[str]) -> int:
+    deadline = time.monotonic() + 15
+    while (runs := _runs(path)) <= more_than:
+        assert child.poll() is None and time.monotonic() < deadline, "the gc process stopped"
+        time.sleep(0.01)
+    return runs
+
+
+def test_gc_in_another_process_while_referencing_steps_are_committed(small_config: Config, tmp_path: Path) -> None:
+    stop, runs = tmp_path / "stop", tmp_path / "runs"
+    root = Path(small_config.storage.url)
+    root.mkdir(parents=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _GC_LOOP, str(root), str(runs), str(stop)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    states: dict[int, Any] = {}
+    try:
+        seen = _wait_for_runs(runs, 0, child)  # gc is running before the first save
+        with SyncCheckpointer(_with(small_config, 2)) as ckpt:
+            for step in range(1, 8):
+                states[step] = fine_tune_state(step)
+                ckpt.save(states[step], step=step).wait()
+                if step > 1:  # as an incremental save would commit it: naming the latest step's bytes
+                    reference(small_config, step, step - 1)
+                if step % 2:
+                    seen = _wait_for_runs(runs, seen, child)  # at least one gc between these commits
+            assert ckpt.steps() == [6, 7]
+    finally:
+        stop.touch()
+        _, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    for step in (6, 7):
+        assert_same(_load(small_config, step), states[step])
+        manifest = _manifest(small_config, step)
+        assert on_root(small_config, lambda s, m=manifest: verify_step(s, m)) == []
+    assert _attempt_of(_manifest(small_config, 7)).startswith(step_dir(1))
+
+
+def test_names_in_a_manifest_are_read_leniently(small_config: Config) -> None:
+    frozen_chain(small_config, [1, 2])
+    document = (Path(small_config.storage.url) / step_dir(2) / "manifest.json").read_bytes()
+    names = names_in_manifest(2, document)
+    assert names == {o.name for o in _manifest(small_config, 2).stored_objects()}
+    newer = json.loads(document)
+    newer.update(format_version=99, references=None, elsewhere={"x": sorted(names)})  # a future layout
+    assert names_in_manifest(2, json.dumps(newer).encode()) == names
+    assert names_in_manifest(2, document[:-10]) == frozenset()  # not JSON: names nothing
+    assert names_in_manifest(2, b"[1]") == frozenset()
+
+
+def test_the_helper_makes_real_references(small_config: Config) -> None:
+    """The fixture itself: step 2 owns only its adapter's object, names step 1's base."""
+    start = time.monotonic()
+    frozen_chain(small_config, [1, 2])
+    second = _manifest(small_config, 2)
+    assert second.references and len(second.objects) == 1
+    assert second.total_bytes - second.own_bytes == sum(o.nbytes for o in second.references)
+    assert time.monotonic() - start < 60
