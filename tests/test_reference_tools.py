@@ -75,6 +75,11 @@ def test_info_verify_and_ls_show_own_and_referenced_bytes(aiosnap: Runner, small
     report = json.loads(aiosnap("gc", root, "--keep-last", "1", "--grace", "0s", "--json").stdout)
     assert report["kept_referenced"] == [f"{step_dir(1)}/{first['save_id']}"]
     assert "later steps reference" in aiosnap("gc", root, "--keep-last", "1", "--grace", "0s").stdout
+    everything = json.loads(aiosnap("ls", root, "--all", "--json").stdout)
+    assert [(s["step"], s["state"], s["nbytes"]) for s in everything] == [
+        (1, "referenced", referenced),
+        (2, "committed", own + referenced),
+    ]
     assert json.loads(aiosnap("verify", root, "--json").stdout)["ok"]
 
 

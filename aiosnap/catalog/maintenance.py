@@ -35,13 +35,18 @@ VERIFY_WINDOW = 8 * 1024 * 1024
 """Bytes read and checksummed at a time per concurrent range in :func:`verify_step`."""
 
 
+State = Literal["committed", "incomplete", "unreadable", "referenced"]
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """One step folder: committed (has a readable manifest), unreadable (has a manifest
-    this aiosnap cannot use), or incomplete (a save in progress, failed or interrupted)."""
+    this aiosnap cannot use), incomplete (a save in progress, failed or interrupted), or
+    referenced (a deleted step whose objects later committed steps still name: they stay
+    until the last of those goes)."""
 
     step: int
-    state: Literal["committed", "incomplete", "unreadable"]
+    state: State
     nbytes: int
     """Bytes in storage (a committed step's data objects)."""
     time: float
@@ -108,8 +113,10 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 entries=len(found.entries),
             )
     if include_incomplete:
+        named = {o.name for m in read if isinstance(m, Manifest) for o in m.stored_objects()}
         attempts: dict[int, dict[str, list[float]]] = {}
         sizes: dict[int, int] = {}
+        unnamed: set[int] = set()
         for obj in await storage.walk():
             where = split_name(obj.name)
             if where is None:
@@ -119,14 +126,17 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 continue
             attempts.setdefault(step, {}).setdefault(save_id, []).append(obj.mtime)
             sizes[step] = sizes.get(step, 0) + obj.size
+            if obj.name not in named:
+                unnamed.add(step)
         for step, found_attempts in attempts.items():
             if step in infos:
                 leftovers = sorted(a for a in found_attempts if a != infos[step].save_id)
                 infos[step] = replace(infos[step], leftovers=leftovers)
             else:
                 newest = max(t for times in found_attempts.values() for t in times)
+                state: State = "incomplete" if step in unnamed else "referenced"
                 infos[step] = StepInfo(
-                    step=step, state="incomplete", nbytes=sizes[step], time=newest, leftovers=sorted(found_attempts)
+                    step=step, state=state, nbytes=sizes[step], time=newest, leftovers=sorted(found_attempts)
                 )
     return [infos[s] for s in sorted(infos)]
 
