@@ -41,7 +41,7 @@ from ..format.markers import VERDICT_FILE, VERDICT_READ_S
 from ..storage.base import ObjectInfo, Storage
 from .liveness import Look, judge
 from .maintenance import split_name
-from .steps import committed_save_id, objects_to_keep, read_manifest, remove_step, retention_victims
+from .steps import committed_save_id, objects_to_keep, read_manifest, remove_steps, retention_victims
 from .tombstones import retire_attempt
 
 __all__ = ["VERDICT_READ_S", "GcPlan", "GcReport", "collect_garbage", "plan_gc"]
@@ -243,8 +243,8 @@ async def collect_garbage(
         if step not in still_victims:  # a rollback or removal since the plan: no longer beyond keep_last
             report.skipped.append(step_dir(step))
             continue
-        await remove_step(storage, step)
         report.deleted_steps.append(step)
+    await remove_steps(storage, report.deleted_steps)
     cutoff = now - grace_s
     for prefix in plan.attempts:
         if not await _still_garbage(storage, prefix, cutoff, now, plan.heartbeats):

@@ -11,12 +11,8 @@ listed or deleted.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Set
+from collections.abc import Awaitable, Callable, Sequence, Set
 
 from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
@@ -25,6 +21,7 @@ from ..storage.base import Storage
 from .keep import names_in_manifest
 from .pins import pins_for
 from .tombstones import Tombstones, retire_attempt
+from .trusted import TRUSTED
 
 __all__ = [
     "apply_retention",
@@ -36,6 +33,7 @@ __all__ = [
     "objects_to_keep",
     "read_manifest",
     "remove_step",
+    "remove_steps",
     "retention_victims",
     "remove_steps_after",
     "step_folders",
@@ -135,67 +133,21 @@ async def not_committed(storage: Storage, step: int, purpose: str = "") -> Check
 
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
     where = f"{storage.url}/{manifest_name(step)}"
-    known = _TRUSTED.manifest(step, data)
+    known = TRUSTED.manifest(step, data)
     if known is not None and known.foreign is None:  # stored bytes never stand for a translation
         return known
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
-    _TRUSTED.learn(step, data, manifest.save_id)
+    TRUSTED.learn(step, data, manifest.save_id)
     return manifest
-
-
-class _TrustedManifests:
-    """Digests of manifests this process has validated, with their save ids: retention and
-    the commit protocol ask every few saves whose each recent step is, and validating a
-    manifest of tens of thousands of entries again each time costs about a second; hashing
-    its bytes costs milliseconds. Keyed by step and content, so a manifest that changed
-    (replaced, damaged) is validated afresh. Any thread (a lock guards the table)."""
-
-    LIMIT = 256
-
-    def __init__(self) -> None:
-        self._known: OrderedDict[tuple[int, bytes], str] = OrderedDict()
-        self._objects: weakref.WeakValueDictionary[tuple[int, bytes], Manifest] = weakref.WeakValueDictionary()
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _key(step: int, data: bytes) -> tuple[int, bytes]:
-        return step, hashlib.blake2b(data, digest_size=32).digest()
-
-    def learn(self, step: int, data: bytes, save_id: str) -> None:
-        key = self._key(step, data)
-        with self._lock:
-            self._known[key] = save_id
-            self._known.move_to_end(key)
-            while len(self._known) > self.LIMIT:
-                self._known.popitem(last=False)
-
-    def save_id(self, step: int, data: bytes) -> str | None:
-        key = self._key(step, data)
-        with self._lock:
-            return self._known.get(key)
-
-    def keep_object(self, step: int, data: bytes, manifest: Manifest) -> None:
-        """``manifest`` is ``data`` parsed, for as long as someone else holds it."""
-        key = self._key(step, data)
-        with self._lock:
-            self._objects[key] = manifest
-
-    def manifest(self, step: int, data: bytes) -> Manifest | None:
-        key = self._key(step, data)
-        with self._lock:
-            return self._objects.get(key)
-
-
-_TRUSTED = _TrustedManifests()
 
 
 def trust_committed(step: int, document: bytes, save_id: str) -> None:
     """This process just committed ``document``, which it read back with the readers' own
     parser and validator before writing it (:func:`~aiosnap.format.manifest.checked_json`):
     the same bytes read back need no second validation."""
-    _TRUSTED.learn(step, document, save_id)
+    TRUSTED.learn(step, document, save_id)
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:
@@ -253,7 +205,7 @@ async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | 
         data = await _manifest_bytes(storage, step)
     except CheckpointNotFoundError:
         return None
-    known = _TRUSTED.save_id(step, data)
+    known = TRUSTED.save_id(step, data)
     if known is not None:
         return data, known
     try:
@@ -284,30 +236,45 @@ async def _document_or_none(storage: Storage, step: int) -> bytes | None:
 
 
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
-    """Uncommit ``step`` (manifest first), then delete the objects of the attempt it named
-    and the objects of earlier saves it referenced, except those another committed manifest
-    names or a save in flight pins (:mod:`.keep`: they stay where they are, and go with the
-    last step that names them). With ``tombstones``, a multi-rank attempt's verdict stays a
-    while (see :mod:`.tombstones`). Other attempt folders of the step (crashed or concurrent
-    saves) are left to ``aiosnap gc``; so is the data of a step whose manifest could not be
-    read."""
-    found = await committed_document(storage, step)
-    await storage.delete(manifest_name(step))
-    data, save_id = found if found is not None else (b"", None)
-    if save_id is not None:
-        folder = attempt_prefix(step, save_id) + "/"
-        marked: list[set[str]] = []
+    """:func:`remove_steps` of one step."""
+    await remove_steps(storage, [step], tombstones)
 
-        async def keep() -> set[str]:  # once, after the attempt folder is listed
-            if not marked:
-                marked.append(await objects_to_keep(storage))
-            return marked[0]
 
-        await retire_attempt(storage, step, save_id, tombstones, keep=keep)
-        kept = await keep()
-        unnamed = sorted(n for n in names_in_manifest(step, data) if not n.startswith(folder) and n not in kept)
-        await _delete_with_folders(storage, unnamed)
-    await storage.remove_empty_folder(step_dir(step))
+async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombstones | None = None) -> None:
+    """Uncommit each of ``steps`` (every manifest first, in the order given), then delete the
+    objects of the attempts they named and the objects of earlier saves they referenced,
+    except those another committed manifest names or a save in flight pins (:mod:`.keep`:
+    they stay where they are, and go with the last step that names them): the attempt
+    folders are listed, then what to keep is read once, then what is listed and not kept
+    goes. With ``tombstones``, a multi-rank attempt's verdict stays a while (see
+    :mod:`.tombstones`). Other attempt folders of these steps (crashed or concurrent saves)
+    are left to ``aiosnap gc``; so is the data of a step whose manifest could not be read."""
+    doomed: list[tuple[int, str, bytes]] = []
+    for step in steps:
+        found = await committed_document(storage, step)
+        await storage.delete(manifest_name(step))
+        if found is not None and found[1] is not None:
+            doomed.append((step, found[1], found[0]))
+    listed = [await _listing(storage, attempt_prefix(step, save_id)) for step, save_id, _ in doomed]
+    kept = await objects_to_keep(storage) if doomed else set()  # after the listings: mark after list
+
+    async def keep() -> set[str]:
+        return kept
+
+    for (step, save_id, _), names in zip(doomed, listed, strict=True):
+        await retire_attempt(storage, step, save_id, tombstones, keep=keep, listed=names)
+    folders = tuple(attempt_prefix(step, save_id) + "/" for step, save_id, _ in doomed)
+    unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data)}
+    await _delete_with_folders(storage, sorted(n for n in unnamed if n not in kept and not n.startswith(folders)))
+    for step in steps:
+        await storage.remove_empty_folder(step_dir(step))
+
+
+async def _listing(storage: Storage, prefix: str) -> list[str] | None:
+    try:
+        return [o.name for o in await storage.walk(prefix)]
+    except NotImplementedError:
+        return None
 
 
 async def _delete_with_folders(storage: Storage, names: list[str]) -> None:
@@ -351,8 +318,7 @@ async def apply_retention(
     if keep_last is None:
         return []
     doomed = await retention_victims(storage, keep_last, {just_committed, *in_flight_steps})
-    for step in doomed:
-        await remove_step(storage, step, tombstones)
+    await remove_steps(storage, doomed, tombstones)
     return doomed
 
 
@@ -363,8 +329,7 @@ async def remove_steps_after(storage: Storage, step: int) -> list[int]:
     if step not in steps:
         raise await not_committed(storage, step, " to roll back to")
     newer = [s for s in steps if s > step]
-    for doomed in reversed(newer):
-        await remove_step(storage, doomed)
+    await remove_steps(storage, newer[::-1])
     return newer
 
 

@@ -12,6 +12,7 @@ once they are that old (:class:`Tombstones`); ``aiosnap gc`` removes those a pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Set
@@ -63,12 +64,18 @@ Keep = Callable[[], Awaitable[Set[str]]]
 
 
 async def retire_attempt(
-    storage: Storage, step: int, save_id: str, tombstones: Tombstones | None = None, keep: Keep | None = None
+    storage: Storage,
+    step: int,
+    save_id: str,
+    tombstones: Tombstones | None = None,
+    keep: Keep | None = None,
+    listed: list[str] | None = None,
 ) -> list[str]:
     """Delete the attempt ``save_id`` of ``step`` (its manifest is already gone or replaced).
     With ``tombstones``, a multi-rank attempt's verdict stays (and is recorded there). With
     ``keep``, the folder is listed first, then ``keep()`` asked (mark after list), and the
-    objects it names stay where they are (other steps' manifests name them). Returns the
+    objects it names stay where they are (other steps' manifests name them); ``listed``: the
+    folder's objects as the caller listed them before it asked ``keep()`` itself. Returns the
     objects left in the folder for that reason."""
     prefix = attempt_prefix(step, save_id)
     children = await storage.list_children(prefix) if tombstones is not None or keep is not None else []
@@ -77,10 +84,9 @@ async def retire_attempt(
         await storage.delete_prefix(prefix)
         return []
     verdict = f"{prefix}/{VERDICT_FILE}"
-    try:
-        listed = [o.name for o in await storage.walk(prefix)]
-    except NotImplementedError:  # a backend that cannot list: no tombstone, nothing kept by name
-        listed = None
+    if listed is None:
+        with contextlib.suppress(NotImplementedError):  # a backend that cannot list: no tombstone
+            listed = [o.name for o in await storage.walk(prefix)]
     kept = frozenset() if keep is None else await keep()
     if listed is None:
         if keep is None or not any(name.startswith(prefix + "/") for name in kept):
