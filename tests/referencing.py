@@ -38,11 +38,12 @@ def _layout(entry: EntryRecord) -> list[tuple[int, int | None]]:
     return [(r.nbytes, r.crc32c) for r in entry.ranges]
 
 
-async def reference_base(storage: Storage, step: int, base: int) -> Manifest:
+async def reference_base(storage: Storage, step: int, base: int | Manifest) -> Manifest:
     """Rewrite committed ``step`` so that its entries equal to ``base``'s (same path, same
-    range sizes and crc32c) name ``base``'s bytes; returns the committed manifest."""
+    range sizes and crc32c) name ``base``'s bytes; returns the committed manifest. ``base``:
+    a committed step, or a manifest read before (its step may be gone: its objects pinned)."""
     manifest = await read_manifest(storage, step)
-    earlier = await read_manifest(storage, base)
+    earlier = base if isinstance(base, Manifest) else await read_manifest(storage, base)
     known = {o.name: o for o in earlier.stored_objects()}
     by_path = {e.path: e for e in earlier.entries}
     entries: list[EntryRecord] = []
@@ -84,7 +85,7 @@ def on_root(config: Config, work: Callable[[Storage], Awaitable[T]]) -> T:
     return asyncio.run(run())
 
 
-def reference(config: Config, step: int, base: int) -> Manifest:
+def reference(config: Config, step: int, base: int | Manifest) -> Manifest:
     """:func:`reference_base` on the root of ``config``."""
     return on_root(config, lambda storage: reference_base(storage, step, base))
 

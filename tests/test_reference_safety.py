@@ -5,7 +5,9 @@ made from real saves by :mod:`tests.referencing`, on real files and a real S3 se
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosnap import Config, SyncCheckpointer
+from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.catalog.keep import names_in_manifest
 from aiosnap.catalog.maintenance import verify_step
@@ -23,10 +25,11 @@ from aiosnap.catalog.pins import ReferencePins, pins_for
 from aiosnap.catalog.steps import apply_retention, committed_steps, read_manifest, remove_steps_after
 from aiosnap.core.names import attempt_of_object, attempt_prefix, step_dir
 from aiosnap.format.manifest import Manifest
-from aiosnap.storage.base import Storage
+from aiosnap.storage.base import ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import assert_same, s3_config
-from tests.referencing import fine_tune_state, frozen_chain, on_root, reference
+from tests.fuzzing import mutate_bytes, mutate_document, sign_manifest
+from tests.referencing import fine_tune_state, frozen_chain, on_root, reference, reference_base
 
 
 def _with(config: Config, keep_last: int | None) -> Config:
@@ -157,6 +160,58 @@ def test_a_pinned_reference_survives_retention_and_goes_once_released(small_conf
     _gc(small_config, keep_last=1)
     assert not any(n.startswith(step_dir(1)) for n in _stored(small_config))
     assert states[2]["step"] == 2
+
+
+def test_retention_between_a_saves_pin_and_its_commit_keeps_the_pinned_base(small_config: Config) -> None:
+    """What an incremental save does: pin the latest step's objects, write, commit naming them,
+    release. Retention of the step before it (keep_last=1) runs in between, each time."""
+    states = {1: fine_tune_state(1)}
+    with SyncCheckpointer(_with(small_config, 1)) as ckpt:
+        ckpt.save(states[1], step=1).wait()
+        pins = pins_for(LocalStorage(small_config.storage.url).url)
+        for step in range(2, 6):
+            base = ckpt.manifest(step - 1)
+            token = pins.pin(o.name for o in base.stored_objects())
+            try:
+                states[step] = fine_tune_state(step)
+                ckpt.save(states[step], step=step).wait()  # its retention deletes the base step
+                assert ckpt.steps() == [step]
+                made = reference(small_config, step, base)  # checks every referenced object is there
+            finally:
+                pins.release(token)
+            assert _attempt_of(made).startswith(step_dir(1))  # flattened to the first writer
+            assert_same(ckpt.load(step=step), states[step])
+    _gc(small_config, keep_last=1)
+    _only_what_is_named(small_config)
+
+
+class _CommitsAfterListing(LocalStorage):
+    """A root where, right after a deletion lists ``folder``, another writer commits a step
+    naming objects in it: what a deletion keeps must be read after its listing."""
+
+    def __init__(self, root: str, folder: str, step: int, base: Manifest) -> None:
+        super().__init__(root)
+        self.folder, self.step, self.base, self.done = folder, step, base, False
+
+    async def walk(self, prefix: str = "") -> list[ObjectInfo]:
+        found = await super().walk(prefix)
+        if prefix == self.folder and not self.done:
+            self.done = True
+            await reference_base(LocalStorage(self.root), self.step, self.base)
+        return found
+
+
+def test_what_to_keep_is_read_after_the_listing(small_config: Config) -> None:
+    with SyncCheckpointer(_with(small_config, None)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(fine_tune_state(step), step=step).wait()
+        first = ckpt.manifest(1)
+    storage = _CommitsAfterListing(small_config.storage.url, attempt_prefix(1, first.save_id), 2, first)
+    assert asyncio.run(apply_retention(storage, 1, 2, set())) == [1]
+    assert storage.done
+    assert_same(_load(small_config, 2), fine_tune_state(2))
+    _gc(small_config, keep_last=1)
+    _only_what_is_named(small_config)
 
 
 def test_reference_pins_are_thread_safe_and_one_registry_per_root() -> None:
@@ -293,6 +348,31 @@ def test_names_in_a_manifest_are_read_leniently(small_config: Config) -> None:
     assert names_in_manifest(2, json.dumps(newer).encode()) == names
     assert names_in_manifest(2, document[:-10]) == frozenset()  # not JSON: names nothing
     assert names_in_manifest(2, b"[1]") == frozenset()
+
+
+def test_names_of_fuzzed_manifests_cover_every_object_a_reader_would_load(
+    small_config: Config, request: pytest.FixtureRequest
+) -> None:
+    """Whatever a stored manifest holds, reading its names never fails, and every object a
+    reader accepting it would load is among them (so no deletion takes what a load needs)."""
+    frozen_chain(small_config, [1, 2])
+    doc = json.loads((Path(small_config.storage.url) / step_dir(2) / "manifest.json").read_text())
+    doc.pop("crc32c")
+    names = sorted(o["name"] for o in doc["references"] + doc["objects"])
+    rng = random.Random(24)
+    accepted = 0
+    for _ in range(max(50, int(request.config.getoption("--fuzz-cases")) // 4)):
+        mutated = mutate_document(doc, rng, extra=[*names, names[0].replace("000000000001", "000000000000")])
+        data = sign_manifest(mutated) if rng.random() < 0.9 else mutate_bytes(sign_manifest(mutated), rng)
+        found = names_in_manifest(2, data)
+        assert isinstance(found, frozenset) and all(isinstance(n, str) for n in found)
+        try:
+            manifest = Manifest.from_json(data, "fuzzed")
+        except CorruptCheckpointError:
+            continue
+        accepted += 1
+        assert {o.name for o in manifest.stored_objects()} <= found
+    assert accepted  # some mutations keep the manifest valid: the property was checked
 
 
 def test_the_helper_makes_real_references(small_config: Config) -> None:
