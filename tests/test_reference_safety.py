@@ -185,6 +185,19 @@ def test_retention_between_a_saves_pin_and_its_commit_keeps_the_pinned_base(smal
     _only_what_is_named(small_config)
 
 
+def test_a_re_save_takes_the_references_of_the_manifest_it_replaced_once_nothing_names_them(
+    small_config: Config,
+) -> None:
+    frozen_chain(small_config, [1, 2])
+    _gc(small_config, keep_last=1)  # step 1 goes; its base stays, named by step 2
+    assert any(n.startswith(step_dir(1)) for n in _stored(small_config))
+    with SyncCheckpointer(_with(small_config, None)) as ckpt:
+        ckpt.save(fine_tune_state(22), step=2).wait()  # a re-save of the latest step, written whole
+    assert_same(_load(small_config, 2), fine_tune_state(22))
+    assert not any(n.startswith(step_dir(1)) for n in _stored(small_config))  # no gc needed
+    _only_what_is_named(small_config)
+
+
 class _CommitsAfterListing(LocalStorage):
     """A root where, right after a deletion lists ``folder``, another writer commits a step
     naming objects in it: what a deletion keeps must be read after its listing."""

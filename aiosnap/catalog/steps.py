@@ -34,6 +34,7 @@ __all__ = [
     "read_manifest",
     "remove_step",
     "remove_steps",
+    "retire_attempts",
     "retention_victims",
     "remove_steps_after",
     "step_folders",
@@ -255,6 +256,18 @@ async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombs
         await storage.delete(manifest_name(step))
         if found is not None and found[1] is not None:
             doomed.append((step, found[1], found[0]))
+    await retire_attempts(storage, doomed, tombstones)
+    for step in steps:
+        await storage.remove_empty_folder(step_dir(step))
+
+
+async def retire_attempts(
+    storage: Storage, attempts: Sequence[tuple[int, str, bytes]], tombstones: Tombstones | None = None
+) -> None:
+    """Delete the ``(step, save id, manifest bytes)`` attempts whose manifests are gone or
+    replaced, and the earlier saves' objects those manifests referenced, keeping what
+    :func:`objects_to_keep` says after the folders are listed (see :func:`remove_steps`)."""
+    doomed = list(attempts)
     listed = [await _listing(storage, attempt_prefix(step, save_id)) for step, save_id, _ in doomed]
     kept = await objects_to_keep(storage) if doomed else set()  # after the listings: mark after list
 
@@ -266,8 +279,6 @@ async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombs
     folders = tuple(attempt_prefix(step, save_id) + "/" for step, save_id, _ in doomed)
     unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data)}
     await _delete_with_folders(storage, sorted(n for n in unnamed if n not in kept and not n.startswith(folders)))
-    for step in steps:
-        await storage.remove_empty_folder(step_dir(step))
 
 
 async def _listing(storage: Storage, prefix: str) -> list[str] | None:
