@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from aiosnap.catalog.pins import ReferencePins, pins_for
 from aiosnap.catalog.steps import apply_retention, committed_steps, read_manifest, remove_steps_after
 from aiosnap.core.names import attempt_of_object, attempt_prefix, step_dir
 from aiosnap.format.manifest import Manifest
+from aiosnap.format.markers import VERDICT_FILE, VERDICT_READ_S, Verdict
 from aiosnap.storage.base import ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import assert_same, s3_config
@@ -195,6 +197,23 @@ def test_a_re_save_takes_the_references_of_the_manifest_it_replaced_once_nothing
         ckpt.save(fine_tune_state(22), step=2).wait()  # a re-save of the latest step, written whole
     assert_same(_load(small_config, 2), fine_tune_state(22))
     assert not any(n.startswith(step_dir(1)) for n in _stored(small_config))  # no gc needed
+    _only_what_is_named(small_config)
+
+
+def test_a_kept_commit_verdict_beside_referenced_objects_does_not_make_them_undecided(small_config: Config) -> None:
+    """A removed multi-rank step's tombstone (its ``commit`` verdict) left by a process that
+    died before sweeping it, beside objects later steps reference: gc removes the verdict,
+    keeps the objects, and never calls the folder an undecided save."""
+    frozen_chain(small_config, [1, 2])
+    first = _manifest(small_config, 1)
+    _gc(small_config, keep_last=1)
+    verdict = Path(small_config.storage.url) / attempt_prefix(1, first.save_id) / VERDICT_FILE
+    verdict.write_bytes(Verdict(verdict="commit", save_id=first.save_id, rank=0).to_json())
+    old = time.time() - 10 * VERDICT_READ_S
+    os.utime(verdict, (old, old))
+    report = _gc(small_config, keep_last=1)
+    assert report.kept_undecided == [] and report.kept_referenced == [attempt_prefix(1, first.save_id)]
+    assert not verdict.exists()
     _only_what_is_named(small_config)
 
 
