@@ -375,6 +375,10 @@ def test_names_in_a_manifest_are_read_leniently(small_config: Config) -> None:
     document = (Path(small_config.storage.url) / step_dir(2) / "manifest.json").read_bytes()
     names = names_in_manifest(2, document)
     assert names == {o.name for o in _manifest(small_config, 2).stored_objects()}
+    assert names_in_manifest(2, document, valid=True) == names
+    unlisted = json.loads(document)
+    unlisted["references"] = unlisted["references"][1:]  # a hand edit a reader refuses: still kept
+    assert names_in_manifest(2, json.dumps(unlisted).encode()) == names
     newer = json.loads(document)
     newer.update(format_version=99, references=None, elsewhere={"x": sorted(names)})  # a future layout
     assert names_in_manifest(2, json.dumps(newer).encode()) == names

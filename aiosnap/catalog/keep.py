@@ -23,10 +23,10 @@ The rule under concurrency (other processes' retention or gc while saves run):
   of a deletion, leaves only objects nothing names: the next retention or ``aiosnap gc``
   removes them.
 
-Names are read from a manifest's JSON without validating it (:func:`names_in_manifest`):
-what is kept may only be more than a reader would accept, never less. A damaged or newer
-manifest keeps every name it mentions that lies in an attempt folder. Pure code, no I/O;
-any thread (a lock guards the cache).
+Names are read from a manifest's JSON (:func:`names_in_manifest`): what is kept may only be
+more than a reader would accept, never less. A manifest that a reader refuses (damaged,
+hand-edited, newer) keeps every name it mentions that lies in an attempt folder. Pure code,
+no I/O; any thread (a lock guards the cache).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from collections import OrderedDict
 from typing import Any
 
 from ..core.names import attempt_of_object
-from ..format.manifest import FORMAT_VERSION
 
 __all__ = ["names_in_manifest"]
 
@@ -47,18 +46,19 @@ _cache: OrderedDict[tuple[int, bytes], frozenset[str]] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def names_in_manifest(step: int, data: bytes) -> frozenset[str]:
-    """The object names the manifest ``data`` of ``step`` names (its own objects and its
-    references); a manifest this aiosnap cannot read keeps every string in it that names an
-    object in an attempt folder; one that is not JSON names nothing (nothing can load it).
-    Remembered by content: the manifests of kept steps are read at every retention."""
-    key = (step, hashlib.blake2b(data, digest_size=32).digest())
+def names_in_manifest(step: int, data: bytes, *, valid: bool = False) -> frozenset[str]:
+    """The object names the manifest ``data`` of ``step`` names: its own objects and its
+    references when it is ``valid`` (a reader accepted it: its ranges name nothing else), and
+    every other string in it that names an object in an attempt folder otherwise; a document
+    that is not JSON names nothing (nothing can load it). Remembered by content: the
+    manifests of kept steps are read at every retention."""
+    key = (step, hashlib.blake2b(data + (b"\x01" if valid else b"\x00"), digest_size=32).digest())
     with _cache_lock:
         found = _cache.get(key)
         if found is not None:
             _cache.move_to_end(key)
             return found
-    found = _names(data)
+    found = _names(data, valid)
     with _cache_lock:
         _cache[key] = found
         while len(_cache) > _CACHE_LIMIT:
@@ -66,7 +66,7 @@ def names_in_manifest(step: int, data: bytes) -> frozenset[str]:
     return found
 
 
-def _names(data: bytes) -> frozenset[str]:
+def _names(data: bytes, valid: bool) -> frozenset[str]:
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError):
@@ -74,9 +74,8 @@ def _names(data: bytes) -> frozenset[str]:
     if not isinstance(doc, dict):
         return frozenset()
     listed = _listed(doc.get("objects")) | _listed(doc.get("references"))
-    version = doc.get("format_version")
-    if doc.get("format") == "aiosnap" and type(version) is int and 1 <= version <= FORMAT_VERSION:
-        return frozenset(listed)  # ranges of a valid manifest name only listed objects
+    if valid:
+        return frozenset(listed)  # the ranges of a valid manifest name only listed objects
     return frozenset(listed | _every_object_name(doc))
 
 

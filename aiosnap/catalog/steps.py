@@ -222,18 +222,11 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
     ``leaving``: steps whose manifests do not count (a plan that will remove them first)."""
     keep = set(pins_for(storage.url).pinned())
     steps = [s for s in await committed_steps(storage) if s not in leaving]
-    documents = await asyncio.gather(*(_document_or_none(storage, s) for s in steps))
-    for step, data in zip(steps, documents, strict=True):
-        if data is not None:
-            keep |= names_in_manifest(step, data)
+    documents = await asyncio.gather(*(committed_document(storage, s) for s in steps))
+    for step, found in zip(steps, documents, strict=True):
+        if found is not None:  # None: removed since the listing
+            keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
     return keep
-
-
-async def _document_or_none(storage: Storage, step: int) -> bytes | None:
-    try:
-        return await _manifest_bytes(storage, step)
-    except CheckpointNotFoundError:
-        return None  # removed since the listing
 
 
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
@@ -277,7 +270,7 @@ async def retire_attempts(
     for (step, save_id, _), names in zip(doomed, listed, strict=True):
         await retire_attempt(storage, step, save_id, tombstones, keep=keep, listed=names)
     folders = tuple(attempt_prefix(step, save_id) + "/" for step, save_id, _ in doomed)
-    unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data)}
+    unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data, valid=True)}
     await _delete_with_folders(storage, sorted(n for n in unnamed if n not in kept and not n.startswith(folders)))
 
 
