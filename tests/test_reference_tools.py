@@ -161,6 +161,8 @@ def test_download_copies_referenced_bytes_so_the_copy_stands_alone(
         assert json.loads(aiosnap("download", source, str(local), "--step", str(step), "--json").stdout)["copied"]
     done = aiosnap("download", source, bucket.storage.url, "--step", "3", "--config", str(config), "--json")
     assert json.loads(done.stdout)["copied"], done.stderr
+    exported = tmp_path / "exported"  # an export reads through the load path: written whole
+    assert aiosnap("export", source, str(exported), "--to", "aiosnap", "--step", "3").returncode == 0
     shutil.rmtree(source)
     copies = [
         small_config.model_copy(update={"storage": small_config.storage.model_copy(update={"url": str(local)})}),
@@ -170,6 +172,8 @@ def test_download_copies_referenced_bytes_so_the_copy_stands_alone(
         assert_same(_load(copy, 3), states[3])
         assert on_root(copy, lambda s: s.exists(f"{step_dir(1)}/manifest.json")) is False
     assert_same(_load(copies[0], 2), states[2])
+    alone = small_config.model_copy(update={"storage": small_config.storage.model_copy(update={"url": str(exported)})})
+    assert_same(_load(alone, 3), states[3])
     assert json.loads(aiosnap("gc", str(local), "--keep-last", "1", "--grace", "0s", "--json").stdout)[
         "kept_referenced"
     ]
