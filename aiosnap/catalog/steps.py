@@ -341,11 +341,9 @@ async def remove_everything(storage: Storage) -> list[int]:
     """Delete every committed step's manifest (newest first, each before its data), then
     every step folder, then the root folder itself where that means anything and it is
     empty. Files that are not aiosnap's stay. The caller makes sure no save to ``storage``
-    is running. Nothing is kept for references: no step stays to name anything. Returns
-    the committed steps deleted."""
+    is running. Returns the committed steps deleted."""
     steps = await committed_steps(storage)
-    for step in reversed(steps):  # nothing stays, so nothing is kept for references
-        await storage.delete(manifest_name(step))
+    await remove_steps(storage, steps[::-1])  # no step stays to name anything: only pins keep
     for name in await storage.list_children(""):
         if parse_step_dir(name) is not None:
             await storage.delete_prefix(name)
