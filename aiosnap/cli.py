@@ -244,7 +244,7 @@ def info_command(
         out.print(
             f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
             f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} "
-            f"stored in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
+            f"stored in {len(manifest.stored_objects())} object(s)), world size {manifest.world_size}, "
             f"save id {manifest.save_id}"
         )
     _print_references(manifest)

@@ -115,7 +115,7 @@ def test_retention_deletes_the_first_writer_and_its_frozen_bytes_stay_until_the_
     assert_same(_load(any_config, 4), states[4])
 
     report = _gc(any_config, keep_last=1)  # step 4 goes: the last step naming the frozen bytes
-    assert report.deleted_steps == [4]
+    assert report.deleted_steps == [4] and report.kept_referenced == []
     assert not any(n.startswith(step_dir(1)) for n in _stored(any_config))
     assert _only_what_is_named(any_config) == {
         f"{step_dir(5)}/manifest.json",

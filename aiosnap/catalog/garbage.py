@@ -244,7 +244,9 @@ async def collect_garbage(
             report.skipped.append(step_dir(step))
             continue
         report.deleted_steps.append(step)
-    await remove_steps(storage, report.deleted_steps)
+    for prefix in await remove_steps(storage, report.deleted_steps):
+        if prefix not in report.kept_referenced:
+            report.kept_referenced.append(prefix)
     cutoff = now - grace_s
     for prefix in plan.attempts:
         if not await _still_garbage(storage, prefix, cutoff, now, plan.heartbeats):

@@ -234,7 +234,7 @@ async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None
     await remove_steps(storage, [step], tombstones)
 
 
-async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombstones | None = None) -> None:
+async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombstones | None = None) -> list[str]:
     """Uncommit each of ``steps`` (every manifest first, in the order given), then delete the
     objects of the attempts they named and the objects of earlier saves they referenced,
     except those another committed manifest names or a save in flight pins (:mod:`.keep`:
@@ -242,24 +242,27 @@ async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombs
     folders are listed, then what to keep is read once, then what is listed and not kept
     goes. With ``tombstones``, a multi-rank attempt's verdict stays a while (see
     :mod:`.tombstones`). Other attempt folders of these steps (crashed or concurrent saves)
-    are left to ``aiosnap gc``; so is the data of a step whose manifest could not be read."""
+    are left to ``aiosnap gc``; so is the data of a step whose manifest could not be read.
+    Returns the attempt folders left holding objects that other steps name."""
     doomed: list[tuple[int, str, bytes]] = []
     for step in steps:
         found = await committed_document(storage, step)
         await storage.delete(manifest_name(step))
         if found is not None and found[1] is not None:
             doomed.append((step, found[1], found[0]))
-    await retire_attempts(storage, doomed, tombstones)
+    held = await retire_attempts(storage, doomed, tombstones)
     for step in steps:
         await storage.remove_empty_folder(step_dir(step))
+    return held
 
 
 async def retire_attempts(
     storage: Storage, attempts: Sequence[tuple[int, str, bytes]], tombstones: Tombstones | None = None
-) -> None:
+) -> list[str]:
     """Delete the ``(step, save id, manifest bytes)`` attempts whose manifests are gone or
     replaced, and the earlier saves' objects those manifests referenced, keeping what
-    :func:`objects_to_keep` says after the folders are listed (see :func:`remove_steps`)."""
+    :func:`objects_to_keep` says after the folders are listed (see :func:`remove_steps`).
+    Returns the attempt folders left holding objects that other steps name."""
     doomed = list(attempts)
     listed = [await _listing(storage, attempt_prefix(step, save_id)) for step, save_id, _ in doomed]
     kept = await objects_to_keep(storage) if doomed else set()  # after the listings: mark after list
@@ -267,11 +270,14 @@ async def retire_attempts(
     async def keep() -> set[str]:
         return kept
 
+    held: list[str] = []
     for (step, save_id, _), names in zip(doomed, listed, strict=True):
-        await retire_attempt(storage, step, save_id, tombstones, keep=keep, listed=names)
+        if await retire_attempt(storage, step, save_id, tombstones, keep=keep, listed=names):
+            held.append(attempt_prefix(step, save_id))
     folders = tuple(attempt_prefix(step, save_id) + "/" for step, save_id, _ in doomed)
     unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data, valid=True)}
     await _delete_with_folders(storage, sorted(n for n in unnamed if n not in kept and not n.startswith(folders)))
+    return held
 
 
 async def _listing(storage: Storage, prefix: str) -> list[str] | None:
