@@ -33,7 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .catalog.garbage import collect_garbage
-from .catalog.maintenance import list_steps, verify_step
+from .catalog.maintenance import list_steps, referenced_steps, verify_step
 from .catalog.steps import committed_steps, manifest_of, not_committed, remove_steps_after
 from .cli_export import register as register_export
 from .config import Config, load_config
@@ -192,15 +192,19 @@ def list_command(
         print(f"{url} is {kind}, which aiosnap reads as step 0 (read-only): `aiosnap info`, `aiosnap verify` and "
               f"`aiosnap export {url} DEST --to aiosnap|dcp|torch|safetensors` take it", file=sys.stderr)  # fmt: skip
     if steps:
-        table = _table("step", "state", "time", "size", "world size", "save id")
+        incremental = any(i.own_bytes is not None and i.own_bytes != i.nbytes for i in steps)
+        sizes = ("size", "own") if incremental else ("size",)  # own: less what earlier saves hold
+        table = _table("step", "state", "time", *sizes, "world size", "save id")
         for info in steps:
             note = f" (+{len(info.leftovers)} leftover)" if info.leftovers and info.state == "committed" else ""
+            own = ("" if info.own_bytes is None else _size(info.own_bytes),) if incremental else ()
             _add_row(
                 table,
                 str(info.step),
                 info.state + note,
                 "" if info.state == "unreadable" or foreign else _when(info.time),
                 _size(info.nbytes),
+                *own,
                 "" if info.world_size is None else str(info.world_size),
                 info.save_id or info.problem or "",
             )
@@ -226,6 +230,8 @@ def info_command(
         doc.pop("tree")
         doc["top_level_bytes"] = by_key
         doc["kind"] = kind
+        doc["own_bytes"], doc["total_bytes"] = manifest.own_bytes, manifest.total_bytes
+        doc["referenced_steps"] = [dataclasses.asdict(r) for r in referenced_steps(manifest)]
         _emit_json(doc)
         return
     if manifest.foreign is not None:
@@ -238,9 +244,10 @@ def info_command(
         out.print(
             f"step {manifest.step} of {url}: committed {_when(manifest.created_at)}, "
             f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries ({_size(manifest.total_bytes)} "
-            f"stored in {len(manifest.objects)} object(s)), world size {manifest.world_size}, "
+            f"stored in {len(manifest.stored_objects())} object(s)), world size {manifest.world_size}, "
             f"save id {manifest.save_id}"
         )
+    _print_references(manifest)
     if manifest.metadata:
         out.print(f"metadata: {json.dumps(manifest.metadata)}")
     if by_key:
@@ -257,6 +264,22 @@ def info_command(
     if manifest.rank_local is not None:
         each = [sum(e.nbytes for e in part.entries) for part in manifest.rank_local]
         out.print(f"rank-local values: {len(manifest.rank_local)} rank(s), {_size(sum(each))} in all")
+
+
+def _print_references(manifest: Manifest) -> None:
+    """What a step names of earlier saves' objects, by step, and how much is its own."""
+    earlier = referenced_steps(manifest)
+    if not earlier:
+        return
+    out.print(
+        f"own: {_size(manifest.own_bytes)} in {len(manifest.objects)} object(s); references "
+        f"{_size(manifest.total_bytes - manifest.own_bytes)} in {len(manifest.references or ())} object(s) of "
+        f"{len(earlier)} earlier step(s), kept while this step is"
+    )
+    table = _table("referenced step", "save id", "objects", "stored", "read by this step")
+    for ref in earlier:
+        _add_row(table, str(ref.step), ref.save_id, str(ref.objects), _size(ref.nbytes), _size(ref.range_bytes))
+    out.print(table)
 
 
 def _unverified(manifest: Manifest) -> str:
@@ -322,7 +345,9 @@ def verify_command(
     if as_json:
         _emit_json({
             "step": manifest.step, "ok": not problems, "bytes": manifest.referenced_bytes,
-            "stored_bytes": manifest.total_bytes, "problems": problems, "unverified_bytes": unchecked,
+            "stored_bytes": manifest.total_bytes, "own_bytes": manifest.own_bytes, "problems": problems,
+            "unverified_bytes": unchecked,
+            "referenced_steps": [dataclasses.asdict(r) for r in referenced_steps(manifest)],
         })  # fmt: skip
     elif problems:
         for problem in problems:
@@ -330,6 +355,11 @@ def verify_command(
         print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
     else:
         checked = f"{_size(manifest.referenced_bytes)} in {len(manifest.entries)} entries"
+        earlier = referenced_steps(manifest)
+        if earlier:
+            steps_named = ", ".join(str(r.step) for r in earlier)
+            shared = _size(sum(r.range_bytes for r in earlier))
+            checked += f" ({shared} of it in objects of earlier step(s) {steps_named})"
         if unchecked:
             out.print(f"step {manifest.step}: ok, {checked} read whole; {_unverified(manifest)}")
         else:
@@ -520,6 +550,8 @@ def gc_command(
         )
     for step in report.kept_unreadable:
         out.print(f"kept (manifest unreadable, never guessed about): step {step}")
+    for prefix in report.kept_referenced:
+        out.print(f"kept (objects that later steps reference; they go with the last step naming them): {prefix}")
     for prefix in report.skipped:
         out.print(f"kept (no longer garbage when re-checked): {prefix}")
     out.print(f"{'would abort' if dry_run else 'aborted'} multipart uploads: {report.aborted_uploads}")

@@ -15,8 +15,8 @@ from ..core.names import manifest_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ..format.manifest import Manifest, checked_json
 from ..storage.base import Storage
-from .steps import committed_document, read_manifest, trust_committed
-from .tombstones import Tombstones, retire_attempt
+from .steps import committed_document, read_manifest, retire_attempts, trust_committed
+from .tombstones import Tombstones
 
 __all__ = [
     "READ_BACK_TIMEOUT_S", "checked_document", "commit_manifest", "remove_replaced", "whose_commit", "write_manifest",
@@ -52,7 +52,7 @@ async def commit_manifest(storage: Storage, manifest: Manifest, *, replace: bool
         document = checked_document(storage, manifest)
     replaced = await write_manifest(storage, manifest, document, replace=replace)
     if replaced is not None:
-        await remove_replaced(storage, manifest, replaced[0])
+        await remove_replaced(storage, manifest, replaced[0], old_document=replaced[1])
     return len(document)
 
 
@@ -86,14 +86,20 @@ async def write_manifest(
 
 
 async def remove_replaced(
-    storage: Storage, manifest: Manifest, replaced: str | None, tombstones: Tombstones | None = None
+    storage: Storage,
+    manifest: Manifest,
+    replaced: str | None,
+    tombstones: Tombstones | None = None,
+    old_document: bytes = b"",
 ) -> None:
-    """After a re-save's commit: remove the attempt the old manifest named (a failure is
-    only logged: the save has committed)."""
+    """After a re-save's commit: remove the attempt the old manifest named, and the earlier
+    saves' objects the old manifest (``old_document``, when known) referenced, except what
+    committed manifests name (:func:`~.steps.retire_attempts`; a failure is only logged:
+    the save has committed)."""
     if replaced is None or replaced == manifest.save_id:
         return
     try:
-        await retire_attempt(storage, manifest.step, replaced, tombstones)
+        await retire_attempts(storage, [(manifest.step, replaced, old_document)], tombstones)
     except Exception as exc:
         log.warning("aiosnap: step %d re-saved, but removing the replaced attempt failed: %r", manifest.step, exc)
 

@@ -5,7 +5,8 @@
 each item again right before removing it, because training may be writing the root:
 
 - committed steps beyond the newest ``keep_last`` (manifest first, then the attempt it
-  names) -- re-checked against a fresh listing;
+  names and the earlier saves' objects it referenced, except what a kept step names: see
+  :mod:`.keep`) -- re-checked against a fresh listing;
 - attempt folders ``<step>/<save id>/`` that no manifest names and whose newest object is
   older than the grace period (younger ones may be saves in progress), and that are not a
   multi-rank save in progress (:mod:`.liveness`): one with a heartbeat within the lease it
@@ -13,7 +14,10 @@ each item again right before removing it, because training may be writing the ro
   is watched for its lease first), or a verdict younger than :data:`VERDICT_READ_S` (its
   ranks may be reading it), is left alone whatever the grace; so is, always, one whose
   commit was claimed and whose manifest never appeared (undecided) -- re-checked: still
-  old, still not live, still not committed;
+  old, still not live, still not committed. Objects in them that a kept manifest names (a
+  deleted step's frozen weights that later steps reference) stay, read again after the
+  folder is listed; an attempt folder holding only such objects is no garbage
+  (``kept_referenced``); once nothing names them, they go;
 - temporary files a crashed manifest write left in a step folder, older than the grace;
 - multipart uploads under the root started before the grace period (S3).
 
@@ -37,7 +41,8 @@ from ..format.markers import VERDICT_FILE, VERDICT_READ_S
 from ..storage.base import ObjectInfo, Storage
 from .liveness import Look, judge
 from .maintenance import split_name
-from .steps import committed_save_id, read_manifest, remove_step, retention_victims
+from .steps import committed_save_id, objects_to_keep, read_manifest, remove_steps, retention_victims
+from .tombstones import retire_attempt
 
 __all__ = ["VERDICT_READ_S", "GcPlan", "GcReport", "collect_garbage", "plan_gc"]
 
@@ -64,6 +69,9 @@ class GcPlan:
     appeared: their coordinator may still write it, so gc never removes them."""
     kept_unreadable: list[int] = field(default_factory=list)
     """Committed steps whose manifest cannot be read: left whole."""
+    kept_referenced: list[str] = field(default_factory=list)
+    """Attempt folders no manifest names that hold objects a kept step references (a
+    deleted step's frozen weights): those objects stay (anything else in them may go)."""
     sizes: dict[str, int] = field(default_factory=dict)
     """Bytes each planned item holds (steps by their folder name)."""
     heartbeats: dict[str, bytes] = field(default_factory=dict)
@@ -85,6 +93,8 @@ class GcReport:
     kept_live: list[str] = field(default_factory=list)
     kept_undecided: list[str] = field(default_factory=list)
     kept_unreadable: list[int] = field(default_factory=list)
+    kept_referenced: list[str] = field(default_factory=list)
+    """Attempt folders left holding objects that kept steps reference."""
     skipped: list[str] = field(default_factory=list)
     """Planned, but no longer garbage when re-checked (a save wrote to it meanwhile)."""
     aborted_uploads: int = 0
@@ -132,22 +142,29 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
     readable = sorted(owners)
     doomed = set(readable[:-keep_last])
     plan.steps = sorted(doomed)
+    named = await objects_to_keep(storage, leaving=doomed)  # after the listing: see .keep
     watched: dict[str, Look] = {}
     for (step, save_id), members in sorted(attempts.items()):
+        free = [o for o in members if o.name not in named]
         if step in plan.kept_unreadable or (step in owners and owners[step] == save_id):
             if step in doomed:
-                plan.sizes[step_dir(step)] = plan.sizes.get(step_dir(step), 0) + sum(o.size for o in members)
+                plan.sizes[step_dir(step)] = plan.sizes.get(step_dir(step), 0) + sum(o.size for o in free)
             continue
         prefix = attempt_prefix(step, save_id)
+        if len(free) < len(members):
+            plan.kept_referenced.append(prefix)
+            if not free:
+                continue
         if max(o.mtime for o in members) >= cutoff:
             plan.kept_recent.append(prefix)
             continue
         look = await judge(
-            storage, members, now, save_id=save_id, owner=owners.get(step), manifest_mtime=committed.get(step)
-        )
+            storage, members, now, save_id=save_id, owner=owners.get(step), manifest_mtime=committed.get(step),
+            named=named,
+        )  # fmt: skip
         if look.state == "watch":
             watched[prefix] = look
-        _place(plan, prefix, look, members)
+        _place(plan, prefix, look, free)
     if watched:  # heartbeats that only this host's clock says ran out: look again after their lease
         slept = time.monotonic()
         await asyncio.sleep(max(look.watch_s for look in watched.values()))
@@ -155,8 +172,8 @@ async def plan_gc(storage: Storage, *, keep_last: int, grace_s: float, now: floa
         for prefix, look in watched.items():
             plan.attempts.remove(prefix)
             del plan.sizes[prefix]
-            again = await _look_again(storage, prefix, later, look.heartbeats)
-            _place(plan, prefix, again, await storage.walk(prefix))
+            again = await _look_again(storage, prefix, later, look.heartbeats, named)
+            _place(plan, prefix, again, [o for o in await storage.walk(prefix) if o.name not in named])
     plan.temp_files = [o.name for o in temps]
     plan.sizes.update({o.name: o.size for o in temps})
     plan.uploads = [(name, upload) for name, upload in await storage.stale_uploads(cutoff) if split_name(name)]
@@ -174,7 +191,9 @@ def _place(plan: GcPlan, prefix: str, look: Look, members: list[ObjectInfo]) -> 
         plan.heartbeats.update(look.heartbeats)
 
 
-async def _look_again(storage: Storage, prefix: str, now: float, seen: dict[str, bytes]) -> Look:
+async def _look_again(
+    storage: Storage, prefix: str, now: float, seen: dict[str, bytes], named: set[str] | None = None
+) -> Look:
     """The attempt ``prefix`` as it stands now, its heartbeats compared with ``seen``."""
     folder, save_id = prefix.split("/")
     step = parse_step_dir(folder)
@@ -185,6 +204,7 @@ async def _look_again(storage: Storage, prefix: str, now: float, seen: dict[str,
     return await judge(
         storage, members, now, save_id=save_id, owner=await committed_save_id(storage, step) if manifest else None,
         manifest_mtime=None if manifest is None else manifest.mtime, seen=seen,
+        named=await objects_to_keep(storage) if named is None else named,
     )  # fmt: skip
 
 
@@ -210,7 +230,8 @@ async def collect_garbage(
     plan = await plan_gc(storage, keep_last=keep_last, grace_s=grace_s, now=now)
     report = GcReport(
         kept_recent=plan.kept_recent, kept_live=plan.kept_live, kept_undecided=plan.kept_undecided,
-        kept_unreadable=plan.kept_unreadable, freed_bytes=plan.nbytes, dry_run=dry_run,
+        kept_unreadable=plan.kept_unreadable, kept_referenced=list(plan.kept_referenced), freed_bytes=plan.nbytes,
+        dry_run=dry_run,
     )  # fmt: skip
     if dry_run:
         report.deleted_steps = list(plan.steps)
@@ -222,16 +243,23 @@ async def collect_garbage(
         if step not in still_victims:  # a rollback or removal since the plan: no longer beyond keep_last
             report.skipped.append(step_dir(step))
             continue
-        await remove_step(storage, step)
         report.deleted_steps.append(step)
+    for prefix in await remove_steps(storage, report.deleted_steps):
+        if prefix not in report.kept_referenced:
+            report.kept_referenced.append(prefix)
     cutoff = now - grace_s
     for prefix in plan.attempts:
         if not await _still_garbage(storage, prefix, cutoff, now, plan.heartbeats):
             report.skipped.append(prefix)
             continue
         await storage.delete(f"{prefix}/{VERDICT_FILE}")  # first: no rank reads a verdict beside removed data
-        await storage.delete_prefix(prefix)
-        await storage.remove_empty_folder(prefix.split("/", 1)[0])
+        folder, save_id = prefix.split("/")
+        owner = parse_step_dir(folder)
+        assert owner is not None
+        held = await retire_attempt(storage, owner, save_id, keep=lambda: objects_to_keep(storage))
+        await storage.remove_empty_folder(folder)
+        if held and prefix not in report.kept_referenced:
+            report.kept_referenced.append(prefix)
         report.removed_incomplete.append(prefix)
     for name in plan.temp_files:
         await storage.delete(name)

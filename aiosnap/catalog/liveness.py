@@ -6,7 +6,8 @@ calls it). Its markers (:mod:`aiosnap.format.markers`) are untrusted input, read
 - A standing ``commit`` claim beside data: *undecided*, never removed -- its coordinator may
   still write the manifest (held up after claiming: a paused machine) -- unless the step's
   manifest names another save and was written after the claim (the claim lost, or was
-  replaced). A claim alone (a removed step's kept verdict) holds nothing to protect.
+  replaced). A claim alone (a removed step's kept verdict) holds nothing to protect; nor
+  does one beside only objects that later steps reference (they stay anyway).
 - A heartbeat still within its lease: *live*. Judged by the store's times against this
   host's clock, which may be off: so a heartbeat whose lease ran out less than
   :data:`CLOCK_SKEW_S` ago is *watched* -- read again once its lease and interval have passed
@@ -17,6 +18,7 @@ calls it). Its markers (:mod:`aiosnap.format.markers`) are untrusted input, read
 from __future__ import annotations
 
 import re
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -77,18 +79,21 @@ async def judge(
     owner: str | None,
     manifest_mtime: float | None,
     seen: dict[str, bytes] | None = None,
+    named: Set[str] = frozenset(),
 ) -> Look:
     """How the attempt ``save_id`` whose objects are ``members`` stands at ``now`` (epoch
     seconds); ``owner``/``manifest_mtime``: the save id the step's manifest names and when
     that was written (None: no readable manifest). With ``seen`` (a second look, after
-    watching), a heartbeat that differs from ``seen`` is live and none is watched again."""
+    watching), a heartbeat that differs from ``seen`` is live and none is watched again.
+    ``named``: objects committed manifests name (a removed step's data that later steps
+    reference): they are not the claimed save's data, which gc would protect."""
     verdict = next((o for o in members if _base(o) == VERDICT_FILE), None)
     if verdict is not None:
         if verdict.mtime >= now - VERDICT_READ_S:
             return Look("live")
         document = await _read(storage, verdict.name, MAX_VERDICT_BYTES)
         found = None if document is None else Verdict.from_json(document)
-        holds_data = any(not _MARKER.fullmatch(_base(o)) for o in members)
+        holds_data = any(not _MARKER.fullmatch(_base(o)) and o.name not in named for o in members)
         if found is not None and found.verdict == "commit" and holds_data:
             superseded = owner is not None and owner != save_id and (manifest_mtime or 0.0) > verdict.mtime
             if not superseded:

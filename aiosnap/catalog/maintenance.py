@@ -17,17 +17,17 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..core.checksums import crc32c_of
-from ..core.names import check_object_name, check_save_id, parse_step_dir
+from ..core.names import attempt_of_object, check_object_name, check_save_id, parse_step_dir
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     first_error,
 )
-from ..format.manifest import Manifest, Span
+from ..format.manifest import DataObject, Manifest, Span
 from ..storage.base import Storage
 from .steps import committed_steps, read_manifest
 
-__all__ = ["StepInfo", "list_steps", "split_name", "verify_step"]
+__all__ = ["ReferencedStep", "StepInfo", "list_steps", "referenced_steps", "split_name", "verify_step"]
 
 log = logging.getLogger("aiosnap")
 Progress = Callable[[int], None]
@@ -35,13 +35,18 @@ VERIFY_WINDOW = 8 * 1024 * 1024
 """Bytes read and checksummed at a time per concurrent range in :func:`verify_step`."""
 
 
+State = Literal["committed", "incomplete", "unreadable", "referenced"]
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """One step folder: committed (has a readable manifest), unreadable (has a manifest
-    this aiosnap cannot use), or incomplete (a save in progress, failed or interrupted)."""
+    this aiosnap cannot use), incomplete (a save in progress, failed or interrupted), or
+    referenced (a deleted step whose objects later committed steps still name: they stay
+    until the last of those goes)."""
 
     step: int
-    state: Literal["committed", "incomplete", "unreadable"]
+    state: State
     nbytes: int
     """Bytes in storage (a committed step's data objects)."""
     time: float
@@ -56,6 +61,9 @@ class StepInfo:
     referenced_bytes: int | None = None
     """Of a committed step: the bytes its manifest's ranges name (what a load reads; less than
     ``nbytes`` by the copies of values several ranks wrote that it does not use)."""
+    own_bytes: int | None = None
+    """Of a committed step: the bytes of its own objects (``nbytes`` less what it references
+    of earlier saves: what deleting it alone could free)."""
 
 
 def split_name(name: str) -> tuple[int, str | None] | None:
@@ -98,14 +106,17 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 state="committed",
                 nbytes=found.total_bytes,
                 referenced_bytes=found.referenced_bytes,
+                own_bytes=found.own_bytes,
                 time=found.created_at,
                 world_size=found.world_size,
                 save_id=found.save_id,
                 entries=len(found.entries),
             )
     if include_incomplete:
+        named = {o.name for m in read if isinstance(m, Manifest) for o in m.stored_objects()}
         attempts: dict[int, dict[str, list[float]]] = {}
         sizes: dict[int, int] = {}
+        unnamed: set[int] = set()
         for obj in await storage.walk():
             where = split_name(obj.name)
             if where is None:
@@ -115,14 +126,17 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 continue
             attempts.setdefault(step, {}).setdefault(save_id, []).append(obj.mtime)
             sizes[step] = sizes.get(step, 0) + obj.size
+            if obj.name not in named:
+                unnamed.add(step)
         for step, found_attempts in attempts.items():
             if step in infos:
                 leftovers = sorted(a for a in found_attempts if a != infos[step].save_id)
                 infos[step] = replace(infos[step], leftovers=leftovers)
             else:
                 newest = max(t for times in found_attempts.values() for t in times)
+                state: State = "incomplete" if step in unnamed else "referenced"
                 infos[step] = StepInfo(
-                    step=step, state="incomplete", nbytes=sizes[step], time=newest, leftovers=sorted(found_attempts)
+                    step=step, state=state, nbytes=sizes[step], time=newest, leftovers=sorted(found_attempts)
                 )
     return [infos[s] for s in sorted(infos)]
 
@@ -130,11 +144,12 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
 async def verify_step(
     storage: Storage, manifest: Manifest, *, concurrency: int = 8, progress: Progress | None = None
 ) -> list[str]:
-    """Read every byte range of ``manifest`` and check its crc32c; returns the problems
-    found (empty: the checkpoint is intact). ``progress`` hears bytes as they are checked.
-    A range without a crc32c (a foreign checkpoint's) is read whole, which finds missing
-    and truncated data, but not checked. The storage's
-    :meth:`~aiosnap.storage.base.Storage.integrity_spans` are checked too."""
+    """Read every byte range of ``manifest`` and check its crc32c, those in objects of
+    earlier saves it references too (each of which must exist with its size, in a step
+    folder that exists); returns the problems found (empty: the checkpoint is intact).
+    ``progress`` hears bytes as they are checked. A range without a crc32c (a foreign
+    checkpoint's) is read whole, which finds missing and truncated data, but not checked.
+    The storage's :meth:`~aiosnap.storage.base.Storage.integrity_spans` are checked too."""
     where = f"{storage.url} step {manifest.step}"
     limit = asyncio.Semaphore(concurrency)
     problems: list[str] = []
@@ -167,6 +182,8 @@ async def verify_step(
 
     try:
         async with asyncio.TaskGroup() as group:
+            for obj in manifest.references or ():
+                group.create_task(_check_reference(storage, obj, problems))
             for entry, r in manifest.all_ranges():  # shards and every rank's own values too
                 group.create_task(check(entry.path, r))
             for what, r in await storage.integrity_spans(manifest.step):
@@ -174,3 +191,56 @@ async def verify_step(
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
     return sorted(f"{where}: {p}" for p in problems)
+
+
+async def _check_reference(storage: Storage, obj: DataObject, problems: list[str]) -> None:
+    """A referenced object of an earlier save is there, whole: its step folder and attempt
+    folder exist, and its size is the one the manifest gives (its ranges are checked like
+    every other range)."""
+    attempt = attempt_of_object(obj.name)
+    assert attempt is not None  # the manifest's validation makes sure
+    try:
+        size = await storage.size(obj.name)
+    except FileNotFoundError:
+        folder, save_id = obj.name.split("/")[:2]
+        if folder not in await storage.list_children(""):
+            problems.append(f"references {obj.name!r} in step folder {folder}, which does not exist")
+        elif save_id not in await storage.list_children(folder):
+            problems.append(f"references {obj.name!r} of attempt {folder}/{save_id}, which does not exist")
+        else:
+            problems.append(f"referenced data object {obj.name!r} (of step {attempt[0]}) is missing")
+        return
+    if size != obj.nbytes:
+        problems.append(
+            f"referenced data object {obj.name!r} (of step {attempt[0]}) is {size} bytes, "
+            f"the manifest says {obj.nbytes}"
+        )
+
+
+@dataclass(frozen=True)
+class ReferencedStep:
+    """What one step names of an earlier save's objects."""
+
+    step: int
+    save_id: str
+    objects: int
+    nbytes: int
+    """The referenced objects' stored bytes."""
+    range_bytes: int
+    """The bytes the step's ranges read from them."""
+
+
+def referenced_steps(manifest: Manifest) -> list[ReferencedStep]:
+    """The earlier saves ``manifest`` references, by step (ascending)."""
+    read: dict[str, int] = {}
+    for _, r in manifest.all_ranges():
+        read[r.object] = read.get(r.object, 0) + r.nbytes
+    found: dict[tuple[int, str], list[DataObject]] = {}
+    for obj in manifest.references or ():
+        attempt = attempt_of_object(obj.name)
+        assert attempt is not None  # the manifest's validation makes sure
+        found.setdefault(attempt, []).append(obj)
+    return [
+        ReferencedStep(step, save_id, len(objs), sum(o.nbytes for o in objs), sum(read.get(o.name, 0) for o in objs))
+        for (step, save_id), objs in sorted(found.items())
+    ]

@@ -11,18 +11,17 @@ listed or deleted.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence, Set
 
-from ..core.names import manifest_name, parse_step_dir, step_dir
+from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
+from .keep import names_in_manifest
+from .pins import pins_for
 from .tombstones import Tombstones, retire_attempt
+from .trusted import TRUSTED
 
 __all__ = [
     "apply_retention",
@@ -31,8 +30,11 @@ __all__ = [
     "latest_committed",
     "manifest_of",
     "not_committed",
+    "objects_to_keep",
     "read_manifest",
     "remove_step",
+    "remove_steps",
+    "retire_attempts",
     "retention_victims",
     "remove_steps_after",
     "step_folders",
@@ -132,67 +134,21 @@ async def not_committed(storage: Storage, step: int, purpose: str = "") -> Check
 
 def _validated(data: bytes, storage: Storage, step: int) -> Manifest:
     where = f"{storage.url}/{manifest_name(step)}"
-    known = _TRUSTED.manifest(step, data)
+    known = TRUSTED.manifest(step, data)
     if known is not None and known.foreign is None:  # stored bytes never stand for a translation
         return known
     manifest = Manifest.from_json(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}, not {step}")
-    _TRUSTED.learn(step, data, manifest.save_id)
+    TRUSTED.learn(step, data, manifest.save_id)
     return manifest
-
-
-class _TrustedManifests:
-    """Digests of manifests this process has validated, with their save ids: retention and
-    the commit protocol ask every few saves whose each recent step is, and validating a
-    manifest of tens of thousands of entries again each time costs about a second; hashing
-    its bytes costs milliseconds. Keyed by step and content, so a manifest that changed
-    (replaced, damaged) is validated afresh. Any thread (a lock guards the table)."""
-
-    LIMIT = 256
-
-    def __init__(self) -> None:
-        self._known: OrderedDict[tuple[int, bytes], str] = OrderedDict()
-        self._objects: weakref.WeakValueDictionary[tuple[int, bytes], Manifest] = weakref.WeakValueDictionary()
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _key(step: int, data: bytes) -> tuple[int, bytes]:
-        return step, hashlib.blake2b(data, digest_size=32).digest()
-
-    def learn(self, step: int, data: bytes, save_id: str) -> None:
-        key = self._key(step, data)
-        with self._lock:
-            self._known[key] = save_id
-            self._known.move_to_end(key)
-            while len(self._known) > self.LIMIT:
-                self._known.popitem(last=False)
-
-    def save_id(self, step: int, data: bytes) -> str | None:
-        key = self._key(step, data)
-        with self._lock:
-            return self._known.get(key)
-
-    def keep_object(self, step: int, data: bytes, manifest: Manifest) -> None:
-        """``manifest`` is ``data`` parsed, for as long as someone else holds it."""
-        key = self._key(step, data)
-        with self._lock:
-            self._objects[key] = manifest
-
-    def manifest(self, step: int, data: bytes) -> Manifest | None:
-        key = self._key(step, data)
-        with self._lock:
-            return self._objects.get(key)
-
-
-_TRUSTED = _TrustedManifests()
 
 
 def trust_committed(step: int, document: bytes, save_id: str) -> None:
     """This process just committed ``document``, which it read back with the readers' own
     parser and validator before writing it (:func:`~aiosnap.format.manifest.checked_json`):
     the same bytes read back need no second validation."""
-    _TRUSTED.learn(step, document, save_id)
+    TRUSTED.learn(step, document, save_id)
 
 
 async def manifest_of(storage: Storage, step: int | None) -> Manifest:
@@ -250,7 +206,7 @@ async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | 
         data = await _manifest_bytes(storage, step)
     except CheckpointNotFoundError:
         return None
-    known = _TRUSTED.save_id(step, data)
+    known = TRUSTED.save_id(step, data)
     if known is not None:
         return data, known
     try:
@@ -259,16 +215,88 @@ async def committed_document(storage: Storage, step: int) -> tuple[bytes, str | 
         return data, None
 
 
+async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> set[str]:
+    """What no deletion may remove now (see :mod:`.keep`): every object a save in flight in
+    this process pins, then every object a committed manifest names, its own and its
+    references, read in that order and *after* the caller listed what it would delete.
+    ``leaving``: steps whose manifests do not count (a plan that will remove them first)."""
+    keep = set(pins_for(storage.url).pinned())
+    steps = [s for s in await committed_steps(storage) if s not in leaving]
+    documents = await asyncio.gather(*(committed_document(storage, s) for s in steps))
+    for step, found in zip(steps, documents, strict=True):
+        if found is not None:  # None: removed since the listing
+            keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
+    return keep
+
+
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
-    """Uncommit ``step`` (manifest first), then delete the attempt folder it named (with
-    ``tombstones``, a multi-rank attempt's verdict stays a while: see :mod:`.tombstones`).
-    Other attempt folders of the step (crashed or concurrent saves) are left to ``aiosnap
-    gc``; so is the data of a step whose manifest could not be read."""
-    save_id = await committed_save_id(storage, step)
-    await storage.delete(manifest_name(step))
-    if save_id is not None:
-        await retire_attempt(storage, step, save_id, tombstones)
-    await storage.remove_empty_folder(step_dir(step))
+    """:func:`remove_steps` of one step."""
+    await remove_steps(storage, [step], tombstones)
+
+
+async def remove_steps(storage: Storage, steps: Sequence[int], tombstones: Tombstones | None = None) -> list[str]:
+    """Uncommit each of ``steps`` (every manifest first, in the order given), then delete the
+    objects of the attempts they named and the objects of earlier saves they referenced,
+    except those another committed manifest names or a save in flight pins (:mod:`.keep`:
+    they stay where they are, and go with the last step that names them): the attempt
+    folders are listed, then what to keep is read once, then what is listed and not kept
+    goes. With ``tombstones``, a multi-rank attempt's verdict stays a while (see
+    :mod:`.tombstones`). Other attempt folders of these steps (crashed or concurrent saves)
+    are left to ``aiosnap gc``; so is the data of a step whose manifest could not be read.
+    Returns the attempt folders left holding objects that other steps name."""
+    doomed: list[tuple[int, str, bytes]] = []
+    for step in steps:
+        found = await committed_document(storage, step)
+        await storage.delete(manifest_name(step))
+        if found is not None and found[1] is not None:
+            doomed.append((step, found[1], found[0]))
+    held = await retire_attempts(storage, doomed, tombstones)
+    for step in steps:
+        await storage.remove_empty_folder(step_dir(step))
+    return held
+
+
+async def retire_attempts(
+    storage: Storage, attempts: Sequence[tuple[int, str, bytes]], tombstones: Tombstones | None = None
+) -> list[str]:
+    """Delete the ``(step, save id, manifest bytes)`` attempts whose manifests are gone or
+    replaced, and the earlier saves' objects those manifests referenced, keeping what
+    :func:`objects_to_keep` says after the folders are listed (see :func:`remove_steps`).
+    Returns the attempt folders left holding objects that other steps name."""
+    doomed = list(attempts)
+    listed = [await _listing(storage, attempt_prefix(step, save_id)) for step, save_id, _ in doomed]
+    kept = await objects_to_keep(storage) if doomed else set()  # after the listings: mark after list
+
+    async def keep() -> set[str]:
+        return kept
+
+    held: list[str] = []
+    for (step, save_id, _), names in zip(doomed, listed, strict=True):
+        if await retire_attempt(storage, step, save_id, tombstones, keep=keep, listed=names):
+            held.append(attempt_prefix(step, save_id))
+    folders = tuple(attempt_prefix(step, save_id) + "/" for step, save_id, _ in doomed)
+    unnamed = {n for step, _, data in doomed for n in names_in_manifest(step, data, valid=True)}
+    await _delete_with_folders(storage, sorted(n for n in unnamed if n not in kept and not n.startswith(folders)))
+    return held
+
+
+async def _listing(storage: Storage, prefix: str) -> list[str] | None:
+    try:
+        return [o.name for o in await storage.walk(prefix)]
+    except NotImplementedError:
+        return None
+
+
+async def _delete_with_folders(storage: Storage, names: list[str]) -> None:
+    """Delete ``names`` (objects of earlier saves nothing names any more), then the folders
+    they leave empty."""
+    if not names:
+        return
+    await storage.delete_many(names)
+    folders = {name.rsplit("/", 1)[0] for name in names}
+    folders |= {folder.rsplit("/", 1)[0] for folder in folders} | {folder.split("/", 1)[0] for folder in folders}
+    for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
+        await storage.remove_empty_folder(folder)
 
 
 async def retention_victims(storage: Storage, keep_last: int, spare: set[int]) -> list[int]:
@@ -300,8 +328,7 @@ async def apply_retention(
     if keep_last is None:
         return []
     doomed = await retention_victims(storage, keep_last, {just_committed, *in_flight_steps})
-    for step in doomed:
-        await remove_step(storage, step, tombstones)
+    await remove_steps(storage, doomed, tombstones)
     return doomed
 
 
@@ -312,19 +339,17 @@ async def remove_steps_after(storage: Storage, step: int) -> list[int]:
     if step not in steps:
         raise await not_committed(storage, step, " to roll back to")
     newer = [s for s in steps if s > step]
-    for doomed in reversed(newer):
-        await remove_step(storage, doomed)
+    await remove_steps(storage, newer[::-1])
     return newer
 
 
 async def remove_everything(storage: Storage) -> list[int]:
-    """Delete every committed step (newest first, each manifest before its data), then every
-    other step folder, then the root folder itself where that means anything and it is
+    """Delete every committed step's manifest (newest first, each before its data), then
+    every step folder, then the root folder itself where that means anything and it is
     empty. Files that are not aiosnap's stay. The caller makes sure no save to ``storage``
     is running. Returns the committed steps deleted."""
     steps = await committed_steps(storage)
-    for step in reversed(steps):
-        await remove_step(storage, step)
+    await remove_steps(storage, steps[::-1])  # no step stays to name anything: only pins keep
     for name in await storage.list_children(""):
         if parse_step_dir(name) is not None:
             await storage.delete_prefix(name)

@@ -12,15 +12,17 @@ once they are that old (:class:`Tombstones`); ``aiosnap gc`` removes those a pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Set
 from dataclasses import dataclass, field
 
 from ..core.names import attempt_prefix, step_dir
 from ..format.markers import VERDICT_FILE, VERDICT_READ_S
 from ..storage.base import Storage
 
-__all__ = ["Tombstones", "retire_attempt"]
+__all__ = ["Keep", "Tombstones", "retire_attempt"]
 
 log = logging.getLogger("aiosnap")
 
@@ -56,21 +58,52 @@ class Tombstones:
                 log.debug("aiosnap: removing the kept verdict of step %d failed (left for gc): %r", step, exc)
 
 
-async def retire_attempt(storage: Storage, step: int, save_id: str, tombstones: Tombstones | None = None) -> None:
+Keep = Callable[[], Awaitable[Set[str]]]
+"""Asked after an attempt folder is listed: the objects in it that must stay (see
+:mod:`.keep`)."""
+
+
+async def retire_attempt(
+    storage: Storage,
+    step: int,
+    save_id: str,
+    tombstones: Tombstones | None = None,
+    keep: Keep | None = None,
+    listed: list[str] | None = None,
+) -> list[str]:
     """Delete the attempt ``save_id`` of ``step`` (its manifest is already gone or replaced).
-    With ``tombstones``, a multi-rank attempt's verdict stays (and is recorded there)."""
+    With ``tombstones``, a multi-rank attempt's verdict stays (and is recorded there). With
+    ``keep``, the folder is listed first, then ``keep()`` asked (mark after list), and the
+    objects it names stay where they are (other steps' manifests name them); ``listed``: the
+    folder's objects as the caller listed them before it asked ``keep()`` itself. Returns the
+    objects left in the folder for that reason."""
     prefix = attempt_prefix(step, save_id)
-    if tombstones is None or VERDICT_FILE not in await storage.list_children(prefix):
+    children = await storage.list_children(prefix) if tombstones is not None or keep is not None else []
+    with_verdict = tombstones is not None and VERDICT_FILE in children
+    if keep is None and not with_verdict:
         await storage.delete_prefix(prefix)
-        return
+        return []
     verdict = f"{prefix}/{VERDICT_FILE}"
-    try:
-        names = [o.name for o in await storage.walk(prefix) if o.name != verdict]
-    except NotImplementedError:  # a backend that cannot list: no tombstone
+    if listed is None:
+        with contextlib.suppress(NotImplementedError):  # a backend that cannot list: no tombstone
+            listed = [o.name for o in await storage.walk(prefix)]
+    kept = frozenset() if keep is None else await keep()
+    if listed is None:
+        if keep is None or not any(name.startswith(prefix + "/") for name in kept):
+            await storage.delete_prefix(prefix)
+        else:
+            log.warning("aiosnap: %s cannot list %s, which holds referenced objects: left whole", storage.url, prefix)
+            return [name for name in kept if name.startswith(prefix + "/")]
+        return []
+    held = [name for name in listed if name in kept]
+    if not held and not with_verdict:
         await storage.delete_prefix(prefix)
-        return
-    await storage.delete_many(names)
+        return []
+    await storage.delete_many([name for name in listed if name not in kept and not (with_verdict and name == verdict)])
     for child in await storage.list_children(prefix):  # the folders the data left (local disk)
         if child != VERDICT_FILE:
             await storage.remove_empty_folder(f"{prefix}/{child}")
-    tombstones.add(storage, step, save_id)
+    if with_verdict:
+        assert tombstones is not None
+        tombstones.add(storage, step, save_id)
+    return held

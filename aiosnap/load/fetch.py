@@ -16,6 +16,7 @@ import torch
 
 from ..core.aio import run_all
 from ..core.cudaorder import CudaOrder
+from ..core.names import attempt_of_object
 from ..core.tensorio import bytes_view
 from ..errors import AiosnapError, CorruptCheckpointError, TruncatedObjectError, first_error
 from ..format.manifest import Manifest
@@ -66,22 +67,27 @@ def _empty_for(manifest: Manifest, index: int) -> torch.Tensor:
 async def check_object_sizes(
     storage: Storage, manifest: Manifest, concurrency: int, names: set[str] | None = None
 ) -> None:
-    """Every data object (of ``names``, when given) is there with the size the manifest
-    gives, before anything is allocated for it (a hostile manifest cannot make a load
-    allocate more than is stored)."""
+    """Every data object (of ``names``, when given), its own and those of earlier saves it
+    references, is there with the size the manifest gives, before anything is allocated for
+    it (a hostile manifest cannot make a load allocate more than is stored)."""
     where = f"{storage.url} step {manifest.step}"
     limit = asyncio.Semaphore(concurrency)
+    referenced = {o.name for o in manifest.references or ()}
 
     async def check(name: str, nbytes: int) -> None:
+        attempt = attempt_of_object(name) if name in referenced else None
+        what = f"data object {name!r}" + ("" if attempt is None else f" (referenced, of step {attempt[0]})")
         async with limit:
             try:
                 size = await storage.size(name)
             except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{where}: data object {name!r} is missing") from exc
+                raise CorruptCheckpointError(f"{where}: {what} is missing") from exc
         if size < nbytes:
-            raise TruncatedObjectError(f"{where}: data object {name!r} is truncated: {size} of {nbytes} bytes")
+            raise TruncatedObjectError(f"{where}: {what} is truncated: {size} of {nbytes} bytes")
+        if size != nbytes and name in referenced:
+            raise CorruptCheckpointError(f"{where}: {what} is {size} bytes, the manifest says {nbytes}")
 
-    await run_all(check(o.name, o.nbytes) for o in manifest.objects if names is None or o.name in names)
+    await run_all(check(o.name, o.nbytes) for o in manifest.stored_objects() if names is None or o.name in names)
 
 
 async def fetch_entries(

@@ -14,7 +14,7 @@ from ..catalog.steps import committed_save_id
 from ..core.checksums import crc32c_of
 from ..core.names import attempt_prefix, step_dir
 from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from ..format.manifest import ByteRange, Manifest, manifest_name
+from ..format.manifest import Manifest, Span, manifest_name
 from ..storage.base import Storage
 from ..storage.registry import roots_overlap
 from .commit import commit_manifest
@@ -30,7 +30,9 @@ async def copy_step(
 ) -> bool:
     """Copy one committed step to another root (``aiosnap download``): each data object is
     read whole, every range's crc32c checked, then written; the manifest goes last, so the
-    copy is committed only once complete. Returns False when ``dest`` already holds this
+    copy is committed only once complete. The objects of earlier saves the step references
+    are copied too, under the same names, so the copy stands alone (one that ``dest`` holds
+    already, intact, from a copy of an earlier step, is left as it is). Returns False when ``dest`` already holds this
     very save (nothing to do).
 
     A copy never removes anything it did not write in this run: a failure deletes the
@@ -53,16 +55,20 @@ async def copy_step(
             f"{dest.url} holds a manifest for step {manifest.step} that cannot be read; not touching that step "
             f"(`aiosnap ls {dest.url}` says why)"
         )
-    ranges: dict[str, list[ByteRange]] = {}
-    for entry in manifest.entries:
-        for r in entry.ranges:
-            ranges.setdefault(r.object, []).append(r)
+    ranges: dict[str, list[Span]] = {}
+    for _, r in manifest.all_ranges():
+        ranges.setdefault(r.object, []).append(r)
+    referenced = {o.name for o in manifest.references or ()}
     limit = asyncio.Semaphore(concurrency)
     written: list[str] = []
 
     async def copy(name: str, nbytes: int) -> None:
         async with limit:
             buffer = memoryview(bytearray(nbytes))
+            if name in referenced and await _already_copied(dest, name, buffer, ranges.get(name, [])):
+                if progress is not None:
+                    progress(nbytes)
+                return  # a copy of an earlier step put it there: neither rewritten nor removed by this run
             try:
                 got = await source.read_into(name, 0, buffer)
             except FileNotFoundError as exc:
@@ -83,7 +89,7 @@ async def copy_step(
 
     try:
         async with asyncio.TaskGroup() as group:
-            for obj in manifest.objects:
+            for obj in manifest.stored_objects():  # referenced ones too, under the same names
                 group.create_task(copy(obj.name, obj.nbytes))
         await commit_manifest(dest, manifest, replace=False)
     except BaseException as failure:
@@ -91,6 +97,21 @@ async def copy_step(
         if isinstance(failure, BaseExceptionGroup):
             raise (leaf := first_error(failure)) from leaf.__cause__
         raise
+    return True
+
+
+async def _already_copied(dest: Storage, name: str, buffer: memoryview, ranges: list[Span]) -> bool:
+    """Whether ``dest`` holds the referenced object ``name`` already, whole and with every
+    range's checksum right (read into ``buffer``, its size)."""
+    try:
+        if await dest.size(name) != len(buffer) or await dest.read_into(name, 0, buffer) < len(buffer):
+            return False
+    except FileNotFoundError:
+        return False
+    for r in ranges:
+        crc = await asyncio.to_thread(crc32c_of, buffer[r.offset : r.offset + r.nbytes])
+        if r.crc32c is not None and crc != r.crc32c:
+            return False
     return True
 
 

@@ -219,7 +219,7 @@ async def commit_claimed(
         await overrule_commit(storage, spec, problem)
         raise problem
     if replaced is not None:
-        await remove_replaced(storage, manifest, replaced[0], tombstones)
+        await remove_replaced(storage, manifest, replaced[0], tombstones, old_document=replaced[1])
     return len(document)
 
 
