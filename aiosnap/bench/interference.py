@@ -15,10 +15,10 @@ method, in one process and one run, side by side:
 
 Figures per method: ``slowdown`` (mean step time while the checkpoint is in flight over the
 mean step time just before it), ``blocked_s`` (the save call) and ``durable_s`` (save call
-to durable), ``other_threads_cpu_s`` (CPU time of the training process outside its training
-thread while the checkpoint was in flight: ``time.process_time`` less ``time.thread_time``
-of the training thread; an upload process's own CPU is not in it), and
-``durable_over_floor`` (bytes over cap: aiosnap only). ``--runs`` repeats
+to durable), ``other_threads_cpu_s`` (CPU time of the training process outside its
+training thread from the return of the save call until durable: ``time.process_time``
+less the training thread's ``time.thread_time``; an upload process's own CPU is not in
+it), and ``durable_over_floor`` (bytes over cap: aiosnap only). ``--runs`` repeats
 the whole set; the spread (min, max) of each figure is printed with the runs.
 """
 
@@ -71,14 +71,14 @@ def _mean_step(step: Callable[[], None], seconds: float) -> float:
 
 def _measure(step: Callable[[], None], start: Callable[[], Done], before_s: float) -> dict[str, float]:
     """Steps before the checkpoint, then steps while it is in flight until it is durable;
-    and the CPU time this process spent outside this (the training) thread meanwhile: the
-    checkpoint's threads (and anything else of the process), which share the GIL and the
-    cores with training."""
+    and the CPU time this process spent outside this (the training) thread from the return
+    of the save call to durable (the upload, not the capture): the checkpoint's threads (and
+    anything else of the process), which share the GIL and the cores with training."""
     before = _mean_step(step, before_s)
     began = time.perf_counter()
-    thread_cpu, process_cpu = time.thread_time(), time.process_time()
     done = start()
     blocked = time.perf_counter() - began
+    thread_cpu, process_cpu = time.thread_time(), time.process_time()  # the upload, not the capture
     times: list[float] = []
     while not done():
         started = time.perf_counter()
