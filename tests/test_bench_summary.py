@@ -167,3 +167,17 @@ def test_the_interference_benchmark_runs_at_two_rates_and_measures_the_trainers_
     slowdowns = [f for f in read_figures(results) if f.goal is not None]
     assert [f.figure.split("S3 at ")[1].split(",")[0] for f in slowdowns] == ["100 MB/s", "40 MB/s"]
     assert all(f.goal == 1.03 and f.ratio == f.value and "outside its training thread" in f.note for f in slowdowns)
+
+
+def test_the_executor_benchmark_compares_a_fresh_checkpointers_first_save_under_both(tmp_path: Path) -> None:
+    results = tmp_path / "results.jsonl"
+    run = bench(
+        "executor", "--size-mb", "8", "--runs", "1", "--dir", str(tmp_path / "roots"), "--results", str(results)
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert set(report["median"]) == {"thread", "process"}
+    blocked = next(f for f in read_figures(results) if f.goal is not None)
+    assert blocked.value == report["median"]["process"]["blocked_s"]
+    assert blocked.anchor_value == report["median"]["thread"]["blocked_s"] and blocked.goal == 1.0
+    assert list((tmp_path / "roots").iterdir()) == [], "each run's root removed"
