@@ -69,17 +69,25 @@ soak: install
 	$(PY) -m pytest tests/test_soak.py tests/test_fuzz.py -s -p no:cacheprovider \
 		--soak-rounds 300 --soak-kills 20 --fuzz-cases 50000 --timeout 3000
 
+# Every benchmark, then one table of the headline figures against their floors and goals:
+# each benchmark appends its figures to BENCH_RESULTS (JSON lines, see aiosnap/bench/results.py).
+BENCH_RESULTS ?= bench-results.jsonl
+
 bench: install
-	$(PY) -m aiosnap.bench local
+	rm -f $(BENCH_RESULTS)
+	$(PY) -m aiosnap.bench local --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench s3
 	$(PY) -m aiosnap.bench s3 --cap-mb-s 50
-	$(PY) -m aiosnap.bench spool
+	$(PY) -m aiosnap.bench s3 --cap-mb-s 40 --size-mb 75 --results $(BENCH_RESULTS)
+	$(PY) -m aiosnap.bench spool --results $(BENCH_RESULTS)
+	$(PY) -m aiosnap.bench executor --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench lightning
 	$(PY) -m aiosnap.bench load
 	$(PY) -m aiosnap.bench many
-	$(PY) -m aiosnap.bench interference
-	$(PY) -m aiosnap.bench distributed
+	$(PY) -m aiosnap.bench interference --results $(BENCH_RESULTS)
+	$(PY) -m aiosnap.bench distributed --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench distributed --simulate
+	$(PY) -m aiosnap.bench summary $(BENCH_RESULTS)
 
 # The CUDA tests and the D2H staging benchmark (pinned staging: aiosnap against DCP's pinned
 # stager), one table, within 8 minutes on one GPU. Without CUDA the tests skip, the benchmark

@@ -172,6 +172,7 @@ class Engine:
         try:
             transfer.begin(plan.save_id, storage.url, keep_last, plan.spec)
             plan.handed_over = True
+            self.link.look_meanwhile(job)
         except BaseException as exc:  # the upload process is gone: this save never started
             admission.board.discard(job.progress)
             job.never_began(exc)

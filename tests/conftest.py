@@ -430,8 +430,8 @@ def rot_after_writing(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
     real_write = durable.write_file
 
-    def write_then_rot(path: Path, data: memoryview | bytes) -> None:
-        real_write(path, data)
+    def write_then_rot(path: Path, data: memoryview | bytes, *, sync: bool = True) -> None:
+        real_write(path, data, sync=sync)
         if path.name == name:
             with open(path, "r+b") as f:
                 f.seek(100)

@@ -114,14 +114,14 @@ def test_disk_full_falls_back_to_ram(
     real_write = durable.write_file
     written = 0
 
-    def fill_up(path: Path, data: memoryview | bytes) -> None:
+    def fill_up(path: Path, data: memoryview | bytes, *, sync: bool = True) -> None:
         nonlocal written
         if written >= 2 * MiB:  # the spool disk is full after two chunks
             with open(path, "wb") as f:
                 f.write(bytes(data)[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
         written += len(data)
-        real_write(path, data)
+        real_write(path, data, sync=sync)
 
     monkeypatch.setattr(durable, "write_file", fill_up)
     config = _local(tmp_path / "c", tmp_path / "spool", mode="always")
@@ -372,3 +372,44 @@ def test_a_crash_after_capture_loses_no_state_in_always_mode(tmp_path: Path, kin
     assert list(restored) == list(expected)
     for key, value in expected.items():
         assert torch.equal(restored[key], value) if isinstance(value, torch.Tensor) else restored[key] == value
+
+
+def test_a_spill_waits_for_no_fsync_until_capture_ends_and_everything_is_durable_before_captured(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25: the spill's chunk files are written with their writeback started, not each
+    fsynced in turn, and the records of spilled chunks are not fsynced one by one: before the
+    journal's ``captured`` record (without which a crash discards the save) every chunk file,
+    and their folder, is fsynced, and that record's fsync makes the earlier records durable.
+    The same durability when save() returns, with no fsync in the spill's chain."""
+    spool_dir = tmp_path / "spool"
+    synced: list[tuple[str, str]] = []  # (path, the journal's last record kind when it is the journal)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(str(spool_dir)):
+            last = ""
+            if path.endswith(".jsonl"):  # lines "<crc32c> <JSON>"
+                last = json.loads(Path(path).read_text().splitlines()[-1].split(" ", 1)[1])["kind"]
+            synced.append((path, last))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = {"w": torch.randn(3 * MiB)}  # 12 MiB: three times the RAM budget
+    with SyncCheckpointer(_local(root, spool_dir, mode="overflow")) as ckpt:
+        handle = ckpt.save(state, step=1)
+        journals = list(spool_dir.rglob("journal.jsonl"))
+        assert len(journals) == 1, "spilled"
+        folder = journals[0].parent
+        on_disk = sorted(p.name for p in folder.glob("*.bin"))
+        captured_at = next(i for i, (path, last) in enumerate(synced) if last == "captured")
+        before = synced[:captured_at]
+        chunk_fsyncs = sorted(Path(p).name for p, _ in before if p.endswith(".bin"))
+        spilled = handle.wait(60).spooled_chunks
+    assert spilled >= 4 and len(chunk_fsyncs) == spilled, "every spilled chunk fsynced before 'captured'"
+    assert set(on_disk) <= set(chunk_fsyncs)
+    assert (str(folder), "") in before, "their folder too: the names survive"
+    assert all(last != "spooled" for _, last in synced), "no fsync for a spooled record on its own"
+    with SyncCheckpointer(_local(root, tmp_path / "spool2")) as again:
+        assert torch.equal(again.load()["w"], state["w"])

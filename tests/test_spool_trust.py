@@ -262,13 +262,13 @@ async def test_a_save_cancelled_while_its_journal_is_written_is_never_committed(
     real_append, real_discard = journal._append, Spool.discard
     held, release, appended, discarded = (threading.Event() for _ in range(4))
 
-    def held_append(path: pathlib.Path, data: bytes, create: bool) -> None:
+    def held_append(path: pathlib.Path, data: bytes, create: bool, sync: bool) -> None:
         if not (b'"begin"' in data and b'"captured"' in data) or held.is_set():  # step 2's one append
-            return real_append(path, data, create)
+            return real_append(path, data, create, sync)
         held.set()
         release.wait(10)
         try:
-            real_append(path, data, create)
+            real_append(path, data, create, sync)
         finally:
             appended.set()
 

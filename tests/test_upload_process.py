@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import Checkpointer, Config, ConfigError, SyncCheckpointer, UploadProcessError
+from aiosnap import Checkpointer, Config, ConfigError, StepOrderError, SyncCheckpointer, UploadProcessError
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, s3_config
 from tests.spool_child import state as child_state
@@ -174,8 +174,8 @@ async def test_a_save_aborted_before_the_helper_read_its_begin_still_ends(root: 
         pid = _helper_pid(ckpt)
         os.kill(pid, signal.SIGSTOP)
         try:
-            with pytest.raises(TimeoutError):  # save() waits for the look at the root
-                await asyncio.wait_for(ckpt.save({"w": torch.randn(1000)}, step=1), 0.3)
+            with pytest.raises(TimeoutError):  # save() waits for RAM: the stopped helper holds every slab
+                await asyncio.wait_for(ckpt.save({"w": torch.randn(8 * MiB)}, step=1), 0.3)
         finally:
             os.kill(pid, signal.SIGCONT)
         result = await asyncio.wait_for(await asyncio.wait_for(ckpt.save({"w": torch.ones(10)}, step=1), 20), 20)
@@ -373,3 +373,27 @@ async def test_a_connected_s3_backend_still_goes_to_the_helper(s3_endpoint: str,
     assert await copy.read("probe") == b"x"
     await own.close()
     await copy.close()
+
+
+def test_a_save_while_the_helper_still_starts_looks_at_a_file_root_itself(root: Path) -> None:
+    """The step order is checked in save() by the trainer's own look at a file-system root,
+    without waiting for the upload process to start (issue 25: the first save of a process
+    executor waited for the helper's imports); the save commits once the helper runs."""
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    pid = _helper_pid(ckpt)
+    os.kill(pid, signal.SIGSTOP)  # a helper that has not started serving (as one still importing)
+    try:
+        assert not ckpt._engine.transfer.ready
+        handle = ckpt.save({"w": torch.ones(1000)}, step=1)
+        (job,) = ckpt._engine._jobs.values()
+        assert job.preflight.done() and job.preflight.result().latest is None, "looked without the helper"
+        assert not handle.done()  # nothing could be uploaded: the helper is stopped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert handle.wait(30).step == 1
+    assert ckpt._engine.transfer.ready
+    ckpt.close()
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    with pytest.raises(StepOrderError, match="older than the latest committed step 1"):
+        ckpt.save({"w": torch.ones(1000)}, step=0)  # refused in save() however long the helper takes
+    ckpt.close()

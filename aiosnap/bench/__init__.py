@@ -1,7 +1,9 @@
 """Benchmarks, one module each; ``aiosnap bench NAME [options]`` or ``python -m aiosnap.bench NAME``.
 
 Each module has ``main(argv)`` and prints JSON figures (ratios measured in one run against
-a baseline). Importing this package imports no benchmark.
+a baseline); with ``--results PATH`` the headline figures are also appended to ``PATH`` as
+JSON lines (:mod:`.results`), which ``summary`` prints as one table at the end of ``make
+bench``. Importing this package imports no benchmark.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ BENCHMARKS = {
     "load": "aiosnap.bench.load",
     "many": "aiosnap.bench.many",
     "interference": "aiosnap.bench.interference",
+    "executor": "aiosnap.bench.executor",
     "distributed": "aiosnap.bench.distributed",
     "dcp": "aiosnap.bench.dcp",
     "safetensors": "aiosnap.bench.safetensors",
     "gpu": "aiosnap.bench.gpu",
+    "summary": "aiosnap.bench.summary",
 }
 """Benchmark name -> module."""
 

@@ -9,7 +9,8 @@ in the same run; aiosnap also against the S3 test server (moto, started here; DC
 writer without extra packages). Figures per job (the slowest rank's): seconds blocked in the
 save call and seconds until durable, both on a warm second save. Then 2 ranks load each
 4-rank checkpoint into their own layout (a 4 -> 2 reshard: FSDP2 over 2 ranks, 2 larger
-pipeline stages): aiosnap ``load`` vs DCP ``load``. Ratios aiosnap / DCP.
+pipeline stages): aiosnap ``load`` vs DCP ``load``. Ratios aiosnap / DCP; ``--results
+PATH`` appends the blocked ratios for the closing table (:mod:`.results`).
 
 ``--simulate`` runs the protocol at thousands of simulated ranks instead
 (:mod:`aiosnap.bench.rank_sim`).
@@ -28,8 +29,12 @@ import uuid
 from typing import Any
 
 from .layouts import LAYOUTS
+from .results import add_results_option, compare, record
 
 MiB = 1024 * 1024
+GOALS = {"fsdp": 0.5}
+"""The goal of blocked(aiosnap) / blocked(DCP) by layout (issue 25: the sharded state); the
+other layouts' rows are in the closing table without one."""
 
 
 def _free_port() -> int:
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="layouts to measure (default: all)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 test server")
     parser.add_argument("--simulate", action="store_true", help="simulated ranks instead (see rank_sim)")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",")]
     layouts = [name for name in args.layouts.split(",") if name]
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown layout(s) {unknown}: choose from {list(LAYOUTS)}")
     common = {"size_mb": args.size_mb, "ram_budget_mib": args.ram_budget_mib}
-    report: dict[str, Any] = {"size_mb": args.size_mb, "save": {}, "reshard_load_4_to_2": {}}
+    report: dict[str, Any] = {"size_mb": args.size_mb, "save": {}, "reshard_load_4_to_2": {}, "figures": []}
     with tempfile.TemporaryDirectory(prefix="aiosnap-bench-dist-") as folder:
         for layout in layouts:
             for world in worlds:
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 report["reshard_load_4_to_2"][layout] = {"aiosnap": aio, "dcp": dcp, "ratio": ratio}
         if not args.no_s3:
             report["save_s3"] = _s3(worlds, common)
+    record(args.results, report.pop("figures"))
     print(json.dumps(report, indent=2))
     return report
 
@@ -118,6 +125,11 @@ def _compare(report: dict[str, Any], folder: str, layout: str, world: int, commo
         "blocked_ratio": _ratio(aio["blocked_s"], dcp["blocked_s"]),
         "durable_ratio": _ratio(aio["durable_s"], dcp["durable_s"]),
     }  # fmt: skip
+    report["figures"].append(compare(
+        "distributed", f"multi-rank save() blocked, {layout}, {world} ranks, {common['size_mb']} MB in all, warm",
+        aio["blocked_s"], "s", "DCP async_save (thread), same state and disk", dcp["blocked_s"],
+        GOALS.get(layout),
+    ))  # fmt: skip
 
 
 def _s3(worlds: list[int], common: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ method, in one process and one run, side by side:
 
 - ``none``: no checkpoint (the noise floor of the ratio);
 - ``aiosnap_thread`` / ``aiosnap_process``: ``save()`` of the state (256 MB by default)
-  to the S3 test server (moto, started here) through a proxy capped at ``--cap-mb-s``,
+  to the S3 test server (moto, started here) through a proxy capped at each of
+  ``--cap-mb-s`` (default 100 and 40 MB/s: the whole set runs once per cap),
   with ``upload.executor`` thread or process;
 - ``dcp_thread`` / ``dcp_process``: ``torch.distributed.checkpoint.async_save`` of the same
   state with its thread and its process checkpointer, to a local directory (DCP has no S3
@@ -14,7 +15,10 @@ method, in one process and one run, side by side:
 
 Figures per method: ``slowdown`` (mean step time while the checkpoint is in flight over the
 mean step time just before it), ``blocked_s`` (the save call) and ``durable_s`` (save call
-to durable), and ``durable_over_floor`` (bytes over cap: aiosnap only). ``--runs`` repeats
+to durable), ``other_threads_cpu_s`` (CPU time of the training process outside its
+training thread from the return of the save call until durable: ``time.process_time``
+less the training thread's ``time.thread_time``; an upload process's own CPU is not in
+it), and ``durable_over_floor`` (bytes over cap: aiosnap only). ``--runs`` repeats
 the whole set; the spread (min, max) of each figure is printed with the runs.
 """
 
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 
 from .. import Config, SyncCheckpointer
+from .results import Figure, add_results_option, compare, record
 
 MiB = 1024 * 1024
 SERVER_NICE = 15
@@ -65,19 +70,27 @@ def _mean_step(step: Callable[[], None], seconds: float) -> float:
 
 
 def _measure(step: Callable[[], None], start: Callable[[], Done], before_s: float) -> dict[str, float]:
-    """Steps before the checkpoint, then steps while it is in flight until it is durable."""
+    """Steps before the checkpoint, then steps while it is in flight until it is durable;
+    and the CPU time this process spent outside this (the training) thread from the return
+    of the save call to durable (the upload, not the capture): the checkpoint's threads (and
+    anything else of the process), which share the GIL and the cores with training."""
     before = _mean_step(step, before_s)
     began = time.perf_counter()
     done = start()
     blocked = time.perf_counter() - began
+    thread_cpu, process_cpu = time.thread_time(), time.process_time()  # the upload, not the capture
     times: list[float] = []
     while not done():
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
     durable = time.perf_counter() - began
+    other_cpu = (time.process_time() - process_cpu) - (time.thread_time() - thread_cpu)
     during = statistics.mean(times) if times else before
-    return {"slowdown": round(during / before, 3), "blocked_s": round(blocked, 3), "durable_s": round(durable, 3)}
+    return {
+        "slowdown": round(during / before, 3), "blocked_s": round(blocked, 3), "durable_s": round(durable, 3),
+        "other_threads_cpu_s": round(max(other_cpu, 0.0), 3),
+    }  # fmt: skip
 
 
 def _state(total_mb: int) -> dict[str, torch.Tensor]:
@@ -154,18 +167,20 @@ def _dcp(kind: str, directory: str, state: dict[str, torch.Tensor]) -> Iterator[
             future.result()
 
 
-def _one_run(args: argparse.Namespace, state: dict[str, torch.Tensor], endpoint: str, bucket: str) -> dict[str, Any]:
+def _one_run(
+    args: argparse.Namespace, state: dict[str, torch.Tensor], cap_mb_s: float, endpoint: str, bucket: str
+) -> dict[str, Any]:
     step = _training_loop()
     _mean_step(step, 0.5)  # warm up
     nbytes = sum(t.numel() * 4 for t in state.values())
-    floor = nbytes / (args.cap_mb_s * 1e6)
+    floor = nbytes / (cap_mb_s * 1e6)
     results: dict[str, Any] = {"none": _measure(step, lambda: _timer(args.during_s), args.before_s)}
     for executor in ("thread", "process"):
         with _aiosnap(executor, endpoint, bucket, state) as start:
             figures = _measure(step, start, args.before_s)
             figures["durable_over_floor"] = round(figures["durable_s"] / floor, 3)
             results[f"aiosnap_{executor}"] = figures
-    if _dcp_available():
+    if _dcp_available() and not args.no_dcp:
         with tempfile.TemporaryDirectory(prefix="aiosnap-bench-dcp-") as directory:
             for kind in ("thread", "process"):
                 with _dcp(kind, directory, state) as start:
@@ -216,26 +231,71 @@ def _spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return spread
 
 
+def _median(runs: list[dict[str, Any]], method: str, figure: str) -> float:
+    return float(statistics.median(r[method][figure] for r in runs))
+
+
+def _figures(size_mb: int, cap_mb_s: float, runs: list[dict[str, Any]]) -> list[Figure]:
+    """The closing table's rows of one rate: the process executor's slowdown (the goal),
+    the trainer's CPU outside its training thread, DCP's process checkpointer beside it."""
+    where = f"{size_mb} MB to S3 at {cap_mb_s:g} MB/s, median of {len(runs)}"
+    noise = _median(runs, "none", "slowdown")
+    rows = [
+        compare(
+            "interference", f"trainer step slowdown during upload, process executor, {where}",
+            _median(runs, "aiosnap_process", "slowdown"), "x", "no checkpoint", None, 1.03,
+            ratio=_median(runs, "aiosnap_process", "slowdown"), note=f"{cap_mb_s:g} MB/s: noise (nothing saved) "
+            f"{noise:.3f}x; trainer CPU outside its training thread "
+            f"{_median(runs, 'aiosnap_process', 'other_threads_cpu_s'):.3f} s (process executor), "
+            f"{_median(runs, 'aiosnap_thread', 'other_threads_cpu_s'):.3f} s (thread executor)",
+        ),
+        compare(
+            "interference", f"trainer CPU outside its training thread during upload, process executor, {where}",
+            _median(runs, "aiosnap_process", "other_threads_cpu_s"), "s", "-", None, None,
+        ),
+    ]  # fmt: skip
+    if "dcp_process" in runs[0]:
+        dcp = _median(runs, "dcp_process", "slowdown")
+        rows.append(compare(
+            "interference", f"trainer step slowdown, DCP async_save process (local disk), {where}",
+            dcp, "x", "no checkpoint", None, None, ratio=dcp,
+        ))  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="aiosnap bench interference", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=256, help="state size (default 256)")
-    parser.add_argument("--cap-mb-s", type=float, default=100.0, help="S3 throughput cap (default 100)")
+    parser.add_argument("--cap-mb-s", default="100,40", help="S3 throughput caps, one set per cap (default 100,40)")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the whole set (default 3)")
     parser.add_argument("--before-s", type=float, default=2.0, help="steps timed before each save (default 2)")
     parser.add_argument("--during-s", type=float, default=3.0, help="steps timed for 'none' (default 3)")
+    parser.add_argument("--no-dcp", action="store_true", help="skip DCP's thread and process checkpointers")
+    add_results_option(parser)
     args = parser.parse_args(argv)
+    try:
+        caps = [float(c) for c in args.cap_mb_s.split(",") if c]
+    except ValueError:
+        parser.error(f"--cap-mb-s {args.cap_mb_s!r}: comma-separated MB/s figures, such as 100,40")
+    if not caps or min(caps) <= 0:
+        parser.error(f"--cap-mb-s {args.cap_mb_s!r}: each cap must be a positive MB/s figure")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     state = _state(args.size_mb)
-    with _s3_root(args.cap_mb_s) as (endpoint, bucket), _process_group():
-        runs = [_one_run(args, state, endpoint, bucket) for _ in range(args.runs)]
+    by_rate: dict[str, Any] = {}
+    figures: list[Figure] = []
+    with _process_group():
+        for cap in caps:
+            with _s3_root(cap) as (endpoint, bucket):
+                runs = [_one_run(args, state, cap, endpoint, bucket) for _ in range(args.runs)]
+            by_rate[f"{cap:g}"] = {"runs": runs, "spread_min_max": _spread(runs)}
+            figures.extend(_figures(args.size_mb, cap, runs))
     report = {
         "state_bytes": sum(t.numel() * 4 for t in state.values()),
-        "cap_mb_s": args.cap_mb_s,
         "cpus": os.cpu_count(),
-        "runs": runs,
-        "spread_min_max": _spread(runs),
+        "by_cap_mb_s": by_rate,
     }
+    record(args.results, figures)
     print(json.dumps(report, indent=2))
     return report
 

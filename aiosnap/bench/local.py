@@ -12,6 +12,8 @@ first touching its pages, as any snapshot into fresh memory does.
 - ``fresh_copy``: a copy of the same tensors into newly allocated buffers (``clone``: what a
   snapshot into fresh memory pays, first touch included);
 - ``torch_save``: plain ``torch.save`` of the same state to the same disk (blocking);
+- ``dcp_async_save``: how long DCP's ``async_save`` (thread checkpointer, one process)
+  blocks on a warm call with the same tensors (``--no-dcp``: skipped);
 - aiosnap with a RAM budget larger than the state, and with a small budget (128 MiB).
 
 Figures: blocked seconds (until ``save()`` returned), seconds to durable, RSS added by a
@@ -33,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import Config, SyncCheckpointer
+from .results import add_results_option, compare, record
 
 MiB = 1024 * 1024
 
@@ -130,6 +133,27 @@ def torch_save_s(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Pat
     return time.perf_counter() - started
 
 
+def dcp_async_save_blocked_s(tensors: list[torch.Tensor], folder: Path) -> float | None:
+    """Seconds ``torch.distributed.checkpoint.async_save`` (its thread checkpointer, one
+    process) blocks on a warm call (the second) with the same tensors; None without DCP."""
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+    except ImportError:
+        return None
+    import warnings
+
+    state = {f"t{i}": t for i, t in enumerate(tensors)}
+    blocked = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for attempt in range(2):
+            started = time.perf_counter()
+            future: Any = async_save(state, checkpoint_id=str(folder / f"dcp-{attempt}"), no_dist=True)
+            blocked = time.perf_counter() - started
+            getattr(future, "upload_completion", future).result()
+    return blocked
+
+
 def _train_for(model: torch.nn.Module, optim: torch.optim.Optimizer, seconds: float) -> None:
     began = time.perf_counter()
     train_step(model, optim)
@@ -185,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     parser.add_argument("--small-budget-mib", type=int, default=128)
     parser.add_argument("--train-s", type=float, default=2.0, help="training before the cold save (default 2)")
+    parser.add_argument("--no-dcp", action="store_true", help="skip DCP async_save (the second anchor)")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="aiosnap-bench-"))
     torch.manual_seed(0)
@@ -195,17 +221,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         floor = floor_copy_s(tensors)
         fresh = fresh_copy_s(tensors)
         plain = torch_save_s(model, optim, base / "torch_save.pt")
+        dcp = None if args.no_dcp else dcp_async_save_blocked_s(tensors, base)
         large = aiosnap_run(model, optim, base / "large", max(2 * nbytes, 256 * MiB), args.train_s)
         small = aiosnap_run(model, optim, base / "small", args.small_budget_mib * MiB, args.train_s)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    report = {
+    report: dict[str, Any] = {
         "state_bytes": nbytes,
         "torch_threads": torch.get_num_threads(),
         "floor_copy_s": round(floor, 4),
         "fresh_copy_s": round(fresh, 4),
         "torch_save_s": round(plain, 4),
+        "dcp_async_save_blocked_s": None if dcp is None else round(dcp, 4),
         "budget_larger_than_state": large,
         "budget_small": small,
         "ratios": {
@@ -222,6 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else round(small["run_peak_rss_increase_mib"] / small["ram_budget_mib"], 2),
         },
     }
+    if dcp is not None:
+        report["ratios"]["warm_blocked_over_dcp_async_save"] = round(large["warm"]["blocked_s"] / dcp, 2)
+    warm = large["warm"]["blocked_s"]
+    figures = [compare("local", f"warm save() blocked, {nbytes / 1e6:.0f} MB model+Adam", warm, "s",
+                       "memcpy into touched buffers (best of 3)", floor, 1.25)]  # fmt: skip
+    if dcp is not None:
+        figures.append(compare("local", f"warm save() blocked vs DCP, {nbytes / 1e6:.0f} MB model+Adam", warm, "s",
+                               "DCP async_save (thread), warm call", dcp, 0.4))  # fmt: skip
+    record(args.results, figures)
     print(json.dumps(report, indent=2))
     return report
 

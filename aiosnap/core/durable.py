@@ -13,15 +13,18 @@ import shutil
 import uuid
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "append",
     "copy_file_atomically",
     "fsync_dir",
+    "fsync_file",
     "makedirs_durably",
     "publish_if_absent",
     "remove_if_empty",
     "remove_tree",
+    "start_writeback",
     "temp_name",
     "write_file",
 ]
@@ -32,23 +35,64 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
 
 
-def write_file(path: Path, data: memoryview | bytes) -> None:
-    """Write ``data`` to ``path`` (created or truncated) and fsync it."""
+def write_file(path: Path, data: memoryview | bytes, *, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` (created or truncated) and fsync it; with ``sync=False``
+    only start writing it back to disk (the caller fsyncs it later, :func:`fsync_file`)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+        else:
+            start_writeback(f.fileno())
 
 
-def append(path: Path, data: bytes, *, new_name: bool) -> None:
+def append(path: Path, data: bytes, *, new_name: bool, sync: bool = True) -> None:
     """Append ``data`` to ``path`` and fsync it; with ``new_name`` (the file's first
-    append) its folder too, so that the name itself survives a crash."""
+    append) its folder too, so that the name itself survives a crash. ``sync=False``: no
+    fsync (a later synced append to the same file makes this one durable too; the folder
+    is then the caller's to fsync)."""
     with open(path, "ab") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
-    if new_name:
+        if sync:
+            os.fsync(f.fileno())
+    if new_name and sync:
         fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync the file at ``path`` (written earlier without it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages to disk now, without waiting
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so that a later fsync finds little
+    left to write; nothing where the call is missing. No durability by itself."""
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)  # errors: the fsync reports them
+
+
+def _sync_file_range() -> Any:
+    global _SYNC_FILE_RANGE
+    if _SYNC_FILE_RANGE is None:
+        try:
+            _SYNC_FILE_RANGE = ctypes.CDLL(None, use_errno=True).sync_file_range
+        except (OSError, AttributeError):
+            _SYNC_FILE_RANGE = False
+    return _SYNC_FILE_RANGE or None
+
+
+_SYNC_FILE_RANGE: Any = None
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,16 +1,19 @@
-"""The spool journal of one save: append-only, one fsynced record per event.
+"""The spool journal of one save: append-only, one record per event, each fsynced (those
+of chunks spilled during capture: with the ``captured`` record).
 
 ``<spool>/<save id>/journal.jsonl`` holds lines ``<crc32c, 8 hex digits> <JSON>``:
 
 - ``begin``: the save (id, step, target root, the checkpointer's own root, retention) and
   its :class:`~aiosnap.format.spec.SaveSpec` (the manifest to commit, crc32c aside);
-- ``spooled``: chunk N's file is on the spool disk, fsynced, with its crc32c and those of
-  its pieces;
+- ``spooled``: chunk N's file is on the spool disk, with its crc32c and those of its
+  pieces (spilled during capture, the file and this record are fsynced before ``captured``
+  is written; otherwise at once);
 - ``landed``: chunk N is in storage, with the crc32c of its pieces (written *before* the
   chunk's spool file is deleted);
 - ``captured``: every byte was captured (written before ``save()`` returns).
 
-A crash can tear only the last line, which a reader ignores. Everything else is untrusted
+A crash can tear only the last line of a journal that says ``captured``, which a reader
+ignores (one without ``captured`` is never resumed, however it ends). Everything else is untrusted
 input when read back: :func:`read_journal` validates every record, the manifest the spec
 makes fully, and that the pieces match the manifest's ranges, before resume acts on any of
 it.
@@ -130,23 +133,25 @@ def _line(record: dict[str, Any]) -> bytes:
 
 
 class JournalWriter:
-    """Appends records to one journal; every append is on disk when it returns."""
+    """Appends records to one journal; every append is on disk when it returns, unless
+    made with ``sync=False``: then the next synced append makes it durable (one fsync of
+    the file covers every earlier append), and the folder is the caller's to fsync."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._created = False
 
-    async def append(self, *records: dict[str, Any]) -> None:
+    async def append(self, *records: dict[str, Any], sync: bool = True) -> None:
         data = b"".join(_line(r) for r in records)
         create = not self._created
-        await complete_before_cancel(asyncio.to_thread(_append, self.path, data, create))
+        await complete_before_cancel(asyncio.to_thread(_append, self.path, data, create, sync))
         self._created = True
 
 
-def _append(path: Path, data: bytes, create: bool) -> None:
+def _append(path: Path, data: bytes, create: bool, sync: bool) -> None:
     if create:  # a save with nothing spooled has no folder yet
         path.parent.mkdir(exist_ok=True)
-    durable.append(path, data, new_name=create)
+    durable.append(path, data, new_name=create, sync=sync)
 
 
 @dataclass

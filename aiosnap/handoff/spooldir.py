@@ -87,16 +87,17 @@ class Spool:
         return self.root / save_id
 
     async def spill(
-        self, save_id: str, index: int, data: memoryview, ranges: list[tuple[int, int]]
+        self, save_id: str, index: int, data: memoryview, ranges: list[tuple[int, int]], *, sync: bool = True
     ) -> tuple[str, int, list[int]]:
-        """Write one chunk durably; returns its path, its crc32c and those of its ranges.
+        """Write one chunk durably (``sync=False``: written, its writeback started, the
+        fsync left to the caller); returns its path, its crc32c and those of its ranges.
         OSError (ENOSPC, EACCES) is raised as is, the partial file removed."""
         directory = self.save_dir(save_id)
         path = directory / f"{index}.bin"
 
         def write() -> tuple[int, list[int]]:
             directory.mkdir(exist_ok=True)
-            durable.write_file(path, data)
+            durable.write_file(path, data, sync=sync)
             checksums = RangeChecksums(data, [b for offset, nbytes in ranges for b in (offset, offset + nbytes)])
             return checksums.of(0, data.nbytes), [checksums.of(offset, offset + nbytes) for offset, nbytes in ranges]
 

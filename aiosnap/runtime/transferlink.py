@@ -17,7 +17,7 @@ import logging
 from ..config import Config
 from ..handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from ..storage.base import Storage
-from ..transfer.commit import whose_commit
+from ..transfer.commit import preflight, whose_commit
 from ..transfer.rank_settle import settle_without_transfer
 from .resources import Resources
 from .savejob import SaveJob
@@ -61,6 +61,26 @@ class TransferLink:
                 self.transfer = LocalTransfer(self.config, self.resources.arena, self)
             self.transfer.open_root(self.storage.url, self.storage)
         return self.transfer
+
+    def look_meanwhile(self, job: SaveJob) -> None:
+        """The upload process has not started serving yet (a save right after the checkpointer
+        opened: the process still imports): when the root needs no connection (a file system),
+        the trainer looks at it itself, beside the process's own look, so that save() need not
+        wait for the process to start to check the step order. The first look back is the one
+        save() checks; the transfer side checks its own before the commit, as always. Costs
+        the trainer one listing of the root. Loop thread."""
+        if getattr(job.transfer, "ready", True) or type(job.storage).connect is not Storage.connect:
+            return
+
+        async def look() -> None:
+            try:
+                found = await preflight(job.storage, job.plan.step)
+            except Exception as exc:  # the process's own look reports what matters
+                log.debug("aiosnap: the trainer's look at %s failed: %r", job.storage.url, exc)
+                return
+            job.preflight_back(found.latest, None)
+
+        job.spooling.run(look())
 
     def lend(self, save_id: str, chunk: Staged, transfer: Transfer) -> None:
         """``chunk`` of save ``save_id`` goes to ``transfer``: lent until done_with gives it back."""

@@ -11,6 +11,7 @@ chunk landed is on disk. Loop thread; file I/O runs on worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import durable
 from ..core.aio import complete_before_cancel
 from ..core.tensorio import bytes_view
 from ..format.journal import JOURNAL, JournalWriter, begin_record
@@ -78,6 +80,7 @@ class SpoolSession:
         self._journal_lock = asyncio.Lock()
         self._over = False  # finish() began: no record may start the journal's folder again
         self._held = 0  # disk budget of files kept until finish()
+        self._unsynced: list[Path] = []  # spilled during capture, not fsynced yet
         self._capture_over = False
         self._captured_journalled = False
         self._resumable = False
@@ -109,7 +112,8 @@ class SpoolSession:
         began = time.perf_counter()
         try:
             path, crc, pieces = await self._spill(chunk, copy, ranges)
-            await self._record({"kind": "spooled", "chunk": chunk.index, "crc": crc, "pieces": pieces})
+            self._unsynced.append(Path(path))
+            await self._record({"kind": "spooled", "chunk": chunk.index, "crc": crc, "pieces": pieces}, sync=False)
         except OSError as exc:
             budget.release(nbytes)
             await asyncio.to_thread(Path(self.spool.save_dir(self.plan.save_id), f"{chunk.index}.bin").unlink, True)
@@ -147,15 +151,17 @@ class SpoolSession:
         try:
             await copy(buffer)
             return await self.spool.spill(
-                self.plan.save_id, chunk.index, bytes_view(buffer)[: chunk.nbytes], ranges
+                self.plan.save_id, chunk.index, bytes_view(buffer)[: chunk.nbytes], ranges, sync=False
             )  # fmt: skip
         finally:
             give_back()
 
-    async def _record(self, record: dict[str, object]) -> None:
+    async def _record(self, record: dict[str, object], *, sync: bool = True) -> None:
         """Append a record, starting the journal (with what has landed so far) if needed.
         OSError when the journal cannot be written. Nothing once the save is over: the
-        record would make a new folder after :meth:`finish` removed it."""
+        record would make a new folder after :meth:`finish` removed it. ``sync=False``
+        (a chunk spilled during capture): durable with the next synced record, at the
+        latest the ``captured`` one (see :meth:`_sync_spilled`)."""
         async with self._journal_lock:
             if self._over:
                 return
@@ -167,9 +173,9 @@ class SpoolSession:
                     await asyncio.to_thread(folder.mkdir, exist_ok=True)
                     self._journal = JournalWriter(folder / JOURNAL)
                     landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
-                    await self._journal.append(self._begin(), *landed, record)
+                    await self._journal.append(self._begin(), *landed, record, sync=sync)
                 else:
-                    await self._journal.append(record)
+                    await self._journal.append(record, sync=sync)
             except OSError:
                 self._journal_ok = False
                 raise
@@ -203,10 +209,32 @@ class SpoolSession:
         if self._captured_journalled:
             return
         try:
+            await self._sync_spilled()
             await self._record({"kind": "captured"})
             self._captured_journalled = True
         except OSError as exc:
             self._broken(exc)
+
+    async def _sync_spilled(self) -> None:
+        """fsync the spool files spilled during capture, then their folder (their names, the
+        journal's), before the journal says the save was captured: every file it names is on
+        disk by then, as when each was fsynced at once. Until that record a crash discards
+        the save however much of it reached the disk (resume needs ``captured``), so the
+        spill need not wait for each file's fsync: the disk writes them back meanwhile (see
+        :func:`~aiosnap.core.durable.start_writeback`), and the records of the spilled chunks
+        become durable with the ``captured`` record's fsync."""
+        paths, self._unsynced = self._unsynced, []
+        if not paths:
+            return
+        folder = self.spool.save_dir(self.plan.save_id)
+
+        def sync() -> None:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):  # landed meanwhile, and removed
+                    durable.fsync_file(path)
+            durable.fsync_dir(folder)
+
+        await complete_before_cancel(asyncio.to_thread(sync))
 
     async def secure(self, chunk: Chunk, data: memoryview) -> bool:
         """Preemption: write ``chunk``, held in RAM as ``data`` (which must not change until
@@ -253,19 +281,19 @@ class SpoolSession:
         ranges' crc32c; journalled, then its spool file deleted) or dropped (None: the file,
         if any, stays until :meth:`finish`, with its disk budget)."""
         path = self._files.pop(index, None)
-        durable = False
+        journalled = False
         if pieces is not None:
             self._landed[index] = pieces
             if self._journal is not None and self._journal_ok:
                 try:
                     await self._record({"kind": "landed", "chunk": index, "pieces": pieces})
-                    durable = True
+                    journalled = True
                 except OSError as exc:
                     self._broken(exc)
         if path is None:
             return
         nbytes = self.plan.chunks[index].nbytes
-        if durable:
+        if journalled:
             await complete_before_cancel(asyncio.to_thread(path.unlink, True))
             self.spool.budget.release(nbytes)
         else:

@@ -99,6 +99,9 @@ class ProcessTransfer:
         self.arena = arena
         self.listener = listener
         self.dead: UploadProcessError | None = None
+        self.ready = False
+        """The upload process said it serves (imported, its loop running): until then a save's
+        look at the root waits for it to start (see :meth:`TransferLink.look_meanwhile`)."""
         self._lost_reported = False
         self._loop = asyncio.get_running_loop()
         self._opened: set[str] = set()
@@ -178,7 +181,9 @@ class ProcessTransfer:
 
     def _report(self, message: tuple[Any, ...]) -> None:
         kind, *args = message
-        if kind == "preflight":
+        if kind == "ready":
+            self.ready = True
+        elif kind == "preflight":
             save_id, latest, error = args
             self.listener.preflight(save_id, latest, None if error is None else unpack_exception(error))
         elif kind == "done_with":
