@@ -218,6 +218,12 @@ class UploadConfig(_Section):
     """Where uploads, checksums, commit and retention run: on a thread of the training
     process, or in a helper process (started with the checkpointer, sharing the staging
     memory) so that their Python work never takes the trainer's GIL."""
+    dedup: bool = False
+    """Incremental saves: a tensor byte range whose captured bytes (xxh3-128 digest, size
+    and crc32c) equal a range of the root's latest committed step is not uploaded again;
+    the new manifest names that step's range. Decided per range, on the bytes captured at
+    ``save()``. Not for multi-rank saves, single-file checkpoints or saves with
+    ``also_as`` (written whole). See docs/guide/incremental.md."""
 
 
 class SpoolConfig(_Section):

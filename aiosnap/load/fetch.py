@@ -72,16 +72,24 @@ async def check_object_sizes(
     where = f"{storage.url} step {manifest.step}"
     limit = asyncio.Semaphore(concurrency)
 
-    async def check(name: str, nbytes: int) -> None:
+    async def check(name: str, nbytes: int, referenced: bool) -> None:
+        what = "referenced object (of an earlier step)" if referenced else "data object"
         async with limit:
             try:
                 size = await storage.size(name)
             except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{where}: data object {name!r} is missing") from exc
+                raise CorruptCheckpointError(f"{where}: {what} {name!r} is missing") from exc
         if size < nbytes:
-            raise TruncatedObjectError(f"{where}: data object {name!r} is truncated: {size} of {nbytes} bytes")
+            raise TruncatedObjectError(f"{where}: {what} {name!r} is truncated: {size} of {nbytes} bytes")
+        if referenced and size != nbytes:  # its recorded size is its whole stored size
+            raise CorruptCheckpointError(f"{where}: {what} {name!r} has {size} bytes, not {nbytes}")
 
-    await run_all(check(o.name, o.nbytes) for o in manifest.objects if names is None or o.name in names)
+    own = {o.name for o in manifest.objects}
+    await run_all(
+        check(o.name, o.nbytes, o.name not in own)
+        for o in manifest.stored_objects()
+        if names is None or o.name in names
+    )  # fmt: skip
 
 
 async def fetch_entries(

@@ -27,10 +27,12 @@ from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
 from ..core.progress import counting_sent
+from ..errors import CorruptCheckpointError
 from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJournal, read_journal
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
+from .references import check_references
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -93,12 +95,20 @@ async def _check_landed(storage: Storage, state: JournalState) -> None:
     removed an old incomplete step's objects)."""
     for index in sorted(state.landed):
         obj = state.manifest.objects[index]
+        expected = state.stored_size(index)
+        if expected == 0:  # incremental: every piece is an earlier step's range, no object written
+            continue
         try:
             size = await storage.size(obj.name)
         except FileNotFoundError:
             raise _Discard(f"chunk {index} ({obj.name}) landed before the crash but is gone from storage") from None
-        if size != obj.nbytes:
-            raise _Discard(f"chunk {index} ({obj.name}) in storage has {size} bytes, not {obj.nbytes}")
+        if size != expected:
+            raise _Discard(f"chunk {index} ({obj.name}) in storage has {size} bytes, not {expected}")
+    references = {r for landing in state.landings.values() for r in landing.references}
+    try:
+        await check_references(storage, state.manifest.step, sorted(references))
+    except CorruptCheckpointError as exc:
+        raise _Discard(str(exc)) from None
 
 
 async def _finish(
