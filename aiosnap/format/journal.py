@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..core import durable
@@ -89,8 +89,19 @@ class Spooled(_Record):
     digests: list[Annotated[str, Field(pattern="^[0-9a-f]{32}$")]] | None = None
 
 
-_Placed = tuple[str, Annotated[int, Field(ge=0, lt=2**63)], Annotated[str, Field(pattern="^[0-9a-f]{32}$")] | None]
-_Reference = tuple[str, Annotated[int, Field(ge=0, lt=2**31)], Annotated[int, Field(ge=0, lt=2**63)]]
+_S = Strict()
+_Placed = Annotated[
+    tuple[
+        Annotated[str, _S],
+        Annotated[int, _S, Field(ge=0, lt=2**63)],
+        Annotated[str, _S, Field(pattern="^[0-9a-f]{32}$")] | None,
+    ],
+    Strict(False),
+]  # JSON arrays for tuples, every item strictly typed
+_Reference = Annotated[
+    tuple[Annotated[str, _S], Annotated[int, _S, Field(ge=0, lt=2**31)], Annotated[int, _S, Field(ge=0, lt=2**63)]],
+    Strict(False),
+]
 
 
 class Landed(_Record):
@@ -197,7 +208,7 @@ class JournalState:
         """The manifest to commit: the spec's, with every piece's crc32c (and, when a chunk
         landed incrementally, where each piece is)."""
         manifest = manifest_of_spec(self.spec, self.checksums())
-        if not self.landings and not self.digests:
+        if not self.landings:  # written as planned (incremental saves journal their landings)
             return manifest
         landings = []
         for index, chunk in enumerate(self.spec.chunks):
@@ -318,7 +329,7 @@ def read_journal(path: Path, save_id: str) -> JournalState:
         if isinstance(record, Spooled):
             state.spooled[record.chunk] = (record.crc, list(record.pieces))
             if record.digests is not None:
-                if len(record.digests) != len(record.pieces) or state.spec.distributed is not None:
+                if len(record.digests) != len(record.pieces):
                     raise JournalError(f"chunk {record.chunk}: digests do not match its pieces")
                 state.digests[record.chunk] = list(record.digests)
         else:

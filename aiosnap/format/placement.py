@@ -44,6 +44,9 @@ class Landing:
     stored: int
     pieces: tuple[Placed, ...]
     references: tuple[Reference, ...] = ()
+    incremental: bool = False
+    """Landed by an incremental save (its places and digests go into the manifest and the
+    journal); False: every piece where the plan put it, as without ``upload.dedup``."""
 
     @property
     def crcs(self) -> list[int]:
@@ -52,6 +55,8 @@ class Landing:
 
     def record(self) -> dict[str, Any]:
         """The JSON-able fields a spool journal's ``landed`` record keeps."""
+        if not self.incremental:
+            return {"pieces": self.crcs}
         return {
             "pieces": self.crcs,
             "stored": self.stored,

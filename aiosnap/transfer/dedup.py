@@ -41,13 +41,15 @@ def hash_slab(data: memoryview, chunk: ChunkSpec, digests: bool) -> tuple[RangeC
     return checksums, found
 
 
-def whole_landing(chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None]) -> Landing:
+def whole_landing(
+    chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None], *, incremental: bool
+) -> Landing:
     """Every piece written where the plan put it."""
     pieces = tuple(
         Placed(chunk.object_name, p.dst_offset, crc, digest)
         for p, crc, digest in zip(chunk.pieces, crcs, digests, strict=True)
     )
-    return Landing(chunk.nbytes, pieces)
+    return Landing(chunk.nbytes, pieces, incremental=incremental)
 
 
 def _decide(
@@ -96,7 +98,7 @@ def _landing(
         else:
             assert offset is not None
             pieces.append(Placed(chunk.object_name, offset, crc, digest))
-    return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)))
+    return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)), incremental=True)
 
 
 def _pack_in_place(data: memoryview, chunk: ChunkSpec, packed: Sequence[int | None], stored: int) -> RangeChecksums:
@@ -125,11 +127,11 @@ async def land_slab(storage: Storage, data: memoryview, chunk: ChunkSpec, reuse:
         crcs = [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
         if reuse is None:
             await storage.write_checksummed(chunk.object_name, data, checksums)
-            return whole_landing(chunk, crcs, digests)
+            return whole_landing(chunk, crcs, digests, incremental=False)
         reused, references = _decide(chunk, crcs, digests, reuse)
         if not references:
             await storage.write_checksummed(chunk.object_name, data, checksums)
-            return whole_landing(chunk, crcs, digests)
+            return whole_landing(chunk, crcs, digests, incremental=True)
         packed, stored = _packed_offsets(chunk, reused)
         if stored:
             checksums.release()
@@ -177,4 +179,4 @@ async def land_file(
                 await storage.write_checksummed(chunk.object_name, data, checksums)
             return _landing(chunk, crcs, digests, reused, packed, stored, references)
     await storage.write_file_verified(chunk.object_name, path, crc)
-    return whole_landing(chunk, crcs, digests)
+    return whole_landing(chunk, crcs, digests, incremental=reuse is not None)

@@ -1,0 +1,259 @@
+"""Incremental saves (``upload.dedup``, issue 24): a range whose captured bytes equal one of
+the root's latest committed step is not uploaded again; the manifest names that range.
+
+Real files, real torch, real training steps (a LoRA-style fine-tune: a frozen base with
+``requires_grad=False``, adapters and their Adam state trained), both upload executors, the
+spool with a resume, and S3 (moto). What each step owns is read from its manifest."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
+from aiosnap.catalog.pins import pins_for
+from aiosnap.core.names import attempt_of_object, step_dir
+from aiosnap.format.journal import JOURNAL
+from aiosnap.format.manifest import Manifest
+from aiosnap.storage.local import LocalStorage
+from tests.conftest import FaultyStorage, assert_same, s3_config
+
+pytestmark = pytest.mark.both_executors
+
+
+class _LoraLinear(torch.nn.Module):
+    """A frozen linear layer and a trained low-rank update."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, n_in) * 0.01)
+        self.lora_b = torch.nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+def _fine_tune(layers: int = 6, width: int = 256) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_LoraLinear(width, width) for _ in range(layers)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.Adam(trained, lr=1e-2)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        x = torch.randn(8, 256)
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({"model": state["model"].state_dict(), "optim": state["optim"].state_dict()})
+
+
+def _config(root: Path, **upload: Any) -> Config:
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="8MiB",
+        upload={"chunk_size": "1MiB", "concurrency": 4, "dedup": True, **upload},
+        retention={"keep_last": None},  # what retention keeps of referenced steps: the catalog's tests
+    )
+
+
+def _changed_bytes(model: torch.nn.Module) -> int:
+    """The bytes a trained step changes: adapters and their two Adam moments."""
+    return 3 * sum(p.nbytes for p in model.parameters() if p.requires_grad)
+
+
+def test_a_fine_tune_saved_five_times_writes_only_what_changed_and_loads_bit_exact(root: Path) -> None:
+    model, optimizer = _fine_tune()
+    state = {"model": model, "optim": optimizer}
+    frozen = model[2].base.weight
+    kept: dict[int, dict[str, Any]] = {}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        for step in range(1, 6):
+            _train(model, optimizer)
+            if step == 4:  # a kernel writing frozen bytes without bumping the version counter
+                version = frozen._version
+                frozen.detach().numpy()[3, :17] += 1.0
+                assert frozen._version == version
+            ckpt.save(state, step=step).wait()
+            kept[step] = _snapshot(state)
+        manifests = {step: ckpt.manifest(step) for step in range(1, 6)}
+        for step, expected in kept.items():
+            assert_same(ckpt.load(step=step), expected)
+    total = manifests[1].total_bytes
+    assert manifests[1].references is None and manifests[1].own_bytes == total
+    changed = _changed_bytes(model)
+    for step in (2, 3, 5):
+        m = manifests[step]
+        assert m.total_bytes >= total - 64 * len(m.entries)  # the same state, wherever its bytes are
+        assert changed <= m.own_bytes <= changed + 64 * 4 * len(m.entries), (step, m.own_bytes, changed)
+        assert m.own_bytes < 0.1 * total
+        for ref in m.references or ():
+            found = attempt_of_object(ref.name)
+            assert found is not None and found[0] < step
+    # step 4 saved the frozen weight again: it changed, although its version did not
+    weight = next(e for e in manifests[4].entries if e.path == "model/2.base.weight")
+    own = {o.name for o in manifests[4].objects}
+    assert all(r.object in own for r in weight.ranges)
+    assert manifests[4].own_bytes >= changed + frozen.nbytes
+    # and step 5 names step 4's copy of it, not step 1's
+    weight5 = next(e for e in manifests[5].entries if e.path == "model/2.base.weight")
+    assert {attempt_of_object(r.object)[0] for r in weight5.ranges} == {4}  # type: ignore[index]
+
+
+def test_a_chunk_mixing_frozen_and_changed_tensors_writes_only_the_changed_ones(root: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "frozen_a": torch.randn(3001, generator=g),
+        "adapter": torch.randn(17, generator=g),
+        "frozen_b": torch.randn(999, generator=g),
+        "tiny": torch.ones(1, dtype=torch.bfloat16),
+    }
+    with SyncCheckpointer(_config(root)) as ckpt:  # one chunk holds all four
+        ckpt.save(state, step=1).wait()
+        state["adapter"].mul_(2)
+        ckpt.save(state, step=2).wait()
+        first, second = ckpt.manifest(1), ckpt.manifest(2)
+        assert_same(ckpt.load(step=2), state)
+    assert len(first.objects) == 1
+    assert [o.nbytes for o in second.objects] == [state["adapter"].nbytes]
+    assert [r.name for r in second.references or ()] == [first.objects[0].name]
+    by_path = {e.path: e for e in second.entries}
+    assert by_path["adapter"].ranges[0].object == second.objects[0].name
+    for path in ("frozen_a", "frozen_b", "tiny"):
+        assert by_path[path].ranges[0].object == first.objects[0].name
+
+
+def test_equal_tensors_in_one_state_never_name_one_range_twice(root: Path) -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(1000), "c": torch.ones(10)}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["b2"] = torch.zeros(1000)  # a third copy of the same bytes
+        ckpt.save(state, step=2).wait()
+        assert_same(ckpt.load(step=2), state)
+        second = ckpt.manifest(2)
+    assert second.own_bytes == 4000  # a and b reuse step 1's two ranges; b2 is written
+
+
+def _restore(source: Path, target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_references(tmp_path: Path) -> None:
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": None},
+    )
+    g = torch.Generator().manual_seed(5)
+    state = {"frozen": torch.randn(40_000, generator=g), "adapter": torch.randn(300, generator=g), "n": 1}
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+    state["adapter"].add_(1)
+    state["frozen"][-5:] = 0.0  # the last chunk changes too: it is held below
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: name.startswith(step_dir(2))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=2)
+    journal = next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL
+    deadline = time.monotonic() + 20
+    while journal.read_text().count('"landed"') < 2:  # chunks with nothing new land at once
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(root, root_copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    _restore(spool_copy, spool_dir)
+    _restore(root_copy, root)
+    with SyncCheckpointer(config) as again:
+        report = again.resume_spool()
+        assert report.resumed == [2], report
+        resumed = again.manifest(2)
+        assert_same(again.load(step=2), state)
+    assert resumed.references, "the resumed save names step 1's objects"
+    assert resumed.own_bytes < resumed.total_bytes // 2
+
+
+def test_a_referenced_object_gone_before_the_commit_fails_the_save_and_the_next_writes_whole(root: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"frozen": torch.randn(100_000, generator=g), "adapter": torch.randn(64, generator=g)}
+    with SyncCheckpointer(_config(root, chunk_size="128KiB")) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+        gone = ckpt.manifest(2).references[0]  # type: ignore[index]
+        (root / gone.name).unlink()  # another process's purge, say
+        with pytest.raises(CorruptCheckpointError, match="step 2.*" + gone.name.replace("/", ".")):
+            ckpt.load(step=2)
+        state["adapter"].add_(1)
+        with pytest.raises(CorruptCheckpointError, match=gone.name.replace("/", ".")):
+            ckpt.save(state, step=3).wait()
+        assert ckpt.steps() == [1, 2]
+        ckpt.save(state, step=4).wait()
+        whole = ckpt.manifest(4)
+        assert whole.references is None and whole.own_bytes == whole.total_bytes
+        assert_same(ckpt.load(step=4), state)
+        state["adapter"].add_(1)
+        ckpt.save(state, step=5).wait()  # and incremental again, against step 4
+        assert ckpt.manifest(5).references
+        assert_same(ckpt.load(step=5), state)
+
+
+@pytest.mark.thread_only  # the pins registry is per process: this one's
+def test_the_base_objects_are_pinned_while_a_save_references_them(root: Path) -> None:
+    seen: list[frozenset[str]] = []
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: seen.append(pins_for(store.url).pinned()) is not None  # records, never holds
+    state = {"frozen": torch.randn(50_000), "adapter": torch.randn(10)}
+    with SyncCheckpointer(_config(root), storage=store) as ckpt:
+        ckpt.save(state, step=1).wait()
+        first = {o.name for o in ckpt.manifest(1).objects}
+        seen.clear()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+    assert seen and all(first <= pinned for pinned in seen)
+    assert pins_for(store.url).pinned() == frozenset()
+
+
+def test_the_same_step_saved_again_never_references_itself(root: Path) -> None:
+    state = {"w": torch.randn(10_000)}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        ckpt.save(state, step=1).wait()  # a re-save replaces step 1: it cannot name its own bytes
+        again = ckpt.manifest(1)
+        assert again.references is None
+        assert_same(ckpt.load(step=1), state)
+
+
+@pytest.mark.thread_only
+def test_incremental_saves_to_s3_reference_the_earlier_steps_objects(s3_endpoint: str, s3_bucket: str) -> None:
+    config = s3_config(s3_endpoint, s3_bucket, prefix="inc")
+    config = config.model_copy(update={"upload": config.upload.model_copy(update={"dedup": True})})
+    model, optimizer = _fine_tune(layers=3)
+    state = {"model": model, "optim": optimizer}
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2):
+            _train(model, optimizer, steps=1)
+            ckpt.save(state, step=step).wait()
+            expected = _snapshot(state)
+        second: Manifest = ckpt.manifest(2)
+        assert_same(ckpt.load(step=2), expected)
+    assert second.references and second.own_bytes < 0.2 * second.total_bytes
