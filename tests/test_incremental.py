@@ -8,8 +8,13 @@ spool with a resume, and S3 (moto). What each step owns is read from its manifes
 from __future__ import annotations
 
 import copy
+import functools
+import json
+import random
 import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +22,15 @@ import pytest
 import torch
 from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.catalog.pins import pins_for
+from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.names import attempt_of_object, step_dir
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.manifest import Manifest
 from aiosnap.storage.local import LocalStorage
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tests.conftest import FaultyStorage, assert_same, s3_config
+from tests.fuzzing import mutate_document
 
 pytestmark = pytest.mark.both_executors
 
@@ -151,8 +160,11 @@ def _restore(source: Path, target: Path) -> None:
     shutil.copytree(source, target)
 
 
-@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
-def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_references(tmp_path: Path) -> None:
+def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], Path, Path]:
+    """Step 1 committed, then an incremental step 2 (``spool.mode: always``) caught by a crash
+    while some chunks had landed (those with nothing new, at once) and others were still on
+    the spool disk. Returns the config, the state of step 2, and copies of the spool and of
+    the root as the crash left them (restore them to play it)."""
     root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
     config = Config(
         storage={"url": str(root)},
@@ -181,8 +193,19 @@ def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_refer
     shutil.copytree(root, root_copy)
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)
-    _restore(spool_copy, spool_dir)
-    _restore(root_copy, root)
+    return config, state, spool_copy, root_copy
+
+
+def _play_crash(config: Config, spool_copy: Path, root_copy: Path) -> None:
+    assert config.spool.dir is not None
+    _restore(spool_copy, Path(config.spool.dir))
+    _restore(root_copy, Path(config.storage.url))
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_references(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
     with SyncCheckpointer(config) as again:
         report = again.resume_spool()
         assert report.resumed == [2], report
@@ -190,6 +213,81 @@ def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_refer
         assert_same(again.load(step=2), state)
     assert resumed.references, "the resumed save names step 1's objects"
     assert resumed.own_bytes < resumed.total_bytes // 2
+
+
+def _edit_landed(journal: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``edit`` to every ``landed`` record that has a landing, re-signing its line."""
+    records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]
+    for record in records:
+        if record.get("kind") == "landed" and "placed" in record:
+            edit(record)
+    bodies = [json.dumps(record).encode() for record in records]
+    journal.write_bytes(b"".join(f"{crc32c_of(body):08x} ".encode() + body + b"\n" for body in bodies))
+
+
+def _forge_place(record: dict[str, Any]) -> None:
+    record["placed"][0][0] = "000000000001/" + "f" * 32 + "/rank-0/0.bin"
+
+
+def _forge_size(record: dict[str, Any]) -> None:
+    record["stored"] = 2**40
+
+
+def _forge_escape(record: dict[str, Any]) -> None:
+    record["references"] = [["../outside.bin", 0, 64]]
+    record["placed"][0][0] = "../outside.bin"
+
+
+def _forge_digest(record: dict[str, Any]) -> None:
+    record["placed"][0][2] = "not hex"
+
+
+def _forge_offset(record: dict[str, Any]) -> None:
+    for place in record["placed"]:
+        place[1] += 8
+
+
+class _ForgeSwap:
+    """The first two landings that name earlier objects swap them: every name, size and
+    offset stays valid, only the bytes are another piece's (a crc32c says so)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record["references"] and len(self.records) < 2:
+            self.records.append(record)
+        if len(self.records) == 2:
+            first, second = self.records
+            first["placed"][0], second["placed"][0] = second["placed"][0], first["placed"][0]
+            first["references"], second["references"] = second["references"], first["references"]
+            self.records.append({})  # done
+
+
+@pytest.mark.thread_only
+def test_hand_edited_landings_in_a_journal_never_commit_a_step_that_does_not_load(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    rng = random.Random(7)
+    edits: list[Callable[[dict[str, Any]], None]] = [_forge_place, _forge_size, _forge_escape, _forge_digest]
+    edits += [_forge_offset, _ForgeSwap()]
+    edits += [functools.partial(_fuzz_record, random.Random(rng.random())) for _ in range(12)]
+    for edit in edits:
+        _play_crash(config, spool_copy, root_copy)
+        assert config.spool.dir is not None
+        journal = next(p for p in Path(config.spool.dir).iterdir() if p.is_dir()) / JOURNAL
+        _edit_landed(journal, edit)
+        with SyncCheckpointer(config) as again:
+            report = again.resume_spool()
+            if 2 in again.steps():  # committed: then it loads, bit-exact
+                assert_same(again.load(step=2), state)
+            else:
+                assert report.resumed == [], (edit, report)
+            assert_same(again.load(step=1)["frozen"][:10], state["frozen"][:10])
+
+
+def _fuzz_record(rng: random.Random, record: dict[str, Any]) -> None:
+    fields = {k: record[k] for k in ("stored", "placed", "references")}
+    record.update(mutate_document(fields, rng))
 
 
 def test_a_referenced_object_gone_before_the_commit_fails_the_save_and_the_next_writes_whole(root: Path) -> None:
@@ -257,3 +355,46 @@ def test_incremental_saves_to_s3_reference_the_earlier_steps_objects(s3_endpoint
         second: Manifest = ckpt.manifest(2)
         assert_same(ckpt.load(step=2), expected)
     assert second.references and second.own_bytes < 0.2 * second.total_bytes
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16]
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[dict[str, torch.Tensor]]:
+    """A few states of the same tensors (random sizes, tiny and odd ones included), each
+    changing some tensors (in whole or in part) and keeping the others."""
+    count = draw(st.integers(1, 6))
+    state: dict[str, torch.Tensor] = {}
+    for index in range(count):
+        numel = draw(st.sampled_from([1, 3, 17, 255, 1000, 4099, 20_001]))
+        dtype = draw(st.sampled_from(_DTYPES))
+        seed = draw(st.integers(0, 2**16))
+        raw = torch.randint(
+            0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+        state[f"t{index}"] = raw.view(dtype)
+    history = [{k: v.clone() for k, v in state.items()}]
+    for _ in range(draw(st.integers(1, 4))):
+        for name in draw(st.lists(st.sampled_from(sorted(state)), unique=True)):
+            tensor = state[name].view(torch.uint8)
+            at = draw(st.integers(0, tensor.numel() - 1))
+            tensor[at] ^= 0x5A  # one byte differs: the whole range is new
+        history.append({k: v.clone() for k, v in state.items()})
+    return history
+
+
+@pytest.mark.thread_only
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=_histories(), chunk=st.sampled_from(["64KiB", "1MiB"]))
+def test_random_histories_saved_with_dedup_load_back_as_saved(
+    tmp_path: Path, history: list[dict[str, torch.Tensor]], chunk: str
+) -> None:
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
+    with SyncCheckpointer(_config(root, chunk_size=chunk)) as ckpt:
+        for step, state in enumerate(history, start=1):
+            ckpt.save(state, step=step).wait()
+        for step, state in enumerate(history, start=1):
+            assert_same(ckpt.load(step=step), state)
+            manifest = ckpt.manifest(step)
+            assert manifest.total_bytes >= sum(t.nbytes for t in state.values())

@@ -61,7 +61,7 @@ def _first_range(doc: dict[str, Any]) -> list[Any]:
                 name=d["references"][0]["name"].replace("000000000001", "000000000007")
             ),
             "not one before step 2",
-        ),  # noqa: E501
+        ),
         (lambda d, f: d["references"].append(dict(d["references"][0])), "listed twice"),
         (lambda d, f: d["references"][0].update(nbytes=1), "runs past the end"),
         (lambda d, f: d["references"][0].update(rank=3), "world size"),

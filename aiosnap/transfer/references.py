@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from ..catalog.pins import pins_for
 from ..catalog.steps import read_manifest
 from ..core.aio import run_all
+from ..core.checksums import crc32c_of
 from ..core.names import attempt_of_object
 from ..errors import AiosnapError, CorruptCheckpointError
 from ..format.manifest import Checksums, Manifest, build_manifest
@@ -25,7 +26,7 @@ from ..format.placement import BaseRanges, Landing, Reference, Reuse, landed_man
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 
-__all__ = ["CHECK_CONCURRENCY", "IncrementalSave", "check_references", "read_base", "spared_steps"]
+__all__ = ["CHECK_CONCURRENCY", "IncrementalSave", "check_references", "read_base", "spared_steps", "verify_ranges"]
 
 log = logging.getLogger("aiosnap")
 
@@ -68,6 +69,33 @@ async def check_references(storage: Storage, step: int, references: Sequence[Ref
             )
 
     await run_all(check(name, nbytes) for name, _, nbytes in references)
+
+
+async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], concurrency: int) -> None:
+    """Read every range of ``manifest`` in the objects ``names`` and check its crc32c
+    (:class:`CorruptCheckpointError` naming the first that does not match): what a resumed
+    incremental save does with the places its journal recorded, before it commits them.
+    Holds at most ``concurrency`` ranges in memory."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def check(name: str, offset: int, nbytes: int, crc: int | None) -> None:
+        async with limit:
+            buffer = memoryview(bytearray(nbytes))
+            try:
+                got = await storage.read_into(name, offset, buffer)
+            except FileNotFoundError:
+                got = -1
+            if got != nbytes or crc is None or await asyncio.to_thread(crc32c_of, buffer) != crc:
+                raise CorruptCheckpointError(
+                    f"{storage.url} step {manifest.step}: {nbytes} bytes at {offset} of {name!r} do not match "
+                    "the crc32c the save recorded"
+                )
+
+    await run_all(
+        check(span.object, span.offset, span.nbytes, span.crc32c)
+        for _, span in manifest.all_ranges()
+        if span.object in names
+    )  # fmt: skip
 
 
 class IncrementalSave:

@@ -32,7 +32,7 @@ from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJourna
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
-from .references import check_references
+from .references import check_references, verify_ranges
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -146,7 +146,14 @@ async def _finish(
         sent(obj.nbytes - told)  # a backend that reports nothing, or less
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
-    await commit_manifest(storage, state.final_manifest(), replace=False)
+    final = state.final_manifest()
+    if state.landings:  # an incremental save's journal says where its pieces are: checked, not trusted
+        landed = {p.object for landing in state.landings.values() for p in landing.pieces}
+        try:
+            await verify_ranges(storage, final, landed, concurrency)
+        except CorruptCheckpointError as exc:
+            raise _Discard(str(exc)) from None
+    await commit_manifest(storage, final, replace=False)
     return True
 
 
