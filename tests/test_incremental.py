@@ -398,3 +398,22 @@ def test_random_histories_saved_with_dedup_load_back_as_saved(
             assert_same(ckpt.load(step=step), state)
             manifest = ckpt.manifest(step)
             assert manifest.total_bytes >= sum(t.nbytes for t in state.values())
+
+
+def test_retention_keeps_the_steps_whose_objects_kept_steps_reference(root: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    state = {"frozen": torch.randn(30_000, generator=g), "x": torch.randn(500, generator=g), "adapter": torch.ones(9)}
+    config = _config(root).model_copy(update={"retention": _config(root).retention.model_copy(update={"keep_last": 2})})
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    with SyncCheckpointer(config) as ckpt:
+        for step in range(1, 7):
+            if step in (2, 5):
+                state["x"].add_(1)  # x written at step 2, named by steps 3 and 4, written again at 5
+            state["adapter"].add_(1)
+            ckpt.save(state, step=step).wait()
+            kept[step] = {k: v.clone() for k, v in state.items()}
+            for alive in ckpt.steps():  # whatever retention kept loads, after every save
+                assert_same(ckpt.load(step=alive), kept[alive])
+        steps = ckpt.steps()
+    assert steps[-2:] == [5, 6] and 1 in steps  # step 1 holds the frozen bytes every step names
+    assert 3 not in steps  # nothing references step 3's own objects (its adapter)

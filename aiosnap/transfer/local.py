@@ -38,7 +38,7 @@ from .heartbeat import Heartbeat
 from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
 from .rank_wait import wait_for_commit
-from .references import IncrementalSave, spared_steps
+from .references import IncrementalSave, referenced_steps
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 
@@ -359,7 +359,7 @@ class _Upload:
                 self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
-        deleted = await self._retention(spared_steps(manifest))
+        deleted = await self._retention(self.incremental is not None)
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
 
     async def _manifest(self, crcs: Checksums) -> Manifest:
@@ -417,11 +417,14 @@ class _Upload:
         if self.live is not None:
             await asyncio.shield(self.live.abort())
 
-    async def _retention(self, spared: set[int]) -> list[int]:
-        """``spared``: steps whose objects the new manifest references (kept)."""
-        busy = (self.owner.busy_steps(self.storage) - {self.spec.step}) | spared
+    async def _retention(self, incremental: bool) -> list[int]:
+        """``incremental``: keep the steps whose objects kept steps reference, too (see
+        :func:`.references.referenced_steps`)."""
+        busy = self.owner.busy_steps(self.storage) - {self.spec.step}
         tombstones = None if self.spec.distributed is None else self.owner.tombstones
         try:
+            if incremental and self.keep_last is not None:
+                busy |= await referenced_steps(self.storage, self.keep_last, busy | {self.spec.step})
             if tombstones is not None:
                 await tombstones.sweep(self.storage)
             return await apply_retention(self.storage, self.keep_last, self.spec.step, busy, tombstones)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 
 from ..catalog.pins import pins_for
-from ..catalog.steps import read_manifest
+from ..catalog.steps import committed_steps, read_manifest, retention_victims
 from ..core.aio import run_all
 from ..core.checksums import crc32c_of
 from ..core.names import attempt_of_object
@@ -26,7 +26,15 @@ from ..format.placement import BaseRanges, Landing, Reference, Reuse, landed_man
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 
-__all__ = ["CHECK_CONCURRENCY", "IncrementalSave", "check_references", "read_base", "spared_steps", "verify_ranges"]
+__all__ = [
+    "CHECK_CONCURRENCY",
+    "IncrementalSave",
+    "check_references",
+    "read_base",
+    "referenced_steps",
+    "spared_steps",
+    "verify_ranges",
+]
 
 log = logging.getLogger("aiosnap")
 
@@ -144,7 +152,30 @@ class IncrementalSave:
 
 
 def spared_steps(manifest: Manifest) -> set[int]:
-    """The earlier steps whose folders hold objects ``manifest`` references: retention
-    after its commit keeps them (their objects are in use)."""
+    """The earlier steps whose folders hold objects ``manifest`` references."""
     found = (attempt_of_object(o.name) for o in manifest.references or ())
     return {attempt[0] for attempt in found if attempt is not None}
+
+
+async def referenced_steps(storage: Storage, keep_last: int, spare: set[int]) -> set[int]:
+    """The steps retention (``keep_last``, never deleting ``spare``) must keep besides its
+    own choice because a kept step references their objects, and those their referenced
+    steps reference in turn (one manifest read per kept step). A step whose manifest cannot
+    be read spares nothing (retention keeps it anyway: it neither counts nor is deleted)."""
+    doomed = set(await retention_victims(storage, keep_last, spare))
+    todo = [step for step in await committed_steps(storage) if step not in doomed]
+    seen: set[int] = set()
+    found: set[int] = set()
+    while todo:
+        step = todo.pop()
+        if step in seen:
+            continue
+        seen.add(step)
+        try:
+            manifest = await read_manifest(storage, step)
+        except (AiosnapError, OSError):
+            continue
+        for earlier in spared_steps(manifest):
+            found.add(earlier)
+            todo.append(earlier)
+    return found
