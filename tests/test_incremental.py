@@ -30,6 +30,7 @@ from aiosnap.storage.local import LocalStorage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.conftest import FaultyStorage, assert_same, s3_config
+from tests.dist_launch import run_ranks
 from tests.fuzzing import mutate_document
 
 pytestmark = pytest.mark.both_executors
@@ -417,3 +418,20 @@ def test_retention_keeps_the_steps_whose_objects_kept_steps_reference(root: Path
         steps = ckpt.steps()
     assert steps[-2:] == [5, 6] and 1 in steps  # step 1 holds the frozen bytes every step names
     assert 3 not in steps  # nothing references step 3's own objects (its adapter)
+
+
+@pytest.mark.thread_only  # the ranks pick their executor themselves: one launch covers both
+def test_two_ranks_each_reference_their_own_earlier_objects(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    child = Path(__file__).resolve().parent / "incremental_ranks.py"
+    results = run_ranks("fine_tune_ranks", 2, tmp_path / "job", child=child, root=str(root), executor="process")
+    steps = [r.get("ok", r)["steps"] for r in results]  # type: ignore[index]
+    for rank_steps in steps:
+        assert [s["same"] for s in rank_steps] == [True, True, True], rank_steps
+    first, second, third = steps[0]
+    assert first["refs"] == [] and first["own"] == first["total"]
+    for later in (second, third):
+        assert later["refs"] and later["own"] < 0.1 * later["total"]
+        for name, rank in later["refs"]:  # each rank names its own earlier objects only
+            assert f"/rank-{rank}/" in name
+    assert third["own"] > second["own"]  # rank 1's rank-local tensor changed at step 3

@@ -221,6 +221,8 @@ class JournalState:
                     for p, crc, digest in zip(chunk.pieces, crcs, found, strict=True)
                 ))  # fmt: skip
             landings.append(landing)
+        if self.spec.distributed is not None:  # a one-rank job saved in the multi-rank format
+            return merge_parts(self.spec, {self.spec.rank: build_part(self.spec, self.checksums(), landings)})
         plan = [(c.object_name, [p.dst_offset for p in c.pieces]) for c in self.spec.chunks]
         return landed_manifest(manifest, plan, landings)
 
@@ -347,7 +349,7 @@ def _landing_of(spec: SaveSpec, record: Landed) -> Landing | None:
     fields = (record.stored, record.placed, record.references)
     if all(f is None for f in fields):
         return None
-    if any(f is None for f in fields) or spec.distributed is not None or spec.archive is not None:
+    if any(f is None for f in fields) or spec.archive is not None:
         raise JournalError(f"chunk {record.chunk}: an incomplete or misplaced incremental landing")
     assert record.stored is not None
     assert record.placed is not None

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..catalog.steps import apply_retention
@@ -38,7 +38,7 @@ from .heartbeat import Heartbeat
 from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
 from .rank_wait import wait_for_commit
-from .references import IncrementalSave, referenced_steps
+from .references import IncrementalSave, check_references, referenced_steps
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 
@@ -239,7 +239,7 @@ class _Upload:
         self.live: LiveExport | None = None
         """The save's live export (``also_as``), fed each chunk before its slab goes back."""
         self.incremental: IncrementalSave | None = None
-        if owner.config.upload.dedup and spec.distributed is None and spec.archive is None and spec.also is None:
+        if owner.config.upload.dedup and spec.archive is None and spec.also is None:
             url = storage.url
             self.incremental = IncrementalSave(storage, spec, owner.bases.get(url), whole=url in owner.whole_next)
             owner.whole_next.discard(url)
@@ -335,7 +335,7 @@ class _Upload:
         if dist is not None and dist.coordinator != self.spec.rank:
             self.commit_started = True  # the coordinator may commit with our part from now on
             self.reached = "delivered"
-            part_bytes = await deliver_part(self.storage, self.spec, crcs)
+            part_bytes = await deliver_part(self.storage, self.spec, crcs, await self._checked_landings())
             assert self.heartbeat is not None
             await self.heartbeat.stop()  # the coordinator has all it needs of this rank
             await wait_for_commit(self.storage, self.spec, self.owner.config.distributed)
@@ -355,8 +355,8 @@ class _Upload:
         else:
             document = checked_document(self.storage, manifest)  # refused before the commit starts
             manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
-            if self.incremental is not None:
-                self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
+        if self.incremental is not None:
+            self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention(self.incremental is not None)
@@ -368,21 +368,39 @@ class _Upload:
         committed, and the next save to this root writes whole)."""
         if self.incremental is None:
             return build_manifest(self.spec, crcs)
-        manifest = self.incremental.manifest(crcs, [self._landings[i] for i in range(len(self.spec.chunks))])
+        manifest = self.incremental.manifest(crcs, self._landed())
+        await self._check(self.incremental.check(manifest))
+        return manifest
+
+    def _landed(self) -> list[Landing]:
+        return [self._landings[i] for i in range(len(self.spec.chunks))]
+
+    async def _checked_landings(self) -> list[Landing] | None:
+        """A rank's part of an incremental multi-rank save: where its pieces landed, once
+        the objects it references are checked to stand (each rank checks its own)."""
+        if self.incremental is None:
+            return None
+        landings = self._landed()
+        references = sorted({r for landing in landings for r in landing.references})
+        await self._check(check_references(self.storage, self.spec.step, references))
+        return landings
+
+    async def _check(self, check: Coroutine[Any, Any, None]) -> None:
+        """Run a reference check; when it fails, the next save to this root writes whole."""
         try:
-            await self.incremental.check(manifest)
+            await check
         except CorruptCheckpointError:
             self.owner.bases.pop(self.storage.url, None)
             self.owner.whole_next.add(self.storage.url)
             raise
-        return manifest
 
     async def _gather(self, crcs: Checksums) -> tuple[Manifest, bytes]:
         """Coordinator: every rank's part merged, its objects checked, the manifest
         serialized (so that after the claim only its write remains), the commit claimed."""
         assert self.heartbeat is not None
         self.reached = self.heartbeat.phase = "gathering"
-        manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed)
+        landings = await self._checked_landings()
+        manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed, landings)
         await check_objects(self.storage, manifest)
         document = checked_document(self.storage, manifest)  # a manifest no reader takes is never claimed
         self.reached = "claiming"
