@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_child import config, main  # noqa: E402
+from dist_child import config, main
 
 
 def fine_tune_ranks(rank: int, world: int, work: str, params: dict[str, Any]) -> dict[str, Any]:
