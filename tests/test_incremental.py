@@ -435,3 +435,15 @@ def test_two_ranks_each_reference_their_own_earlier_objects(tmp_path: Path) -> N
         for name, rank in later["refs"]:  # each rank names its own earlier objects only
             assert f"/rank-{rank}/" in name
     assert third["own"] > second["own"]  # rank 1's rank-local tensor changed at step 3
+
+
+@pytest.mark.thread_only
+def test_the_incremental_benchmark_measures_what_dedup_saves(capsys: pytest.CaptureFixture[str]) -> None:
+    from aiosnap.bench.incremental import main
+
+    report = main(["--base-mb", "3", "--full-mb", "2", "--saves", "2", "--no-s3"])
+    assert json.loads(capsys.readouterr().out) == report
+    tune, full = report["fine_tune"]["local"], report["full"]["local"]
+    assert tune["dedup_on"]["bytes_per_save"] < 0.2 * tune["dedup_off"]["bytes_per_save"]
+    assert full["dedup_on"]["bytes_per_save"] == full["dedup_off"]["bytes_per_save"]  # everything changed
+    assert report["fine_tune"]["dcp_async_save_local"]["durable_s"] > 0

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "dcp": "aiosnap.bench.dcp",
     "safetensors": "aiosnap.bench.safetensors",
     "gpu": "aiosnap.bench.gpu",
+    "incremental": "aiosnap.bench.incremental",
 }
 """Benchmark name -> module."""
 
