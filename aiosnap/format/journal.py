@@ -98,6 +98,14 @@ _Placed = Annotated[
     ],
     Strict(False),
 ]  # JSON arrays for tuples, every item strictly typed
+_Codec = Annotated[
+    tuple[
+        Annotated[int, _S, Field(gt=0, lt=2**63)],
+        Annotated[int, _S, Field(ge=0, lt=2**32)],
+        Annotated[int, _S, Field(ge=2, le=16)] | None,
+    ],
+    Strict(False),
+]
 _Reference = Annotated[
     tuple[Annotated[str, _S], Annotated[int, _S, Field(ge=0, lt=2**31)], Annotated[int, _S, Field(ge=0, lt=2**63)]],
     Strict(False),
@@ -115,6 +123,8 @@ class Landed(_Record):
     stored: int | None = Field(default=None, ge=0, lt=2**63)
     placed: list[_Placed] | None = None
     references: list[_Reference] | None = None
+    codecs: list[_Codec | None] | None = None
+    """Of each piece stored compressed: [stored size, crc32c of the frame, shuffle or null]."""
 
 
 class Captured(_Record):
@@ -358,12 +368,18 @@ def _landing_of(spec: SaveSpec, record: Landed) -> Landing | None:
     referenced = {name for name, _, _ in record.references}
     if len(record.placed) != len(chunk.pieces) or record.stored > chunk.nbytes:
         raise JournalError(f"chunk {record.chunk}: its landing does not match its pieces")
+    codecs = record.codecs if record.codecs is not None else [None] * len(record.placed)
+    if len(codecs) != len(record.placed):
+        raise JournalError(f"chunk {record.chunk}: its compression fields do not match its pieces")
     pieces = []
-    for piece, (name, offset, digest), crc in zip(chunk.pieces, record.placed, record.pieces, strict=True):
-        own = name == chunk.object_name and offset + piece.nbytes <= record.stored
+    for piece, (name, offset, digest), crc, codec in zip(
+        chunk.pieces, record.placed, record.pieces, codecs, strict=True
+    ):
+        extent = piece.nbytes if codec is None else codec[0]
+        own = name == chunk.object_name and offset + extent <= record.stored
         if not own and name not in referenced:
             raise JournalError(f"chunk {record.chunk}: a piece landed in {name!r:.120}, which it does not name")
-        pieces.append(Placed(name, offset, crc, digest))
+        pieces.append(Placed(name, offset, crc, digest, *(codec or (None, None, None))))
     return Landing(record.stored, tuple(pieces), tuple((n, r, size) for n, r, size in record.references))
 
 

@@ -23,12 +23,29 @@ __all__ = ["BaseRanges", "Landing", "Placed", "Reference", "Reuse", "landed_mani
 @dataclass(frozen=True, slots=True)
 class Placed:
     """One piece as stored: ``object`` (the chunk's own, or an earlier step's) at ``offset``,
-    the crc32c and the xxh3-128 digest (hex; None when not computed) of its bytes."""
+    the crc32c and the xxh3-128 digest (hex; None when not computed) of its bytes; when
+    compressed (zstd), the ``stored`` size and crc32c of its frame and its byte shuffle."""
 
     object: str
     offset: int
     crc32c: int
     digest: str | None
+    stored: int | None = None
+    stored_crc32c: int | None = None
+    shuffle: int | None = None
+
+    def byte_range(self, nbytes: int) -> ByteRange:
+        """The manifest's range of this piece of ``nbytes`` raw bytes."""
+        return ByteRange.model_construct(
+            object=self.object, offset=self.offset, nbytes=nbytes, crc32c=self.crc32c,
+            codec=None if self.stored is None else "zstd", stored=self.stored, stored_crc32c=self.stored_crc32c,
+            shuffle=self.shuffle,
+        )  # fmt: skip
+
+    @property
+    def codec(self) -> list[int | None] | None:
+        """The compression fields as a journal keeps them (None: stored raw)."""
+        return None if self.stored is None else [self.stored, self.stored_crc32c, self.shuffle]
 
 
 Reference = tuple[str, int, int]
@@ -57,12 +74,15 @@ class Landing:
         """The JSON-able fields a spool journal's ``landed`` record keeps."""
         if not self.incremental:
             return {"pieces": self.crcs}
-        return {
+        record = {
             "pieces": self.crcs,
             "stored": self.stored,
             "placed": [[p.object, p.offset, p.digest] for p in self.pieces],
             "references": [list(r) for r in self.references],
         }
+        if any(p.stored is not None for p in self.pieces):
+            record["codecs"] = [p.codec for p in self.pieces]
+        return record
 
 
 @dataclass
@@ -82,12 +102,18 @@ class BaseRanges:
         objects = {o.name: o for o in manifest.stored_objects() if o.rank == rank}
         digests = {(name, offset): hex_ for name, offset, hex_ in manifest.digests or ()}
         base = cls(manifest.step, manifest.save_id, objects)
-        for _, span in manifest.all_ranges():
-            digest = digests.get((span.object, span.offset))
-            if digest is None or span.object not in objects or span.crc32c is None:
+        ranges = [r for _, r in manifest.whole_ranges()]
+        ranges += [
+            ByteRange.model_construct(object=o, offset=at, nbytes=n, crc32c=c, codec=None, stored=None,
+                                      stored_crc32c=None, shuffle=None)
+            for entry in manifest.entries for _, _, shard in entry.shards or () for o, at, n, c in shard
+        ]  # fmt: skip
+        for r in ranges:
+            digest = digests.get((r.object, r.offset))
+            if digest is None or r.object not in objects or r.crc32c is None:
                 continue
-            placed = Placed(span.object, span.offset, span.crc32c, digest)
-            base.by_content.setdefault((span.nbytes, digest), []).append(placed)
+            placed = Placed(r.object, r.offset, r.crc32c, digest, r.stored, r.stored_crc32c, r.shuffle)
+            base.by_content.setdefault((r.nbytes, digest), []).append(placed)
         return base
 
     @property
@@ -99,8 +125,11 @@ class Reuse:
     """One save's use of a base: each base range is named at most once (two pieces of equal
     bytes: the second is written, since no stored byte may be loaded twice). Transfer loop."""
 
-    def __init__(self, base: BaseRanges) -> None:
+    def __init__(self, base: BaseRanges, *, compressed: bool = True) -> None:
         self.base = base
+        self.compressed = compressed
+        """Whether a compressed base range may be named (not by a multi-rank save, whose
+        shards cannot say so)."""
         self._used: set[tuple[str, int]] = set()
 
     def take(self, nbytes: int, digest: str, crc32c: int) -> tuple[Placed, Reference] | None:
@@ -108,7 +137,7 @@ class Reuse:
         this save, and the object it lies in."""
         for placed in self.base.by_content.get((nbytes, digest), ()):
             key = (placed.object, placed.offset)
-            if key not in self._used and placed.crc32c == crc32c:
+            if key not in self._used and placed.crc32c == crc32c and (self.compressed or placed.stored is None):
                 self._used.add(key)
                 obj = self.base.objects[placed.object]
                 return placed, (obj.name, obj.rank, obj.nbytes)
@@ -140,8 +169,7 @@ def landed_manifest(
         out = []
         for r in ranges:
             placed = where[(r.object, r.offset)]
-            out.append(ByteRange.model_construct(object=placed.object, offset=placed.offset, nbytes=r.nbytes,
-                                                 crc32c=placed.crc32c))  # fmt: skip
+            out.append(placed.byte_range(r.nbytes))
             if placed.digest is not None:
                 digests.append((placed.object, placed.offset, placed.digest))
         return out

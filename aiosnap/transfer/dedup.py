@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Sequence
 
 from ..core.checksums import RangeChecksums, content_digest, crc32c_of
+from ..core.codec import compress_range
 from ..errors import ChecksumMismatchError
 from ..format.placement import Landing, Placed, Reference, Reuse
 from ..format.spec import ChunkSpec
@@ -68,18 +69,9 @@ def _decide(
     return reused, references
 
 
-def _packed_offsets(chunk: ChunkSpec, reused: Sequence[Placed | None]) -> tuple[list[int | None], int]:
-    """Where each new piece goes in the packed object (None: reused), in the order of the
-    plan's offsets (so no piece moves past where it was), and the packed size."""
-    cursor = end = 0
-    offsets: list[int | None] = [None] * len(chunk.pieces)
-    for index in sorted(range(len(chunk.pieces)), key=lambda i: chunk.pieces[i].dst_offset):
-        if reused[index] is not None:
-            continue
-        offsets[index] = cursor
-        end = cursor + chunk.pieces[index].nbytes
-        cursor = -(-end // PIECE_ALIGN) * PIECE_ALIGN
-    return offsets, end
+Packed = tuple[int, int | None, int | None, int | None]
+"""Where a new piece went in its packed object: (offset, stored size, crc32c of the stored
+frame, shuffle), the last three None when stored raw."""
 
 
 def _landing(
@@ -87,96 +79,137 @@ def _landing(
     crcs: Sequence[int],
     digests: Sequence[str | None],
     reused: Sequence[Placed | None],
-    packed: Sequence[int | None],
+    packed: Sequence[Packed | None],
     stored: int,
     references: Sequence[Reference],
 ) -> Landing:
     pieces = []
-    for crc, digest, found, offset in zip(crcs, digests, reused, packed, strict=True):
+    for crc, digest, found, place in zip(crcs, digests, reused, packed, strict=True):
         if found is not None:
             pieces.append(found)
         else:
-            assert offset is not None
-            pieces.append(Placed(chunk.object_name, offset, crc, digest))
+            assert place is not None
+            pieces.append(Placed(chunk.object_name, place[0], crc, digest, *place[1:]))
     return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)), incremental=True)
 
 
-def _pack_in_place(data: memoryview, chunk: ChunkSpec, packed: Sequence[int | None], stored: int) -> RangeChecksums:
-    """Worker thread: move each new piece to its packed offset (never past where it was:
-    pieces are in plan order), zero the alignment gaps, checksum the packed bytes."""
-    end = 0
-    ranges = []
-    for piece, offset in sorted(zip(chunk.pieces, packed, strict=True), key=lambda pair: pair[0].dst_offset):
-        if offset is None:
-            continue
-        if offset > piece.dst_offset:
+def _pack(data: memoryview, sources: Sequence[tuple[int, int, int | None]]) -> tuple[list[Packed], int]:
+    """Worker thread: pack the pieces at ``sources`` (offset, size, item size to compress by,
+    or None: stored raw), in offset order, each at the next :data:`PIECE_ALIGN` boundary of
+    ``data`` itself: compressed (zstd, shuffled by the item size) when that is smaller, else
+    moved (no piece moves past where it was: each takes no more room than it had). The
+    alignment gaps are zeroed. Returns where each went and the packed size."""
+    cursor = end = 0
+    found: list[Packed] = []
+    for offset, nbytes, itemsize in sources:
+        if cursor > offset:
             raise AssertionError("packing moves pieces towards the start only")
-        data[end:offset] = bytes(offset - end)
-        if offset != piece.dst_offset:
-            data[offset : offset + piece.nbytes] = data[piece.dst_offset : piece.dst_offset + piece.nbytes]
-        end = offset + piece.nbytes
-        ranges.append((offset, piece.nbytes))
-    return RangeChecksums(data[:stored], _boundaries(ranges))
+        raw = data[offset : offset + nbytes]
+        frame = None if itemsize is None else compress_range(raw, itemsize)
+        data[end:cursor] = bytes(cursor - end)
+        if frame is not None and itemsize is not None:
+            data[cursor : cursor + len(frame)] = frame
+            found.append((cursor, len(frame), crc32c_of(frame), itemsize if itemsize > 1 else None))
+            end = cursor + len(frame)
+        else:
+            if cursor != offset:
+                data[cursor : cursor + nbytes] = raw
+            found.append((cursor, None, None, None))
+            end = cursor + nbytes
+        cursor = -(-end // PIECE_ALIGN) * PIECE_ALIGN
+    return found, end
 
 
-async def land_slab(storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None) -> Landing:
-    """Upload the staged slab bytes ``data`` of ``chunk``: all of it, or (with ``reuse``)
-    only its new pieces."""
+def _new_pieces(
+    chunk: ChunkSpec, reused: Sequence[Placed | None], itemsizes: Sequence[int] | None
+) -> list[tuple[int, int, int | None]]:
+    """Indices of the pieces to write, in offset order, with the item size to compress by."""
+    order = sorted((i for i, found in enumerate(reused) if found is None), key=lambda i: chunk.pieces[i].dst_offset)
+    return [(i, chunk.pieces[i].nbytes, None if itemsizes is None else itemsizes[i]) for i in order]
+
+
+async def _write_packed(
+    storage: Storage, chunk: ChunkSpec, data: memoryview, offsets: Sequence[int], new: list[tuple[int, int, int | None]]
+) -> tuple[list[Packed | None], int]:
+    """Pack the ``new`` pieces (index, size, item size), each now at ``offsets[index]`` of
+    ``data``, and write the packed object (none when nothing is new)."""
+    packed: list[Packed | None] = [None] * len(chunk.pieces)
+    if not new:
+        return packed, 0
+    places, stored = await asyncio.to_thread(_pack, data, [(offsets[i], n, k) for i, n, k in new])
+    for (index, _, _), place in zip(new, places, strict=True):
+        packed[index] = place
+    extents = [(p[0], p[1] or chunk.pieces[i].nbytes) for i, p in enumerate(packed) if p is not None]
+    checksums = await asyncio.to_thread(RangeChecksums, data[:stored], _boundaries(extents))
+    try:
+        await storage.write_checksummed(chunk.object_name, data[:stored], checksums)
+    finally:
+        checksums.release()
+    return packed, stored
+
+
+async def land_slab(
+    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None, itemsizes: Sequence[int] | None = None
+) -> Landing:
+    """Upload the staged slab bytes ``data`` of ``chunk``: all of it as planned, or (with
+    ``reuse``) only its new pieces, and (with ``itemsizes``, each piece's dtype item size)
+    each compressed where that makes it smaller."""
     checksums, digests = await asyncio.to_thread(hash_slab, data, chunk, reuse is not None)
     try:
         crcs = [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
-        if reuse is None:
+        reused, references = ([None] * len(crcs), []) if reuse is None else _decide(chunk, crcs, digests, reuse)
+        if not references and itemsizes is None:
             await storage.write_checksummed(chunk.object_name, data, checksums)
-            return whole_landing(chunk, crcs, digests, incremental=False)
-        reused, references = _decide(chunk, crcs, digests, reuse)
-        if not references:
-            await storage.write_checksummed(chunk.object_name, data, checksums)
-            return whole_landing(chunk, crcs, digests, incremental=True)
-        packed, stored = _packed_offsets(chunk, reused)
-        if stored:
-            checksums.release()
-            checksums = await asyncio.to_thread(_pack_in_place, data, chunk, packed, stored)
-            await storage.write_checksummed(chunk.object_name, data[:stored], checksums)
-        return _landing(chunk, crcs, digests, reused, packed, stored, references)
+            return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
     finally:
         checksums.release()
+    new = _new_pieces(chunk, reused, itemsizes)
+    packed, stored = await _write_packed(storage, chunk, data, [p.dst_offset for p in chunk.pieces], new)
+    return _landing(chunk, crcs, digests, reused, packed, stored, references)
 
 
 def _read_pieces(
-    path: str, chunk: ChunkSpec, packed: Sequence[int | None], stored: int, crcs: Sequence[int]
-) -> bytearray:
-    """Worker thread: the new pieces of spool file ``path``, packed, each checked against
-    the crc32c it was spooled with."""
-    out = bytearray(stored)
+    path: str, chunk: ChunkSpec, new: list[tuple[int, int, int | None]], crcs: Sequence[int]
+) -> tuple[bytearray, list[int]]:
+    """Worker thread: the ``new`` pieces of spool file ``path`` read one after the other
+    (each at the next :data:`PIECE_ALIGN` boundary), each checked against the crc32c it
+    was spooled with; and where each one is."""
+    offsets = [0] * len(chunk.pieces)
+    cursor = 0
+    for index, nbytes, _ in new:
+        offsets[index] = cursor
+        cursor = -(-(cursor + nbytes) // PIECE_ALIGN) * PIECE_ALIGN
+    out = bytearray(cursor)
     view = memoryview(out)
     with open(path, "rb") as f:
-        for piece, offset, crc in zip(chunk.pieces, packed, crcs, strict=True):
-            if offset is None:
-                continue
+        for index, nbytes, _ in new:
+            piece, at = chunk.pieces[index], offsets[index]
             f.seek(piece.dst_offset)
-            got = f.readinto(view[offset : offset + piece.nbytes])
-            if got != piece.nbytes or crc32c_of(view[offset : offset + piece.nbytes]) != crc:
+            got = f.readinto(view[at : at + nbytes])
+            if got != nbytes or crc32c_of(view[at : at + nbytes]) != crcs[index]:
                 raise ChecksumMismatchError(
                     f"spool file {path}: the piece at {piece.dst_offset} does not match its spooled crc32c"
                 )
-    return out
+    return out, offsets
 
 
 async def land_file(
     storage: Storage, path: str, crc: int, chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None],
-    reuse: Reuse | None,
+    reuse: Reuse | None, itemsizes: Sequence[int] | None = None,
 ) -> Landing:  # fmt: skip
     """Upload the spooled chunk in ``path`` (crc32c ``crc``; its pieces' ``crcs`` and
-    ``digests`` as spooled): the whole file, or (with ``reuse``) its new pieces."""
-    if reuse is not None and all(d is not None for d in digests):
+    ``digests`` as spooled): the whole file, or (with ``reuse``) its new pieces, and (with
+    ``itemsizes``) each compressed where that makes it smaller. The new pieces are read into
+    one buffer of their size (the spool file stays as it is, for a resume)."""
+    known = all(d is not None for d in digests)
+    reused: list[Placed | None] = [None] * len(crcs)
+    references: list[Reference] = []
+    if reuse is not None and known:
         reused, references = _decide(chunk, crcs, digests, reuse)
-        if references:
-            packed, stored = _packed_offsets(chunk, reused)
-            if stored:
-                data = memoryview(await asyncio.to_thread(_read_pieces, path, chunk, packed, stored, crcs))
-                ranges = [(o, p.nbytes) for o, p in zip(packed, chunk.pieces, strict=True) if o is not None]
-                checksums = await asyncio.to_thread(RangeChecksums, data, _boundaries(ranges))
-                await storage.write_checksummed(chunk.object_name, data, checksums)
-            return _landing(chunk, crcs, digests, reused, packed, stored, references)
-    await storage.write_file_verified(chunk.object_name, path, crc)
-    return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+    if not references and itemsizes is None:
+        await storage.write_file_verified(chunk.object_name, path, crc)
+        return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+    new = _new_pieces(chunk, reused, itemsizes)
+    buffer, offsets = await asyncio.to_thread(_read_pieces, path, chunk, new, crcs)
+    packed, stored = await _write_packed(storage, chunk, memoryview(buffer), offsets, new)
+    return _landing(chunk, crcs, digests, reused, packed, stored, references)

@@ -26,6 +26,7 @@ from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
 from ..core.progress import counting_sent
 from ..errors import CorruptCheckpointError, first_error
+from ..format.dtypes import dtype_itemsize
 from ..format.manifest import Checksums, Manifest, build_manifest
 from ..format.placement import BaseRanges, Landing
 from ..format.spec import SaveSpec
@@ -239,9 +240,14 @@ class _Upload:
         self.live: LiveExport | None = None
         """The save's live export (``also_as``), fed each chunk before its slab goes back."""
         self.incremental: IncrementalSave | None = None
-        if owner.config.upload.dedup and spec.archive is None and spec.also is None:
+        """Set when the upload decides where pieces go (dedup, compression)."""
+        plain = spec.archive is None and spec.also is None
+        dedup = owner.config.upload.dedup and plain
+        self.compress = owner.config.upload.compression == "zstd" and plain and spec.distributed is None
+        if dedup or self.compress:
             url = storage.url
-            self.incremental = IncrementalSave(storage, spec, owner.bases.get(url), whole=url in owner.whole_next)
+            known, whole = owner.bases.get(url), url in owner.whole_next
+            self.incremental = IncrementalSave(storage, spec, known, whole=whole, dedup=dedup)
             owner.whole_next.discard(url)
         self._landings: dict[int, Landing] = {}
 
@@ -359,7 +365,7 @@ class _Upload:
             self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
-        deleted = await self._retention(self.incremental is not None)
+        deleted = await self._retention(self.incremental is not None and self.incremental.dedup)
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
 
     async def _manifest(self, crcs: Checksums) -> Manifest:
@@ -417,9 +423,12 @@ class _Upload:
                 return
             clock.began()
             chunk = self.spec.chunks[staged.index]
-            reuse = None if self.incremental is None else self.incremental.reuse
+            reuse = None if self.incremental is None or not self.incremental.dedup else self.incremental.reuse
+            itemsizes = (
+                [dtype_itemsize(self.spec.entries[p.entry].dtype) for p in chunk.pieces] if self.compress else None
+            )
             with counting_sent(functools.partial(self.owner.listener.sent, self.save_id, staged.index)):
-                landing = await upload_chunk(self.storage, self.owner.arena, staged, chunk, reuse)
+                landing = await upload_chunk(self.storage, self.owner.arena, staged, chunk, reuse, itemsizes)
             if self.live is not None:  # before the slab goes back
                 if isinstance(staged, FileChunk):
                     await self.live.take_file(staged.index, staged.path)

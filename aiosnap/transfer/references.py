@@ -112,11 +112,15 @@ class IncrementalSave:
     committed last on the root (None: read one); ``whole``: write every byte (the last
     save found a reference gone)."""
 
-    def __init__(self, storage: Storage, spec: SaveSpec, known: BaseRanges | None, *, whole: bool) -> None:
+    def __init__(
+        self, storage: Storage, spec: SaveSpec, known: BaseRanges | None, *, whole: bool, dedup: bool = True
+    ) -> None:
         self.storage = storage
         self.spec = spec
         self.known = known
         self.whole = whole
+        self.dedup = dedup
+        """False: only compressed (every piece written, no digests, no base)."""
         self.reuse = Reuse(BaseRanges(-1, "", {}))
         """Nothing to reuse until :meth:`start` found a base (digests are taken anyway:
         the next save compares with them)."""
@@ -125,13 +129,13 @@ class IncrementalSave:
     async def start(self, latest: int | None) -> None:
         """Find the base (the root's latest step ``latest``, older than this one) and pin
         its objects, before the first upload."""
-        if self.whole or latest is None or latest >= self.spec.step:
+        if not self.dedup or self.whole or latest is None or latest >= self.spec.step:
             return
         base = await read_base(self.storage, latest, self.spec.rank, self.known)
         if base is None:
             return
         self._token = pins_for(self.storage.url).pin(base.names)
-        self.reuse = Reuse(base)
+        self.reuse = Reuse(base, compressed=self.spec.distributed is None)
 
     def manifest(self, crcs: Checksums, landings: Sequence[Landing]) -> Manifest:
         """The manifest to commit: each piece where it landed."""

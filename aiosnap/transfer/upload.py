@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Sequence
 
 from ..core.aio import drop_frame_locals, finish_despite_cancel
 from ..core.arena import Arena, SlabLease
@@ -54,19 +55,25 @@ async def _until_released(lease: SlabLease, what: str) -> None:
 
 
 async def upload_chunk(
-    storage: Storage, arena: Arena, staged: Staged, chunk: ChunkSpec, reuse: Reuse | None = None
+    storage: Storage,
+    arena: Arena,
+    staged: Staged,
+    chunk: ChunkSpec,
+    reuse: Reuse | None = None,
+    itemsizes: Sequence[int] | None = None,
 ) -> Landing:
     """Write ``staged`` (chunk ``chunk`` of its save) to storage: where each piece landed,
     with its crc32c (and, with ``reuse``, its digest: pieces equal to a base range are not
-    written, see :mod:`.dedup`)."""
+    written; with ``itemsizes``, each piece's dtype item size, pieces are compressed where
+    that makes them smaller: see :mod:`.dedup`)."""
     if isinstance(staged, FileChunk):
         digests = list(staged.digests) if staged.digests else [None] * len(chunk.pieces)
-        return await land_file(storage, staged.path, staged.crc, chunk, staged.pieces, digests, reuse)
+        return await land_file(storage, staged.path, staged.crc, chunk, staged.pieces, digests, reuse, itemsizes)
     assert isinstance(staged, SlabChunk)
     lease = arena.lease(staged.slab, staged.nbytes)
     try:
         assert lease.view is not None
-        return await land_slab(storage, lease.view, chunk, reuse)
+        return await land_slab(storage, lease.view, chunk, reuse, itemsizes)
     except BaseException as error:
         drop_frame_locals(error)  # its traceback would keep the request body (the slab) alive
         raise
