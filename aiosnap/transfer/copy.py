@@ -14,7 +14,7 @@ from ..catalog.steps import committed_save_id
 from ..core.checksums import crc32c_of
 from ..core.names import attempt_prefix, step_dir
 from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
-from ..format.manifest import ByteRange, Manifest, manifest_name
+from ..format.manifest import Manifest, Span, manifest_name
 from ..storage.base import Storage
 from ..storage.registry import roots_overlap
 from .commit import commit_manifest
@@ -53,10 +53,9 @@ async def copy_step(
             f"{dest.url} holds a manifest for step {manifest.step} that cannot be read; not touching that step "
             f"(`aiosnap ls {dest.url}` says why)"
         )
-    ranges: dict[str, list[ByteRange]] = {}
-    for entry in manifest.entries:
-        for r in entry.ranges:
-            ranges.setdefault(r.object, []).append(r)
+    ranges: dict[str, list[Span]] = {}
+    for _, r in manifest.all_ranges():  # as stored: a compressed range's frame and its crc32c
+        ranges.setdefault(r.object, []).append(r)
     limit = asyncio.Semaphore(concurrency)
     written: list[str] = []
 
