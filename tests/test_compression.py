@@ -233,3 +233,21 @@ def test_bf16_weights_compress_to_0_8_and_fp32_adam_moments_below_0_9(root: Path
         stored = sum(r.extent for r in ranges)
         assert stored <= ratio * raw, (prefix, stored / raw)
     assert math.isfinite(manifest.own_bytes)
+
+
+@pytest.mark.thread_only
+def test_the_safetensors_export_reads_compressed_ranges(root: Path, tmp_path: Path) -> None:
+    import aiosnap
+    from safetensors.torch import load_file
+
+    state = {"model": {"w": _trained_like(200_001, torch.bfloat16, 8), "b": _trained_like(77, torch.float32, 9)}}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        ckpt.save(state, step=1).wait()
+    out = tmp_path / "hf"
+    aiosnap.export(str(root), str(out), to="safetensors")
+    found: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        found.update(load_file(str(shard)))
+    assert sorted(found) == ["b", "w"]
+    for name in found:
+        assert_same(found[name], state["model"][name])

@@ -9,10 +9,10 @@ Two states, saved ``--saves`` times each with training steps in between:
 
 Each is saved to local disk and to the S3 test server (moto) capped at ``--cap-mb-s``
 (default 100 MB/s, through :class:`~aiosnap.testing.faultproxy.FaultProxy`), with dedup off
-and on, and to local disk with DCP ``async_save`` (its own ``FileSystemWriter``) in the same
-run. Per configuration: bytes written per save (the step's own bytes), durable seconds and
-``save()`` blocked seconds (the median of the saves after the first), and the issue's ratios.
-Compression (``upload.compression``) is not measured: this aiosnap does not have it yet.
+and on and compression off and on, and to local disk with DCP ``async_save`` (its own
+``FileSystemWriter``) in the same run. Per configuration: bytes written per save (the step's
+own bytes), durable seconds and ``save()`` blocked seconds (the median of the saves after
+the first), and the issue's ratios.
 """
 
 from __future__ import annotations
@@ -124,14 +124,15 @@ def _dcp(folder: Path, state: dict[str, Any], saves: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _targets(cap_mb_s: float, s3: bool) -> Iterator[dict[str, Callable[[bool], Config]]]:
-    """Config makers (dedup on or off) for each target, each call a fresh root."""
+def _targets(cap_mb_s: float, s3: bool) -> Iterator[dict[str, Callable[[bool, str], Config]]]:
+    """Config makers (dedup on or off, compression) for each target, each call a fresh root."""
     with tempfile.TemporaryDirectory(prefix="aiosnap-bench-incremental-") as scratch:
-        found: dict[str, Callable[[bool], Config]] = {}
+        found: dict[str, Callable[[bool, str], Config]] = {}
 
-        def local(dedup: bool) -> Config:
+        def local(dedup: bool, compression: str) -> Config:
             root = Path(scratch) / uuid.uuid4().hex
-            return Config(storage={"url": str(root)}, upload={"dedup": dedup}, retention={"keep_last": None})
+            upload = {"dedup": dedup, "compression": compression}
+            return Config(storage={"url": str(root)}, upload=upload, retention={"keep_last": None})
 
         found["local"] = local
         with contextlib.ExitStack() as stack:
@@ -140,14 +141,15 @@ def _targets(cap_mb_s: float, s3: bool) -> Iterator[dict[str, Callable[[bool], C
                 bucket = f"aiosnap-bench-{uuid.uuid4().hex[:8]}"
                 asyncio.run(_create_bucket(url, bucket))
 
-                def capped(dedup: bool) -> Config:
+                def capped(dedup: bool, compression: str) -> Config:
                     return Config(
-                        storage={"url": f"s3://{bucket}/{uuid.uuid4().hex}"}, upload={"dedup": dedup},
+                        storage={"url": f"s3://{bucket}/{uuid.uuid4().hex}"},
+                        upload={"dedup": dedup, "compression": compression},
                         retention={"keep_last": None}, s3={"endpoint_url": url, "addressing_style": "path"},
                     )  # fmt: skip
 
                 found[f"s3_capped_{cap_mb_s:g}mb_s"] = capped
-            found["scratch"] = lambda _: Config(storage={"url": scratch})  # where DCP writes
+            found["scratch"] = lambda *_: Config(storage={"url": scratch})  # where DCP writes
             yield found
 
 
@@ -163,15 +165,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cap-mb-s", type=float, default=100.0, help="S3 bandwidth cap (default 100 MB/s)")
     parser.add_argument("--no-s3", action="store_true", help="local disk only")
     args = parser.parse_args(argv)
-    report: dict[str, Any] = {"saves": args.saves, "compression": "not implemented in this aiosnap"}
+    report: dict[str, Any] = {"saves": args.saves}
     workloads = {"fine_tune": (args.base_mb, True), "full": (args.full_mb, False)}
     with _targets(args.cap_mb_s, not args.no_s3) as targets:
-        scratch = Path(targets.pop("scratch")(False).storage.url)
+        scratch = Path(targets.pop("scratch")(False, "none").storage.url)
         for name, (megabytes, fine_tune) in workloads.items():
             state = make_state(megabytes, fine_tune=fine_tune)
             figures: dict[str, Any] = {"state_bytes": _state_bytes(state)}
             for target, make in targets.items():
-                figures[target] = {f"dedup_{o}": _aiosnap(make(o == "on"), state, args.saves) for o in ("off", "on")}
+                figures[target] = {
+                    f"dedup_{d}_zstd_{z}": _aiosnap(make(d == "on", "zstd" if z == "on" else "none"), state, args.saves)
+                    for d in ("off", "on")
+                    for z in ("off", "on")
+                }
             figures["dcp_async_save_local"] = _dcp(scratch / f"dcp-{name}", state, args.saves)
             report[name] = figures
     report["ratios"] = _goals(report)
@@ -182,21 +188,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _goals(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's goals, as measured (each with its goal)."""
     tune, full = report["fine_tune"], report["full"]
+    on, off = "dedup_on_zstd_off", "dedup_off_zstd_off"
     goals: dict[str, Any] = {
         "fine_tune_bytes_per_save_over_state (goal <= 0.06)": _ratio(
-            tune["local"]["dedup_on"]["bytes_per_save"], tune["state_bytes"]
+            tune["local"][on]["bytes_per_save"], tune["state_bytes"]
         ),
         "fine_tune_durable_local_over_dcp (goal <= 0.2)": _ratio(
-            tune["local"]["dedup_on"]["durable_s"], tune["dcp_async_save_local"]["durable_s"]
+            tune["local"][on]["durable_s"], tune["dcp_async_save_local"]["durable_s"]
+        ),
+        "full_bytes_zstd_over_raw (goal <= 0.8)": _ratio(
+            full["local"]["dedup_off_zstd_on"]["bytes_per_save"], full["local"][off]["bytes_per_save"]
         ),
     }
     for target in (t for t in full if t.startswith(("local", "s3"))):
-        off, on = full[target]["dedup_off"], full[target]["dedup_on"]
-        goals[f"full_{target}_durable_dedup_on_over_off (goal <= 1.05)"] = _ratio(on["durable_s"], off["durable_s"])
-        goals[f"full_{target}_blocked_dedup_on_minus_off_s (goal: none)"] = round(on["blocked_s"] - off["blocked_s"], 3)
-        tuned = tune[target]
+        goals[f"full_{target}_durable_dedup_on_over_off (goal <= 1.05)"] = _ratio(
+            full[target][on]["durable_s"], full[target][off]["durable_s"]
+        )
+        goals[f"full_{target}_blocked_dedup_on_minus_off_s (goal: none)"] = round(
+            full[target][on]["blocked_s"] - full[target][off]["blocked_s"], 3
+        )
+        goals[f"full_{target}_durable_zstd_on_over_off"] = _ratio(
+            full[target]["dedup_off_zstd_on"]["durable_s"], full[target][off]["durable_s"]
+        )
         goals[f"fine_tune_{target}_durable_dedup_on_over_off"] = _ratio(
-            tuned["dedup_on"]["durable_s"], tuned["dedup_off"]["durable_s"]
+            tune[target][on]["durable_s"], tune[target][off]["durable_s"]
+        )
+    if "s3_capped" in " ".join(full):
+        target = next(t for t in full if t.startswith("s3"))
+        cap = float(target.removeprefix("s3_capped_").removesuffix("mb_s"))
+        floor = full["state_bytes"] / (cap * 1e6)  # the raw bytes through the cap
+        goals["full_s3_durable_zstd_over_raw_bandwidth_floor (goal <= 0.85)"] = _ratio(
+            full[target]["dedup_off_zstd_on"]["durable_s"], floor
         )
     return goals
 
