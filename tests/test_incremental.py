@@ -343,9 +343,12 @@ def test_the_same_step_saved_again_never_references_itself(root: Path) -> None:
 
 
 @pytest.mark.thread_only
-def test_incremental_saves_to_s3_reference_the_earlier_steps_objects(s3_endpoint: str, s3_bucket: str) -> None:
+def test_incremental_compressed_saves_to_s3_reference_the_earlier_steps_objects(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
     config = s3_config(s3_endpoint, s3_bucket, prefix="inc")
-    config = config.model_copy(update={"upload": config.upload.model_copy(update={"dedup": True})})
+    upload = config.upload.model_copy(update={"dedup": True, "compression": "zstd"})
+    config = config.model_copy(update={"upload": upload})
     model, optimizer = _fine_tune(layers=3)
     state = {"model": model, "optim": optimizer}
     with SyncCheckpointer(config) as ckpt:
@@ -356,6 +359,7 @@ def test_incremental_saves_to_s3_reference_the_earlier_steps_objects(s3_endpoint
         second: Manifest = ckpt.manifest(2)
         assert_same(ckpt.load(step=2), expected)
     assert second.references and second.own_bytes < 0.2 * second.total_bytes
+    assert any(r.codec == "zstd" for e in second.entries for r in e.ranges)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16]
