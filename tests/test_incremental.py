@@ -216,6 +216,17 @@ def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_refer
     assert resumed.own_bytes < resumed.total_bytes // 2
 
 
+@pytest.mark.thread_only
+def test_retention_after_a_resumed_incremental_save_keeps_the_step_it_references(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
+    keep_one = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 1})})
+    with SyncCheckpointer(keep_one) as again:
+        assert again.resume_spool().resumed == [2]
+        assert again.steps() == [1, 2]  # step 1 holds bytes step 2 names
+        assert_same(again.load(step=2), state)
+
+
 def _edit_landed(journal: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``edit`` to every ``landed`` record that has a landing, re-signing its line."""
     records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]

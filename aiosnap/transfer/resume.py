@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..catalog.pins import pins_for
 from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
@@ -32,7 +33,7 @@ from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJourna
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
-from .references import check_references, verify_ranges
+from .references import check_references, referenced_steps, verify_ranges
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -125,6 +126,18 @@ async def _finish(
         storage.attempt_started(state.spec)
     except ValueError as exc:
         raise _Discard(str(exc)) from None
+    references = {r[0] for landing in state.landings.values() for r in landing.references}
+    token = pins_for(storage.url).pin(references)  # retention and gc of this process keep them
+    try:
+        return await _upload_and_commit(spool, storage, state, concurrency, progress)
+    finally:
+        pins_for(storage.url).release(token)
+
+
+async def _upload_and_commit(
+    spool: Spool, storage: Storage, state: JournalState, concurrency: int, progress: Callable[[int], None]
+) -> bool:
+    manifest = state.manifest
     await _check_landed(storage, state)
     limit = asyncio.Semaphore(concurrency)
     folder = spool.save_dir(manifest.save_id)
@@ -254,7 +267,10 @@ async def _resume_one(
         log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
         report.resumed.append(step)
         try:
-            await apply_retention(storage, keep_last, step, set())
+            spared = set()
+            if state.landings and keep_last is not None:  # kept steps may name older steps' objects
+                spared = await referenced_steps(storage, keep_last, {step})
+            await apply_retention(storage, keep_last, step, spared)
         except Exception as exc:
             log.warning("aiosnap: retention after resuming step %d failed: %r", step, exc)
     await spool.discard(save_id)
