@@ -481,3 +481,42 @@ async def test_the_fault_soak_with_dedup_and_compression_loses_nothing(
     await soak_in_process(config, rounds, 13, figures, store=FaultyStorage(LocalStorage(root)))
     assert figures.data_lost == 0, figures.problems
     assert figures.steps_verified > 0
+
+
+@pytest.mark.thread_only
+def test_a_downloaded_incremental_step_stands_alone_and_leaves_objects_copied_before(tmp_path: Path) -> None:
+    import asyncio
+
+    from aiosnap.transfer.copy import copy_step
+
+    root, other = tmp_path / "ckpt", tmp_path / "copy"
+    g = torch.Generator().manual_seed(6)
+    state = {"frozen": torch.randn(60_000, generator=g), "adapter": torch.randn(50, generator=g)}
+    with SyncCheckpointer(_config(root, compression="zstd")) as ckpt:
+        ckpt.save(state, step=1).wait()
+        first_state = {k: v.clone() for k, v in state.items()}
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+        first, second = ckpt.manifest(1), ckpt.manifest(2)
+    assert second.references
+
+    async def copy(manifest: Manifest, to: Path = other) -> bool:
+        source, dest = LocalStorage(str(root)), LocalStorage(str(to))
+        try:
+            return await copy_step(source, dest, manifest)
+        finally:
+            await source.close()
+            await dest.close()
+
+    assert asyncio.run(copy(first))
+    assert asyncio.run(copy(second))  # the objects of step 1 it names are there already: left alone
+    alone = tmp_path / "alone"
+    assert asyncio.run(copy(second, alone))  # step 2 only, with the bytes it names
+    shutil.rmtree(root)  # the copies stand alone
+    with SyncCheckpointer(_config(alone)) as copied:
+        assert copied.steps() == [2]
+        assert_same(copied.load(step=2), state)
+    with SyncCheckpointer(_config(other)) as copied:
+        assert copied.steps() == [1, 2]
+        assert_same(copied.load(step=2), state)
+        assert_same(copied.load(step=1), first_state)

@@ -58,8 +58,11 @@ async def copy_step(
         ranges.setdefault(r.object, []).append(r)
     limit = asyncio.Semaphore(concurrency)
     written: list[str] = []
+    referenced = {o.name for o in manifest.references or ()}
 
     async def copy(name: str, nbytes: int) -> None:
+        if name in referenced and await _holds(dest, name, nbytes):
+            return  # an earlier step's object, copied before (by a copy of that step): left as it is
         async with limit:
             buffer = memoryview(bytearray(nbytes))
             try:
@@ -82,7 +85,7 @@ async def copy_step(
 
     try:
         async with asyncio.TaskGroup() as group:
-            for obj in manifest.objects:
+            for obj in manifest.stored_objects():  # referenced objects too: the copy stands alone
                 group.create_task(copy(obj.name, obj.nbytes))
         await commit_manifest(dest, manifest, replace=False)
     except BaseException as failure:
@@ -91,6 +94,13 @@ async def copy_step(
             raise (leaf := first_error(failure)) from leaf.__cause__
         raise
     return True
+
+
+async def _holds(storage: Storage, name: str, nbytes: int) -> bool:
+    try:
+        return await storage.size(name) == nbytes
+    except FileNotFoundError:
+        return False
 
 
 async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
