@@ -316,7 +316,7 @@ class _Upload:
         crcs: Checksums = {}
         clock = _StageClock()
         try:
-            if self.incremental is not None:
+            if self.incremental is not None and self.incremental.dedup:  # the base: before the first upload
                 await self.incremental.start((await look).latest)
             if self.spec.also is not None:
                 self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
