@@ -114,7 +114,7 @@ def _nested(depth: int) -> dict[str, Any]:
         (lambda d: d.update(tree=_nested(150)), "nested deeper"),
         (lambda d: d.update(format_version=True), "format version True"),
         (lambda d: d.update(format_version=-7), "format version -7"),
-        (lambda d: d.update(format_version=5), "format version 5"),
+        (lambda d: d.update(format_version=6), "format version 6"),
         (lambda d: d.update(step=True), "step"),
         (lambda d: d.update(save_id="../../etc"), "invalid save id"),
         (lambda d: d["entries"][0].update(nbytes=True), "nbytes"),

@@ -365,12 +365,12 @@ def test_cli_errors_on_odd_roots_and_manifests(tmp_path: Path, capsys: pytest.Ca
     _fill(root, (1, 2))
     manifest = root / step_dir(2) / "manifest.json"
     doc = json.loads(manifest.read_bytes())
-    doc["format_version"] = 5
+    doc["format_version"] = 6
     manifest.write_text(json.dumps(doc))  # written by a newer aiosnap
     code, out, _ = _cli(capsys, "ls", str(root), "--json")
     listed = json.loads(out)
     assert code == 0 and [(d["step"], d["state"]) for d in listed] == [(1, "committed"), (2, "unreadable")]
-    assert "format version 5" in listed[1]["problem"]
+    assert "format version 6" in listed[1]["problem"]
 
     missing = tmp_path / "typo"
     code, out, err = _cli(capsys, "ls", str(missing), "--json")

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "safetensors": "aiosnap.bench.safetensors",
     "gpu": "aiosnap.bench.gpu",
     "summary": "aiosnap.bench.summary",
+    "incremental": "aiosnap.bench.incremental",
 }
 """Benchmark name -> module."""
 

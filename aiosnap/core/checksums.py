@@ -18,9 +18,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import crc32c
+import xxhash
 
 __all__ = [
-    "ALIGN", "RangeChecksums", "crc32c_b64", "crc32c_combine", "crc32c_of", "file_crc32c", "file_crc32c_with_pieces",
+    "ALIGN", "RangeChecksums", "content_digest", "crc32c_b64", "crc32c_combine", "crc32c_of", "file_crc32c",
+    "file_crc32c_with_pieces",
 ]  # fmt: skip
 
 BLOCK = 8 * 1024 * 1024
@@ -74,6 +76,12 @@ def crc32c_combine(first: int, second: int, second_nbytes: int) -> int:
 def crc32c_of(data: memoryview | bytes, previous: int = 0) -> int:
     """CRC32C of ``data``, continuing ``previous`` (the crc of the bytes before it)."""
     return int(crc32c.crc32c(data, previous))
+
+
+def content_digest(data: memoryview | bytes) -> str:
+    """The xxh3-128 of ``data`` as 32 lower-case hex digits: what incremental saves compare
+    (a range whose digest, size and crc32c equal a stored one's is not written again)."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def crc32c_b64(crc: int) -> str:

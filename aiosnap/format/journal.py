@@ -29,9 +29,9 @@ import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..core import durable
@@ -42,6 +42,7 @@ from ..errors import AiosnapError
 from .manifest import MAX_MANIFEST_BYTES, Checksums, Manifest, build_manifest, checked_json
 from .merge import merge_parts
 from .parts import build_part
+from .placement import Landing, Placed, landed_manifest
 from .spec import SaveSpec
 from .values import json_int
 
@@ -88,12 +89,45 @@ class Spooled(_Record):
     chunk: int = Field(ge=0)
     crc: int = _Crc
     pieces: list[int]
+    digests: list[Annotated[str, Field(pattern="^[0-9a-f]{32}$")]] | None = None
+
+
+_S = Strict()
+_Placed = Annotated[
+    tuple[
+        Annotated[str, _S],
+        Annotated[int, _S, Field(ge=0, lt=2**63)],
+        Annotated[str, _S, Field(pattern="^[0-9a-f]{32}$")] | None,
+    ],
+    Strict(False),
+]  # JSON arrays for tuples, every item strictly typed
+_Codec = Annotated[
+    tuple[
+        Annotated[int, _S, Field(gt=0, lt=2**63)],
+        Annotated[int, _S, Field(ge=0, lt=2**32)],
+        Annotated[int, _S, Field(ge=2, le=16)] | None,
+    ],
+    Strict(False),
+]
+_Reference = Annotated[
+    tuple[Annotated[str, _S], Annotated[int, _S, Field(ge=0, lt=2**31)], Annotated[int, _S, Field(ge=0, lt=2**63)]],
+    Strict(False),
+]
 
 
 class Landed(_Record):
+    """Chunk ``chunk`` is in storage: its pieces' crc32c; with an incremental save, also
+    the bytes of its own object (``stored``), where each piece is (``placed``: object,
+    offset, digest) and the earlier steps' objects it names (``references``)."""
+
     kind: Literal["landed"]
     chunk: int = Field(ge=0)
     pieces: list[int]
+    stored: int | None = Field(default=None, ge=0, lt=2**63)
+    placed: list[_Placed] | None = None
+    references: list[_Reference] | None = None
+    codecs: list[_Codec | None] | None = None
+    """Of each piece stored compressed: [stored size, crc32c of the frame, shuffle or null]."""
 
 
 class Captured(_Record):
@@ -167,6 +201,10 @@ class JournalState:
     """Chunk -> (crc32c of its spool file, crc32c of its pieces)."""
     landed: dict[int, list[int]] = field(default_factory=dict)
     """Chunk -> crc32c of its pieces."""
+    digests: dict[int, list[str]] = field(default_factory=dict)
+    """Chunk -> xxh3-128 of its pieces, as spooled."""
+    landings: dict[int, Landing] = field(default_factory=dict)
+    """Chunk -> where its pieces landed (an incremental save's chunks)."""
 
     def chunk_names(self) -> list[str]:
         return [o.name for o in self.manifest.objects]
@@ -175,9 +213,33 @@ class JournalState:
         """(offset, nbytes) of the byte ranges in ``chunk``'s object, by offset."""
         return _piece_ranges(self.manifest)[chunk]
 
+    def stored_size(self, chunk: int) -> int:
+        """The bytes chunk ``chunk``'s own object holds once landed (an incremental save's
+        may hold fewer than planned, or none)."""
+        landing = self.landings.get(chunk)
+        return self.manifest.objects[chunk].nbytes if landing is None else landing.stored
+
     def final_manifest(self) -> Manifest:
-        """The manifest to commit: the spec's, with every piece's crc32c."""
-        return manifest_of_spec(self.spec, self.checksums())
+        """The manifest to commit: the spec's, with every piece's crc32c (and, when a chunk
+        landed incrementally, where each piece is)."""
+        manifest = manifest_of_spec(self.spec, self.checksums())
+        if not self.landings:  # written as planned (incremental saves journal their landings)
+            return manifest
+        landings = []
+        for index, chunk in enumerate(self.spec.chunks):
+            landing = self.landings.get(index)
+            if landing is None:  # written whole, where the plan put it
+                crcs = self.landed.get(index) or self.spooled.get(index, (0, []))[1]
+                found: list[str | None] = list(self.digests.get(index, [None] * len(crcs)))
+                landing = Landing(chunk.nbytes, tuple(
+                    Placed(chunk.object_name, p.dst_offset, crc, digest)
+                    for p, crc, digest in zip(chunk.pieces, crcs, found, strict=True)
+                ))  # fmt: skip
+            landings.append(landing)
+        if self.spec.distributed is not None:  # a one-rank job saved in the multi-rank format
+            return merge_parts(self.spec, {self.spec.rank: build_part(self.spec, self.checksums(), landings)})
+        plan = [(c.object_name, [p.dst_offset for p in c.pieces]) for c in self.spec.chunks]
+        return landed_manifest(manifest, plan, landings)
 
     def checksums(self) -> Checksums:
         """Every piece's crc32c, keyed like the manifest's ranges."""
@@ -283,9 +345,47 @@ def read_journal(path: Path, save_id: str) -> JournalState:
             raise JournalError(f"chunk {record.chunk}: invalid piece checksum")
         if isinstance(record, Spooled):
             state.spooled[record.chunk] = (record.crc, list(record.pieces))
+            if record.digests is not None:
+                if len(record.digests) != len(record.pieces):
+                    raise JournalError(f"chunk {record.chunk}: digests do not match its pieces")
+                state.digests[record.chunk] = list(record.digests)
         else:
             state.landed[record.chunk] = list(record.pieces)
+            landing = _landing_of(state.spec, record)
+            if landing is not None:
+                state.landings[record.chunk] = landing
     return state
+
+
+def _landing_of(spec: SaveSpec, record: Landed) -> Landing | None:
+    """Where a ``landed`` record says its chunk's pieces are (None: where the plan put
+    them); JournalError when that cannot be (the final manifest is checked again, fully,
+    as every reader would, before it is committed)."""
+    fields = (record.stored, record.placed, record.references)
+    if all(f is None for f in fields):
+        return None
+    if any(f is None for f in fields) or spec.archive is not None:
+        raise JournalError(f"chunk {record.chunk}: an incomplete or misplaced incremental landing")
+    assert record.stored is not None
+    assert record.placed is not None
+    assert record.references is not None
+    chunk = spec.chunks[record.chunk]
+    referenced = {name for name, _, _ in record.references}
+    if len(record.placed) != len(chunk.pieces) or record.stored > chunk.nbytes:
+        raise JournalError(f"chunk {record.chunk}: its landing does not match its pieces")
+    codecs = record.codecs if record.codecs is not None else [None] * len(record.placed)
+    if len(codecs) != len(record.placed):
+        raise JournalError(f"chunk {record.chunk}: its compression fields do not match its pieces")
+    pieces = []
+    for piece, (name, offset, digest), crc, codec in zip(
+        chunk.pieces, record.placed, record.pieces, codecs, strict=True
+    ):
+        extent = piece.nbytes if codec is None else codec[0]
+        own = name == chunk.object_name and offset + extent <= record.stored
+        if not own and name not in referenced:
+            raise JournalError(f"chunk {record.chunk}: a piece landed in {name!r:.120}, which it does not name")
+        pieces.append(Placed(name, offset, crc, digest, *(codec or (None, None, None))))
+    return Landing(record.stored, tuple(pieces), tuple((n, r, size) for n, r, size in record.references))
 
 
 def _short(exc: BaseException) -> str:

@@ -51,6 +51,7 @@ from .tree import check_tree
 from .values import MAX_NDIM, check_metadata, json_int
 
 __all__ = [
+    "COMPRESSED_VERSION",
     "DIGEST_HEX",
     "FORMAT_VERSION",
     "INCREMENTAL_VERSION",
@@ -77,16 +78,17 @@ __all__ = [
     "version_for",
 ]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Read by this aiosnap: 1; 2 added a crc32c of the manifest's own bytes; 3 added multi-rank
 checkpoints (sharded entries, rank-local values); 4 added incremental saves (``references``
-to earlier saves' objects, ``digests`` of ranges). A manifest is written with the oldest
-version that holds it (:data:`PLAIN_VERSION` unless it has multi-rank parts or version-4
-fields; see :func:`version_for`), so that older readers keep reading what they can and
-refuse the rest by its version."""
+to earlier saves' objects, ``digests`` of ranges); 5 compressed ranges (``codec``). A
+manifest is written with the oldest version that holds it (:data:`PLAIN_VERSION` unless it
+has multi-rank parts or the fields of later versions; see :func:`version_for`), so that
+older readers keep reading what they can and refuse the rest by its version."""
 PLAIN_VERSION = 2
 MULTI_RANK_VERSION = 3
 INCREMENTAL_VERSION = 4
+COMPRESSED_VERSION = 5
 DIGEST_HEX = 32
 """A range's content digest: xxh3-128, as 32 lower-case hex digits."""
 _DIGEST = re.compile(r"[0-9a-f]{32}")
@@ -98,6 +100,17 @@ _MAX_INT = 2**63
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Span(NamedTuple):
+    """A stored byte range, whatever holds it (see :meth:`Manifest.all_ranges`): of a
+    compressed range, its frame (stored size, the frame's crc32c)."""
+
+    object: str
+    offset: int
+    nbytes: int
+    crc32c: int | None
+    """None: an unverified range of a translated manifest."""
 
 
 class ByteRange(_Frozen):
@@ -114,6 +127,40 @@ class ByteRange(_Frozen):
     nbytes: int = Field(gt=0, lt=_MAX_INT)
     crc32c: int | None = Field(default=None, ge=0, lt=2**32)
     """None only in a manifest translated from a foreign format (see the module docstring)."""
+    codec: Literal["zstd"] | None = None
+    """A compressed range (format version 5): ``stored`` bytes at ``offset`` hold a zstd
+    frame of the ``nbytes`` raw bytes (``crc32c`` is theirs, ``stored_crc32c`` the frame's),
+    byte-shuffled by ``shuffle`` (the dtype's item size) before compression when set."""
+    stored: int | None = Field(default=None, gt=0, lt=_MAX_INT)
+    stored_crc32c: int | None = Field(default=None, ge=0, lt=2**32)
+    shuffle: int | None = Field(default=None, ge=2, le=16)
+
+    @model_validator(mode="after")
+    def _codec_fields(self) -> ByteRange:
+        if self.codec is None:
+            if self.stored is not None or self.stored_crc32c is not None or self.shuffle is not None:
+                raise ValueError(f"a range of {self.object!r:.200} has compression fields but no codec")
+            return self
+        if self.stored is None or self.stored_crc32c is None or self.crc32c is None:
+            raise ValueError(f"a compressed range of {self.object!r:.200} needs stored, stored_crc32c and crc32c")
+        if self.stored >= self.nbytes:
+            raise ValueError(f"a compressed range of {self.object!r:.200} is not smaller than its {self.nbytes} bytes")
+        if self.shuffle is not None and self.nbytes % self.shuffle:
+            raise ValueError(
+                f"a range of {self.nbytes} bytes of {self.object!r:.200} cannot be shuffled by {self.shuffle}"
+            )
+        return self
+
+    @property
+    def extent(self) -> int:
+        """The bytes it takes in its object (``stored`` for a compressed range)."""
+        return self.nbytes if self.stored is None else self.stored
+
+    def span(self) -> Span:
+        """Where its bytes are stored and their crc32c (of the frame, when compressed)."""
+        if self.codec is None:
+            return Span(self.object, self.offset, self.nbytes, self.crc32c)
+        return Span(self.object, self.offset, self.extent, self.stored_crc32c)
 
 
 class DataObject(_Frozen):
@@ -137,16 +184,6 @@ StoredShard = Annotated[
 crc32c], ...]]``: where it sits in the global tensor and its bytes (contiguous, row-major),
 written by one rank. Arrays, not objects: a job of 8,192 ranks stores 10^5 shards, which
 validate several times faster this way (:class:`ShardRecord` is the view code uses)."""
-
-
-class Span(NamedTuple):
-    """A stored byte range, whatever holds it (see :meth:`Manifest.all_ranges`)."""
-
-    object: str
-    offset: int
-    nbytes: int
-    crc32c: int | None
-    """None: an unverified range of a translated manifest."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +354,8 @@ class Manifest(_Frozen):
                     raise ValueError(f"rank {rank}: rank-local values cannot nest")
         if self.format_version < 3 and (slots or any(e.kind == "sharded" for e in self.entries)):
             raise ValueError(f"format version {self.format_version} has no multi-rank parts")
+        if self.format_version < COMPRESSED_VERSION and self.is_compressed():
+            raise ValueError(f"format version {self.format_version} has no compressed ranges")
         self._check_digests(spans)
         return self
 
@@ -354,6 +393,10 @@ class Manifest(_Frozen):
                 raise ValueError(f"digest of {name!r:.200} at {offset} is not {DIGEST_HEX} lower-case hex digits")
             seen.add(key)
 
+    def is_compressed(self) -> bool:
+        """Whether a byte range is compressed (format version 5)."""
+        return any(r.codec is not None for _, r in self.whole_ranges())
+
     def stored_objects(self) -> list[DataObject]:
         """Every object a load of this step reads: its own, then the referenced ones."""
         return [*self.objects, *(self.references or ())]
@@ -364,14 +407,24 @@ class Manifest(_Frozen):
         return sum(o.nbytes for o in self.objects)
 
     def all_ranges(self) -> Iterator[tuple[EntryRecord, Span]]:
-        """Every stored byte range with its entry: whole entries, shards, rank-local values."""
+        """Every stored byte range with its entry: whole entries, shards, rank-local values
+        (a compressed range as stored: its frame's extent and crc32c)."""
         for entry in self.entries:
-            yield from ((entry, Span(r.object, r.offset, r.nbytes, r.crc32c)) for r in entry.ranges)
+            yield from ((entry, r.span()) for r in entry.ranges)
             for _, _, ranges in entry.shards or ():
                 yield from ((entry, Span(*r)) for r in ranges)
         for part in self.rank_local or ():
             for entry in part.entries:
-                yield from ((entry, Span(r.object, r.offset, r.nbytes, r.crc32c)) for r in entry.ranges)
+                yield from ((entry, r.span()) for r in entry.ranges)
+
+    def whole_ranges(self) -> Iterator[tuple[EntryRecord, ByteRange]]:
+        """The byte ranges of whole entries and rank-local values (the only ones that may be
+        compressed), with their entry; shards are not among them."""
+        for entry in self.entries:
+            yield from ((entry, r) for r in entry.ranges)
+        for part in self.rank_local or ():
+            for entry in part.entries:
+                yield from ((entry, r) for r in entry.ranges)
 
     @property
     def total_bytes(self) -> int:
@@ -445,6 +498,8 @@ def _check_version(version: Any, where: str) -> None:
 
 def version_for(manifest: Manifest) -> int:
     """The oldest format version that holds ``manifest``."""
+    if manifest.is_compressed():
+        return COMPRESSED_VERSION
     if manifest.references is not None or manifest.digests is not None:
         return INCREMENTAL_VERSION
     if manifest.rank_local is not None or any(e.kind == "sharded" for e in manifest.entries):

@@ -45,7 +45,17 @@ from .buckets import bucket_of
 from .claims import Claim, differing_boxes, disagreement, value_crc32c
 from .classes import Described, describe
 from .dtypes import dtype_itemsize
-from .manifest import MULTI_RANK_VERSION, EntryRecord, Manifest, ShardRecord, StoredShard
+from .manifest import (
+    INCREMENTAL_VERSION,
+    MULTI_RANK_VERSION,
+    DataObject,
+    EntryRecord,
+    Manifest,
+    RankLocalRecord,
+    ShardRecord,
+    StoredDigest,
+    StoredShard,
+)
 from .parts import RankPart, TableEntry, WrittenRecord, spec_table
 from .spec import SaveSpec
 from .union import TreeUnion, map_entry_ids, referenced_entries
@@ -312,8 +322,9 @@ class _Merge:
         entries: list[EntryRecord] = [self._record(self.slots[i]) for i in kept]
         assert spec.distributed is not None
         local = [self.parts[r].local for r in range(spec.world_size)] if spec.distributed.local_values else None
+        references, digests = self._incremental(entries, local)
         return Manifest(
-            format_version=MULTI_RANK_VERSION,
+            format_version=MULTI_RANK_VERSION if references is None and digests is None else INCREMENTAL_VERSION,
             step=spec.step,
             save_id=spec.save_id,
             created_at=time.time(),
@@ -323,7 +334,24 @@ class _Merge:
             tree=tree,
             metadata=spec.metadata,
             rank_local=local,
+            references=references,
+            digests=digests,
         )
+
+    def _incremental(
+        self, entries: list[EntryRecord], local: list[RankLocalRecord] | None
+    ) -> tuple[list[DataObject] | None, list[StoredDigest] | None]:
+        """The parts' references and digests, of the ranges the merged manifest keeps (a
+        copy of a value held by several ranks is kept once)."""
+        kept: set[tuple[str, int]] = set()
+        for entry in [*entries, *(e for part in local or () for e in part.entries)]:
+            kept.update((r.object, r.offset) for r in entry.ranges)
+            kept.update((r[0], r[1]) for shard in entry.shards or () for r in shard[2])
+        parts = [self.parts[r] for r in range(self.spec.world_size)]
+        named = {name for name, _ in kept}
+        references = [o for part in parts for o in part.references or () if o.name in named]
+        digests = [d for part in parts for d in part.digests or () if (d[0], d[1]) in kept]
+        return references or None, digests or None
 
 
 def _contiguous(shape: list[int]) -> list[int]:

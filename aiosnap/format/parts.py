@@ -14,11 +14,12 @@ crc32c of the document) before merging them (:mod:`aiosnap.format.merge`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..core.names import attempt_prefix, check_save_id, object_prefix
+from ..core.names import attempt_of_object, attempt_prefix, check_save_id, object_prefix
 from ..errors import ManifestError
 from .buckets import BUCKETS
 from .dtypes import dtype_itemsize
@@ -28,11 +29,13 @@ from .manifest import (
     DataObject,
     EntryRecord,
     RankLocalRecord,
+    StoredDigest,
     crc_matches,
     parse_json,
     signed_json,
     validated,
 )
+from .placement import Landing
 from .spec import SaveSpec
 from .tree import check_tree, shift_entry_ids
 
@@ -128,6 +131,10 @@ class RankPart(_Frozen):
     table: list[TableEntry] | None = None
     """This class's table: in the part of its lowest rank (but the coordinator's, which it has)."""
     tree: Any = None
+    references: list[DataObject] | None = None
+    """Objects of earlier saves this rank wrote, which its ranges name (an incremental save)."""
+    digests: list[StoredDigest] | None = None
+    """The xxh3-128 of this rank's ranges (see :attr:`Manifest.digests`)."""
 
     _check_save_id = field_validator("save_id")(check_save_id)
 
@@ -153,6 +160,7 @@ class RankPart(_Frozen):
             if not obj.name.startswith(folder) or obj.rank != self.rank:
                 raise ValueError(f"object {obj.name!r} is not in rank {self.rank}'s folder {folder!r}")
             names.add(obj.name)
+        self._check_references(names)
         seen: set[int] = set()
         for record in self.written:
             if record.entry >= self.main_entries or record.entry in seen:
@@ -172,6 +180,18 @@ class RankPart(_Frozen):
             if any(r.crc32c is None for r in ranges):  # only translated manifests, never stored, have them
                 raise ValueError(f"{what}: a byte range without a crc32c")
         return self
+
+    def _check_references(self, names: set[str]) -> None:
+        """Each reference an object this rank wrote in an earlier step, listed once; added
+        to ``names`` (the objects ranges may name). The merged manifest checks them again."""
+        for obj in self.references or ():
+            attempt = attempt_of_object(obj.name)
+            if attempt is None or attempt[0] >= self.step or obj.rank != self.rank or obj.name in names:
+                raise ValueError(f"reference {obj.name!r:.200} is not an earlier object of rank {self.rank}")
+            names.add(obj.name)
+        for name, offset, _ in self.digests or ():
+            if name not in names or offset < 0:
+                raise ValueError(f"digest of {name!r:.200} at {offset}: not an object of this part")
 
     def to_json(self) -> bytes:
         return signed_json(self)
@@ -202,13 +222,17 @@ def spec_table(spec: SaveSpec, *, trusted: bool = False) -> list[TableEntry]:
     return found
 
 
-def _ranges(spec: SaveSpec, crcs: Checksums) -> dict[int, list[ByteRange]]:
+def _ranges(spec: SaveSpec, crcs: Checksums, landings: Sequence[Landing] | None) -> dict[int, list[ByteRange]]:
     found: dict[int, list[ByteRange]] = {}
-    for chunk in spec.chunks:
-        for piece in chunk.pieces:
-            crc = crcs[(chunk.object_name, piece.dst_offset)]
+    for index, chunk in enumerate(spec.chunks):
+        for at, piece in enumerate(chunk.pieces):
+            if landings is None:
+                name, offset, crc = chunk.object_name, piece.dst_offset, crcs[(chunk.object_name, piece.dst_offset)]
+            else:
+                placed = landings[index].pieces[at]
+                name, offset, crc = placed.object, placed.offset, placed.crc32c
             found.setdefault(piece.entry, []).append(
-                ByteRange(object=chunk.object_name, offset=piece.dst_offset, nbytes=piece.nbytes, crc32c=crc)
+                ByteRange(object=name, offset=offset, nbytes=piece.nbytes, crc32c=crc)
             )
     return found
 
@@ -221,12 +245,15 @@ def _record(spec: SaveSpec, index: int, ranges: list[ByteRange]) -> EntryRecord:
     )  # fmt: skip
 
 
-def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
-    """This rank's part of the save ``spec``, every range's crc32c from ``crcs``."""
+def build_part(spec: SaveSpec, crcs: Checksums, landings: Sequence[Landing] | None = None) -> RankPart:
+    """This rank's part of the save ``spec``, every range's crc32c from ``crcs``; of an
+    incremental save, each piece where ``landings`` (one per chunk) says it landed."""
     dist = spec.distributed
     if dist is None:
         raise ValueError("not a multi-rank save")
-    ranges = _ranges(spec, crcs)
+    if landings is not None and len(landings) != len(spec.chunks):
+        raise ValueError(f"{len(landings)} landings for {len(spec.chunks)} chunks")
+    ranges = _ranges(spec, crcs, landings)
     boxes = {s.entry: s for s in dist.shards}
     written = [
         WrittenRecord(
@@ -249,7 +276,7 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         rank=spec.rank,
         world_size=spec.world_size,
         main_entries=main,
-        objects=[DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks],
+        objects=_objects(spec, landings),
         written=written,
         checksums=[ChecksumRecord(entry=i, crc32c=crc) for i, crc in dist.checksums],
         local=local,
@@ -258,4 +285,27 @@ def build_part(spec: SaveSpec, crcs: Checksums) -> RankPart:
         buckets=list(dist.buckets or (0,) * BUCKETS),
         table=spec_table(spec) if leads else None,
         tree=spec.tree if leads else None,
+        **_incremental(landings),
     )
+
+
+def _objects(spec: SaveSpec, landings: Sequence[Landing] | None) -> list[DataObject]:
+    if landings is None:
+        return [DataObject(name=c.object_name, rank=spec.rank, nbytes=c.nbytes) for c in spec.chunks]
+    return [
+        DataObject(name=c.object_name, rank=spec.rank, nbytes=landing.stored)
+        for c, landing in zip(spec.chunks, landings, strict=True)
+        if landing.stored
+    ]
+
+
+def _incremental(landings: Sequence[Landing] | None) -> dict[str, Any]:
+    """The references and digests fields of an incremental part (none otherwise)."""
+    if landings is None:
+        return {}
+    references = sorted({r for landing in landings for r in landing.references})
+    digests = [(p.object, p.offset, p.digest) for landing in landings for p in landing.pieces if p.digest is not None]
+    return {
+        "references": [DataObject(name=n, rank=rank, nbytes=size) for n, rank, size in references] or None,
+        "digests": digests or None,
+    }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..format.placement import Landing
     from ..format.spec import SaveSpec
     from ..storage.base import Storage
 
@@ -33,7 +34,8 @@ class SlabChunk:
 @dataclass(frozen=True, slots=True)
 class FileChunk:
     """Chunk ``index`` of save ``save_id`` in the spool file ``path``, written with crc32c
-    ``crc`` (whole file) and ``pieces`` (each byte range)."""
+    ``crc`` (whole file) and ``pieces`` (each byte range), ``digests`` the xxh3-128 of each
+    byte range (empty: not computed)."""
 
     save_id: str
     index: int
@@ -41,6 +43,7 @@ class FileChunk:
     nbytes: int
     crc: int
     pieces: tuple[int, ...]
+    digests: tuple[str, ...] = ()
 
 
 Staged = SlabChunk | FileChunk
@@ -64,9 +67,10 @@ class TransferListener(Protocol):
     def preflight(self, save_id: str, latest: int | None, error: BaseException | None) -> None:
         """The latest committed step of the save's root (or why it could not be read)."""
 
-    def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
-        """Chunk ``index`` landed (``pieces``: the crc32c of its byte ranges) or will not
-        be uploaded (None); either way its slab or spool file is the trainer's again."""
+    def done_with(self, save_id: str, index: int, pieces: Landing | None) -> None:
+        """Chunk ``index`` landed (``pieces``: where each of its byte ranges is, with its
+        crc32c) or will not be uploaded (None); either way its slab or spool file is the
+        trainer's again."""
 
     def sent(self, save_id: str, index: int, nbytes: int) -> None:
         """``nbytes`` more of chunk ``index`` reached storage (a request of its upload

@@ -23,7 +23,7 @@ from ..config import SpoolConfig
 from ..core import durable
 from ..core.aio import complete_before_cancel
 from ..core.budget import ByteBudget
-from ..core.checksums import RangeChecksums
+from ..core.checksums import RangeChecksums, content_digest
 from ..errors import SpoolBusyError
 
 __all__ = ["LOCK", "Spool", "spool_budget_bytes"]
@@ -88,27 +88,30 @@ class Spool:
 
     async def spill(
         self, save_id: str, index: int, data: memoryview, ranges: list[tuple[int, int]], *, sync: bool = True
-    ) -> tuple[str, int, list[int]]:
+    ) -> tuple[str, int, list[int], list[str]]:
         """Write one chunk durably (``sync=False``: written, its writeback started, the
-        fsync left to the caller); returns its path, its crc32c and those of its ranges.
-        OSError (ENOSPC, EACCES) is raised as is, the partial file removed."""
+        fsync left to the caller); returns its path, its crc32c and those of its ranges,
+        and their xxh3-128 digests (what incremental saves compare). OSError (ENOSPC,
+        EACCES) is raised as is, the partial file removed."""
         directory = self.save_dir(save_id)
         path = directory / f"{index}.bin"
 
-        def write() -> tuple[int, list[int]]:
+        def write() -> tuple[int, list[int], list[str]]:
             directory.mkdir(exist_ok=True)
             durable.write_file(path, data, sync=sync)
             checksums = RangeChecksums(data, [b for offset, nbytes in ranges for b in (offset, offset + nbytes)])
-            return checksums.of(0, data.nbytes), [checksums.of(offset, offset + nbytes) for offset, nbytes in ranges]
+            digests = [content_digest(data[offset : offset + nbytes]) for offset, nbytes in ranges]
+            crcs = [checksums.of(offset, offset + nbytes) for offset, nbytes in ranges]
+            return checksums.of(0, data.nbytes), crcs, digests
 
         try:
             # run to the end even if cancelled: the thread reads a slab that is reused
             # afterwards, and a file it finished later would outlive the cleanup
-            crc, pieces = await complete_before_cancel(asyncio.to_thread(write))
+            crc, pieces, digests = await complete_before_cancel(asyncio.to_thread(write))
         except BaseException:
             await asyncio.to_thread(path.unlink, True)
             raise
-        return str(path), crc, pieces
+        return str(path), crc, pieces, digests
 
     async def discard(self, save_id: str) -> None:
         await complete_before_cancel(asyncio.to_thread(shutil.rmtree, self.save_dir(save_id), True))

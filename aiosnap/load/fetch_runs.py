@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..core.aio import complete_before_cancel
 from ..core.checksums import crc32c_of
+from ..core.codec import decompress_into
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError
 from ..format.manifest import ByteRange
 from ..storage.base import Storage
@@ -49,7 +50,7 @@ class Run:
     @property
     def end(self) -> int:
         last = self.ranges[-1].where
-        return last.offset + last.nbytes
+        return last.offset + last.extent
 
 
 def back_to_back(path: str, stored: Iterable[ByteRange], buffer: memoryview) -> list[Range]:
@@ -74,6 +75,10 @@ def plan_runs(ranges: list[Range]) -> list[Run]:
         run: Run | None = None
         for r in found:
             offset = r.where.offset
+            if r.where.codec is not None:  # a compressed range is read on its own, decompressed
+                runs.append(Run(name, [r]))
+                run = None
+                continue
             if run is None or offset - run.end > MAX_GAP or offset + r.where.nbytes - run.start > MAX_RUN_BYTES:
                 run = Run(name)
                 runs.append(run)
@@ -95,8 +100,47 @@ def _verify(where: str, run: Run) -> None:
             )
 
 
+def _inflate(where: str, r: Range, frame: memoryview) -> None:
+    """Worker thread: check the stored frame of the compressed range ``r``, decompress it
+    into its destination (never more than its size), check the raw bytes."""
+    crc = crc32c_of(frame)
+    if crc != r.where.stored_crc32c:
+        raise ChecksumMismatchError(
+            f"{where}: checksum mismatch in the compressed bytes of {r.path!r} (object {r.where.object!r}, offset "
+            f"{r.where.offset}): crc32c {crc:#010x}, manifest says {r.where.stored_crc32c:#010x}"
+        )
+    try:
+        decompress_into(frame, r.dest, r.where.shuffle or 1)
+    except ValueError as exc:
+        raise CorruptCheckpointError(
+            f"{where}: the compressed bytes of {r.path!r} (object {r.where.object!r}, offset {r.where.offset}) "
+            f"do not decompress to its {r.where.nbytes} bytes: {exc}"
+        ) from None
+    _verify(where, Run(r.where.object, [r]))
+
+
+async def _read_compressed(storage: Storage, where: str, r: Range) -> None:
+    """Read the frame of one compressed range into a scratch buffer of its stored size
+    (smaller than the range: the manifest says so), then decompress it into place."""
+    frame = memoryview(bytearray(r.where.extent))
+    try:
+        got = await storage.read_into(r.where.object, r.where.offset, frame)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{where}: data object {r.where.object!r} of {r.path!r} is missing") from exc
+    if got < frame.nbytes:
+        raise TruncatedObjectError(
+            f"{where}: data object {r.where.object!r} is truncated: {r.path!r} needs {frame.nbytes} stored bytes "
+            f"at offset {r.where.offset}, only {got} there"
+        )
+    await complete_before_cancel(asyncio.to_thread(_inflate, where, r, frame))
+
+
 async def read_run(storage: Storage, where: str, run: Run) -> None:
-    """Read ``run`` with one request into its ranges' destinations and verify each range."""
+    """Read ``run`` with one request into its ranges' destinations and verify each range
+    (a compressed range: its frame, decompressed into its destination)."""
+    if run.ranges[0].where.codec is not None:
+        await _read_compressed(storage, where, run.ranges[0])
+        return
     buffers: list[memoryview] = []
     position = run.start
     for r in run.ranges:  # ranges never overlap (the manifest is checked for that)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ..format.placement import Landing
 from ..handoff.contract import SlabChunk
 from ..storage.base import Storage
 from ..trainer.chunks import SavePlan
@@ -74,7 +75,7 @@ class JobSpool:
 
         self.run(write())
 
-    def done_with(self, index: int, pieces: list[int] | None) -> None:
+    def done_with(self, index: int, pieces: Landing | None) -> None:
         """Journal that chunk ``index`` landed (``pieces``) or will not be uploaded (None)."""
         if self.session is not None:
             self.run(self.session.done_with(index, pieces))

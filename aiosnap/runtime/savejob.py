@@ -35,6 +35,7 @@ from ..core.events import ScopeEmitter
 from ..core.failures import FailureLedger
 from ..core.progress import ProgressTracker
 from ..errors import RankTimeoutError, UploadProcessError
+from ..format.placement import Landing
 from ..handoff.contract import FileChunk, SlabChunk, Staged, Transfer, TransferOutcome
 from ..storage.base import Storage
 from ..trainer.capture import capture_chunks
@@ -317,7 +318,7 @@ class SaveJob:
         else:
             self.preflight.set_result(Preflight(self.plan.step, latest))
 
-    def chunk_done(self, index: int, pieces: list[int] | None, lent: bool) -> None:
+    def chunk_done(self, index: int, pieces: Landing | None, lent: bool) -> None:
         """Chunk ``index`` landed (``pieces``) or will not be uploaded (None); ``lent``: it
         was still lent out (its slab or spool file just came back)."""
         if pieces is not None:

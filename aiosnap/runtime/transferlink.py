@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..config import Config
+from ..format.placement import Landing
 from ..handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from ..storage.base import Storage
 from ..transfer.commit import preflight, whose_commit
@@ -115,7 +116,7 @@ class TransferLink:
         if job is not None:
             job.preflight_back(latest, error)
 
-    def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
+    def done_with(self, save_id: str, index: int, pieces: Landing | None) -> None:
         chunk, _ = self.lent.pop((save_id, index), (None, None))
         pool = self.resources.pool
         if isinstance(chunk, SlabChunk) and pool is not None:

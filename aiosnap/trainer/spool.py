@@ -23,6 +23,7 @@ from ..core import durable
 from ..core.aio import complete_before_cancel
 from ..core.tensorio import bytes_view
 from ..format.journal import JOURNAL, JournalWriter, begin_record
+from ..format.placement import Landing
 from ..handoff.contract import FileChunk
 from ..handoff.spooldir import Spool
 from .chunks import Chunk, SavePlan
@@ -73,7 +74,7 @@ class SpoolSession:
         """Time spent copying into spool buffers and writing spool files."""
         self.keep = False
         """Leave the save's folder for a later resume (the upload process died)."""
-        self._landed: dict[int, list[int]] = {}
+        self._landed: dict[int, Landing] = {}
         self._files: dict[int, Path] = {}
         self._journal: JournalWriter | None = None
         self._journal_ok = True
@@ -111,9 +112,11 @@ class SpoolSession:
         ranges = [(p.dst_offset, p.nbytes) for p in chunk.pieces]
         began = time.perf_counter()
         try:
-            path, crc, pieces = await self._spill(chunk, copy, ranges)
+            path, crc, pieces, digests = await self._spill(chunk, copy, ranges)
             self._unsynced.append(Path(path))
-            await self._record({"kind": "spooled", "chunk": chunk.index, "crc": crc, "pieces": pieces}, sync=False)
+            await self._record(
+                {"kind": "spooled", "chunk": chunk.index, "crc": crc, "pieces": pieces, "digests": digests}, sync=False
+            )  # fmt: skip
         except OSError as exc:
             budget.release(nbytes)
             await asyncio.to_thread(Path(self.spool.save_dir(self.plan.save_id), f"{chunk.index}.bin").unlink, True)
@@ -130,11 +133,11 @@ class SpoolSession:
         self.spooled_bytes += nbytes
         self.spool_seconds += time.perf_counter() - began
         self._files[chunk.index] = Path(path)
-        return FileChunk(self.plan.save_id, chunk.index, path, nbytes, crc, tuple(pieces))
+        return FileChunk(self.plan.save_id, chunk.index, path, nbytes, crc, tuple(pieces), tuple(digests))
 
     async def _spill(
         self, chunk: Chunk, copy: Callable[[torch.Tensor], Awaitable[None]], ranges: list[tuple[int, int]]
-    ) -> tuple[str, int, list[int]]:
+    ) -> tuple[str, int, list[int], list[str]]:
         """Copy the chunk into a slab (``always``) or the bounce slab (``overflow``) and write
         it out; the slab is free again when this returns."""
         if self.spool.mode == "always":
@@ -172,7 +175,7 @@ class SpoolSession:
                     folder = self.spool.save_dir(self.plan.save_id)  # made by the first spill, if any
                     await asyncio.to_thread(folder.mkdir, exist_ok=True)
                     self._journal = JournalWriter(folder / JOURNAL)
-                    landed = [{"kind": "landed", "chunk": i, "pieces": p} for i, p in self._landed.items()]
+                    landed = [{"kind": "landed", "chunk": i, **p.record()} for i, p in self._landed.items()]
                     await self._journal.append(self._begin(), *landed, record, sync=sync)
                 else:
                     await self._journal.append(record, sync=sync)
@@ -249,10 +252,10 @@ class SpoolSession:
             log.warning("aiosnap: no spool disk budget left to keep chunk %d of step %d on disk", index, self.plan.step)
             return False
         try:
-            path, crc, pieces = await self.spool.spill(
+            path, crc, pieces, digests = await self.spool.spill(
                 self.plan.save_id, index, data, [(p.dst_offset, p.nbytes) for p in chunk.pieces]
             )  # fmt: skip
-            await self._record({"kind": "spooled", "chunk": index, "crc": crc, "pieces": pieces})
+            await self._record({"kind": "spooled", "chunk": index, "crc": crc, "pieces": pieces, "digests": digests})
         except OSError as exc:
             self.spool.budget.release(nbytes)
             log.warning("aiosnap: could not keep chunk %d of step %d on the spool disk: %r", index, self.plan.step, exc)
@@ -276,9 +279,9 @@ class SpoolSession:
             "but would not survive a crash", self.plan.step, exc,
         )  # fmt: skip
 
-    async def done_with(self, index: int, pieces: list[int] | None) -> None:
+    async def done_with(self, index: int, pieces: Landing | None) -> None:
         """The transfer side is done with chunk ``index``: landed (``pieces``: its byte
-        ranges' crc32c; journalled, then its spool file deleted) or dropped (None: the file,
+        ranges' places and crc32c; journalled, then its spool file deleted) or dropped (None: the file,
         if any, stays until :meth:`finish`, with its disk budget)."""
         path = self._files.pop(index, None)
         journalled = False
@@ -286,7 +289,7 @@ class SpoolSession:
             self._landed[index] = pieces
             if self._journal is not None and self._journal_ok:
                 try:
-                    await self._record({"kind": "landed", "chunk": index, "pieces": pieces})
+                    await self._record({"kind": "landed", "chunk": index, **pieces.record()})
                     journalled = True
                 except OSError as exc:
                     self._broken(exc)

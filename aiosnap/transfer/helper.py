@@ -28,6 +28,7 @@ from typing import Any
 from ..config import Config
 from ..core.arena import Arena
 from ..errors import UploadProcessError
+from ..format.placement import Landing
 from ..handoff.contract import TransferOutcome
 from ..storage.base import Storage
 from .local import LocalTransfer
@@ -54,7 +55,7 @@ class _Reports:
     def preflight(self, save_id: str, latest: int | None, error: BaseException | None) -> None:
         self.send("preflight", save_id, latest, None if error is None else pack_exception(error))
 
-    def done_with(self, save_id: str, index: int, pieces: list[int] | None) -> None:
+    def done_with(self, save_id: str, index: int, pieces: Landing | None) -> None:
         self.send("done_with", save_id, index, pieces)
 
     def sent(self, save_id: str, index: int, nbytes: int) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..catalog.steps import apply_retention
@@ -25,8 +25,10 @@ from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
 from ..core.progress import counting_sent
-from ..errors import first_error
+from ..errors import CorruptCheckpointError, first_error
+from ..format.dtypes import dtype_itemsize
 from ..format.manifest import Checksums, Manifest, build_manifest
+from ..format.placement import BaseRanges, Landing
 from ..format.spec import SaveSpec
 from ..handoff.contract import FileChunk, Staged, TransferListener, TransferOutcome
 from ..interop.safetensors.live import LiveExport
@@ -37,6 +39,7 @@ from .heartbeat import Heartbeat
 from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
 from .rank_wait import wait_for_commit
+from .references import IncrementalSave, check_references
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 
@@ -76,6 +79,10 @@ class LocalTransfer:
         self._warm_ups: set[asyncio.Task[None]] = set()
         self.tombstones = Tombstones()  # verdicts of multi-rank steps this side removed, kept a while
         self.trainer_alive: Callable[[], bool] | None = None  # upload process: heartbeats only while pinged
+        self.bases: dict[str, BaseRanges] = {}
+        """Per root: the ranges of the last step an incremental save committed there."""
+        self.whole_next: set[str] = set()
+        """Roots whose next save writes every byte (a reference of the last one was gone)."""
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
@@ -232,6 +239,17 @@ class _Upload:
         )  # fmt: skip
         self.live: LiveExport | None = None
         """The save's live export (``also_as``), fed each chunk before its slab goes back."""
+        self.incremental: IncrementalSave | None = None
+        """Set when the upload decides where pieces go (dedup, compression)."""
+        plain = spec.archive is None and spec.also is None
+        dedup = owner.config.upload.dedup and plain
+        self.compress = owner.config.upload.compression == "zstd" and plain and spec.distributed is None
+        if dedup or self.compress:
+            url = storage.url
+            known, whole = owner.bases.get(url), url in owner.whole_next
+            self.incremental = IncrementalSave(storage, spec, known, whole=whole, dedup=dedup)
+            owner.whole_next.discard(url)
+        self._landings: dict[int, Landing] = {}
 
     def put(self, chunk: Staged) -> None:
         self._outstanding.add(chunk.index)
@@ -244,7 +262,7 @@ class _Upload:
             self._queue.put_nowait(None)
         self.may_start.set()
 
-    def _done(self, index: int, pieces: list[int] | None) -> None:
+    def _done(self, index: int, pieces: Landing | None) -> None:
         if self.heartbeat is not None:
             self.heartbeat.advance()  # uploaded (or given back)
         if index in self._outstanding:
@@ -282,6 +300,8 @@ class _Upload:
             look.cancel()
             for index in sorted(self._outstanding):
                 self._done(index, None)
+            if self.incremental is not None:
+                self.incremental.release()
             self.owner.forget(self)
         listener.finished(self.save_id, outcome)  # always: the trainer side waits for it
 
@@ -296,6 +316,8 @@ class _Upload:
         crcs: Checksums = {}
         clock = _StageClock()
         try:
+            if self.incremental is not None and self.incremental.dedup:  # the base: before the first upload
+                await self.incremental.start((await look).latest)
             if self.spec.also is not None:
                 self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
                 await self.live.start()
@@ -319,7 +341,7 @@ class _Upload:
         if dist is not None and dist.coordinator != self.spec.rank:
             self.commit_started = True  # the coordinator may commit with our part from now on
             self.reached = "delivered"
-            part_bytes = await deliver_part(self.storage, self.spec, crcs)
+            part_bytes = await deliver_part(self.storage, self.spec, crcs, await self._checked_landings())
             assert self.heartbeat is not None
             await self.heartbeat.stop()  # the coordinator has all it needs of this rank
             await wait_for_commit(self.storage, self.spec, self.owner.config.distributed)
@@ -328,6 +350,8 @@ class _Upload:
             return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
         if dist is not None:
             manifest, document = await self._gather(crcs)
+        else:
+            manifest = await self._manifest(crcs)  # an incremental save's references checked before the commit
         self.commit_started = True
         self.reached = "committing"
         if dist is not None:  # the commit is checked to stand once its manifest landed: only then retention
@@ -335,20 +359,54 @@ class _Upload:
                 self.storage, self.spec, manifest, document, replace=decided.replaces, tombstones=self.owner.tombstones
             )
         else:
-            manifest = build_manifest(self.spec, crcs)
             document = checked_document(self.storage, manifest)  # refused before the commit starts
             manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
+        if self.incremental is not None:
+            self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention()
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
+
+    async def _manifest(self, crcs: Checksums) -> Manifest:
+        """The manifest of a one-rank save; of an incremental one, each piece where it
+        landed, once its references are checked to stand (else the save fails, nothing is
+        committed, and the next save to this root writes whole)."""
+        if self.incremental is None:
+            return build_manifest(self.spec, crcs)
+        manifest = self.incremental.manifest(crcs, self._landed())
+        await self._check(self.incremental.check(manifest))
+        return manifest
+
+    def _landed(self) -> list[Landing]:
+        return [self._landings[i] for i in range(len(self.spec.chunks))]
+
+    async def _checked_landings(self) -> list[Landing] | None:
+        """A rank's part of an incremental multi-rank save: where its pieces landed, once
+        the objects it references are checked to stand (each rank checks its own)."""
+        if self.incremental is None:
+            return None
+        landings = self._landed()
+        references = sorted({r for landing in landings for r in landing.references})
+        await self._check(check_references(self.storage, self.spec.step, references))
+        return landings
+
+    async def _check(self, check: Coroutine[Any, Any, None]) -> None:
+        """Run a reference check; when it fails, the next save to this root writes whole."""
+        try:
+            await check
+        except CorruptCheckpointError:
+            self.owner.bases.pop(self.storage.url, None)
+            self.owner.whole_next.add(self.storage.url)
+            raise
 
     async def _gather(self, crcs: Checksums) -> tuple[Manifest, bytes]:
         """Coordinator: every rank's part merged, its objects checked, the manifest
         serialized (so that after the claim only its write remains), the commit claimed."""
         assert self.heartbeat is not None
         self.reached = self.heartbeat.phase = "gathering"
-        manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed)
+        landings = await self._checked_landings()
+        manifest = await gather_manifest(self.storage, self.spec, crcs, self.owner.config.distributed, landings)
         await check_objects(self.storage, manifest)
         document = checked_document(self.storage, manifest)  # a manifest no reader takes is never claimed
         self.reached = "claiming"
@@ -365,23 +423,30 @@ class _Upload:
                 return
             clock.began()
             chunk = self.spec.chunks[staged.index]
+            reuse = None if self.incremental is None or not self.incremental.dedup else self.incremental.reuse
+            itemsizes = (
+                [dtype_itemsize(self.spec.entries[p.entry].dtype) for p in chunk.pieces] if self.compress else None
+            )
             with counting_sent(functools.partial(self.owner.listener.sent, self.save_id, staged.index)):
-                pieces = await upload_chunk(self.storage, self.owner.arena, staged, chunk)
+                landing = await upload_chunk(self.storage, self.owner.arena, staged, chunk, reuse, itemsizes)
             if self.live is not None:  # before the slab goes back
                 if isinstance(staged, FileChunk):
                     await self.live.take_file(staged.index, staged.path)
                 else:
                     await self.live.take(staged.index, self.owner.arena.view(staged.slab, staged.nbytes))
-            for piece, crc in zip(chunk.pieces, pieces, strict=True):
+            for piece, crc in zip(chunk.pieces, landing.crcs, strict=True):
                 crcs[(chunk.object_name, piece.dst_offset)] = crc
+            self._landings[staged.index] = landing
             clock.landed()
-            self._done(staged.index, pieces)
+            self._done(staged.index, landing)
 
     async def _abort_live(self) -> None:
         if self.live is not None:
             await asyncio.shield(self.live.abort())
 
     async def _retention(self) -> list[int]:
+        """Retention after the commit: a step it deletes takes with it only the objects that
+        no kept manifest names and no save in flight pins (:mod:`aiosnap.catalog.keep`)."""
         busy = self.owner.busy_steps(self.storage) - {self.spec.step}
         tombstones = None if self.spec.distributed is None else self.owner.tombstones
         try:

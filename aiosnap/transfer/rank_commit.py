@@ -35,6 +35,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 from ..catalog.steps import committed_document
@@ -51,6 +52,7 @@ from ..errors import (
 from ..format.manifest import Checksums, Manifest
 from ..format.merge import merge_parts
 from ..format.parts import MAX_PART_BYTES, RankPart, build_part, failed_name, part_name
+from ..format.placement import Landing
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
 from .commit import remove_replaced, write_manifest
@@ -75,9 +77,12 @@ Reached = Literal["uploading", "gathering", "claiming", "committing", "delivered
 claiming the commit verdict, writing the manifest; (other ranks) its part delivered."""
 
 
-async def deliver_part(storage: Storage, spec: SaveSpec, crcs: Checksums) -> int:
-    """Write this rank's part (after all its data objects); its size in bytes."""
-    document = build_part(spec, crcs).to_json()
+async def deliver_part(
+    storage: Storage, spec: SaveSpec, crcs: Checksums, landings: Sequence[Landing] | None = None
+) -> int:
+    """Write this rank's part (after all its data objects; ``landings``: where an
+    incremental save's pieces landed); its size in bytes."""
+    document = build_part(spec, crcs, landings).to_json()
     await storage.write(part_name(spec.step, spec.save_id, spec.rank), document)
     return len(document)
 
@@ -110,14 +115,20 @@ def _missing(world: int, have: set[int]) -> str:
     return listed([r for r in range(world) if r not in have])
 
 
-async def gather_manifest(storage: Storage, spec: SaveSpec, own: Checksums, config: DistributedConfig) -> Manifest:
-    """Coordinator: every rank's part (its own from ``own``), merged into the step's
+async def gather_manifest(
+    storage: Storage,
+    spec: SaveSpec,
+    own: Checksums,
+    config: DistributedConfig,
+    landings: Sequence[Landing] | None = None,
+) -> Manifest:
+    """Coordinator: every rank's part (its own from ``own`` and ``landings``), merged into the step's
     manifest. :class:`RankFailedError` when a rank reports a failure (or a follower declared
     the save aborted); :class:`RankTimeoutError` naming the ranks whose heartbeat stopped, or
     those still missing after ``commit_timeout``."""
     assert spec.distributed is not None
     world, folder = spec.world_size, attempt_prefix(spec.step, spec.save_id)
-    parts: dict[int, RankPart] = {spec.rank: build_part(spec, own)}
+    parts: dict[int, RankPart] = {spec.rank: build_part(spec, own, landings)}
     backoff = Backoff(time.monotonic() + spec.distributed.commit_timeout, world)
     watch = PeerWatch(storage, spec, config)
     limit = asyncio.Semaphore(_READS_AT_ONCE)

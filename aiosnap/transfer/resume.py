@@ -23,14 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..catalog.pins import pins_for
 from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
 from ..core.progress import counting_sent
+from ..errors import CorruptCheckpointError
 from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJournal, read_journal
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
+from .references import check_references, verify_ranges
 
 __all__ = ["Progress", "ResumeReport", "resume_spooled"]
 
@@ -93,12 +96,20 @@ async def _check_landed(storage: Storage, state: JournalState) -> None:
     removed an old incomplete step's objects)."""
     for index in sorted(state.landed):
         obj = state.manifest.objects[index]
+        expected = state.stored_size(index)
+        if expected == 0:  # incremental: every piece is an earlier step's range, no object written
+            continue
         try:
             size = await storage.size(obj.name)
         except FileNotFoundError:
             raise _Discard(f"chunk {index} ({obj.name}) landed before the crash but is gone from storage") from None
-        if size != obj.nbytes:
-            raise _Discard(f"chunk {index} ({obj.name}) in storage has {size} bytes, not {obj.nbytes}")
+        if size != expected:
+            raise _Discard(f"chunk {index} ({obj.name}) in storage has {size} bytes, not {expected}")
+    references = {r for landing in state.landings.values() for r in landing.references}
+    try:
+        await check_references(storage, state.manifest.step, sorted(references))
+    except CorruptCheckpointError as exc:
+        raise _Discard(str(exc)) from None
 
 
 async def _finish(
@@ -115,6 +126,18 @@ async def _finish(
         storage.attempt_started(state.spec)
     except ValueError as exc:
         raise _Discard(str(exc)) from None
+    references = {r[0] for landing in state.landings.values() for r in landing.references}
+    token = pins_for(storage.url).pin(references)  # retention and gc of this process keep them
+    try:
+        return await _upload_and_commit(spool, storage, state, concurrency, progress)
+    finally:
+        pins_for(storage.url).release(token)
+
+
+async def _upload_and_commit(
+    spool: Spool, storage: Storage, state: JournalState, concurrency: int, progress: Callable[[int], None]
+) -> bool:
+    manifest = state.manifest
     await _check_landed(storage, state)
     limit = asyncio.Semaphore(concurrency)
     folder = spool.save_dir(manifest.save_id)
@@ -136,7 +159,14 @@ async def _finish(
         sent(obj.nbytes - told)  # a backend that reports nothing, or less
 
     await asyncio.gather(*(upload(i) for i in range(len(manifest.objects)) if i not in state.landed))
-    await commit_manifest(storage, state.final_manifest(), replace=False)
+    final = state.final_manifest()
+    if state.landings:  # an incremental save's journal says where its pieces are: checked, not trusted
+        landed = {p.object for landing in state.landings.values() for p in landing.pieces}
+        try:
+            await verify_ranges(storage, final, landed, concurrency)
+        except CorruptCheckpointError as exc:
+            raise _Discard(str(exc)) from None
+    await commit_manifest(storage, final, replace=False)
     return True
 
 
@@ -237,7 +267,7 @@ async def _resume_one(
         log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
         report.resumed.append(step)
         try:
-            await apply_retention(storage, keep_last, step, set())
+            await apply_retention(storage, keep_last, step, set())  # keeps what kept steps name
         except Exception as exc:
             log.warning("aiosnap: retention after resuming step %d failed: %r", step, exc)
     await spool.discard(save_id)

@@ -1,4 +1,4 @@
-"""Uploading one staged chunk: write it to storage and return the crc32c of its byte ranges.
+"""Uploading one staged chunk: write it to storage and say where each byte range landed.
 
 Runs on the transfer side's loop; checksums run on worker threads (the crc32c package
 releases the GIL). Each byte is checksummed once: one pass over a slab yields the CRC32C of
@@ -16,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Sequence
 
 from ..core.aio import drop_frame_locals, finish_despite_cancel
 from ..core.arena import Arena, SlabLease
-from ..core.checksums import RangeChecksums
+from ..format.placement import Landing, Reuse
 from ..format.spec import ChunkSpec
 from ..handoff.contract import FileChunk, SlabChunk, Staged
 from ..storage.base import Storage
+from .dedup import land_file, land_slab
 
 __all__ = ["LEASE_WAIT_S", "upload_chunk"]
 
@@ -33,11 +35,6 @@ LEASE_WAIT_S = 1.0
 task ends within a few loop turns (aiohttp aborts the connection, dropping what it had
 queued); what holds a view after that is a Python reference that sends nothing (a log
 record kept by a handler, say), and the slab is reused."""
-
-
-def _checksum(data: memoryview, chunk: ChunkSpec) -> RangeChecksums:
-    boundaries = [b for p in chunk.pieces for b in (p.dst_offset, p.dst_offset + p.nbytes)]
-    return RangeChecksums(data, boundaries)
 
 
 async def _until_released(lease: SlabLease, what: str) -> None:
@@ -57,25 +54,30 @@ async def _until_released(lease: SlabLease, what: str) -> None:
         log.debug("aiosnap: the body of %s is still referenced after %g s; reusing its slab", what, waited)
 
 
-async def upload_chunk(storage: Storage, arena: Arena, staged: Staged, chunk: ChunkSpec) -> list[int]:
-    """Write ``staged`` (chunk ``chunk`` of its save) to storage; the crc32c of each piece."""
+async def upload_chunk(
+    storage: Storage,
+    arena: Arena,
+    staged: Staged,
+    chunk: ChunkSpec,
+    reuse: Reuse | None = None,
+    itemsizes: Sequence[int] | None = None,
+) -> Landing:
+    """Write ``staged`` (chunk ``chunk`` of its save) to storage: where each piece landed,
+    with its crc32c (and, with ``reuse``, its digest: pieces equal to a base range are not
+    written; with ``itemsizes``, each piece's dtype item size, pieces are compressed where
+    that makes them smaller: see :mod:`.dedup`)."""
     if isinstance(staged, FileChunk):
-        await storage.write_file_verified(chunk.object_name, staged.path, staged.crc)
-        return list(staged.pieces)
+        digests = list(staged.digests) if staged.digests else [None] * len(chunk.pieces)
+        return await land_file(storage, staged.path, staged.crc, chunk, staged.pieces, digests, reuse, itemsizes)
     assert isinstance(staged, SlabChunk)
     lease = arena.lease(staged.slab, staged.nbytes)
-    checksums: RangeChecksums | None = None
     try:
         assert lease.view is not None
-        checksums = await asyncio.to_thread(_checksum, lease.view, chunk)
-        await storage.write_checksummed(chunk.object_name, lease.view, checksums)
-        return [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
+        return await land_slab(storage, lease.view, chunk, reuse, itemsizes)
     except BaseException as error:
         drop_frame_locals(error)  # its traceback would keep the request body (the slab) alive
         raise
     finally:
-        if checksums is not None:
-            checksums.release()
         lease.release()
         if lease.in_use:
             await finish_despite_cancel(_until_released(lease, chunk.object_name))

@@ -28,6 +28,7 @@ from ...core.tensorio import bytes_view
 from ...errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError
 from ...format.manifest import ByteRange, EntryRecord
 from ...load.decode import torch_dtype
+from ...load.fetch_runs import Range, Run, read_run
 from ...load.reshard import ShardTarget, overlaps, read_into_targets
 from ...load.staged import StagingSlabs
 from ...storage.base import Storage
@@ -48,6 +49,8 @@ class PlainCursor:
         for r in entry.ranges:
             self.starts.append(self.starts[-1] + r.nbytes)
         self.parts: dict[int, list[tuple[int, int, int]]] = {}  # range -> (offset in it, size, crc)
+        self._inflated: tuple[int, memoryview] | None = None  # the last compressed range, decompressed
+        self._inflating = asyncio.Lock()
 
     async def serve(self, start: int, end: int, dest: memoryview) -> None:
         """Bytes ``[start, end)`` of the entry into ``dest``."""
@@ -62,8 +65,28 @@ class PlainCursor:
                 reads.append(self._part(k, a - lo, dest[a - start : b - start]))
         await asyncio.gather(*reads)
 
+    async def _raw(self, k: int) -> memoryview:
+        """Compressed range ``k`` decompressed and verified (kept until another is asked for:
+        a writer asks for an entry's bytes in order)."""
+        async with self._inflating:
+            if self._inflated is None or self._inflated[0] != k:
+                self._inflated = None
+                stored = self.entry.ranges[k]
+                raw = memoryview(bytearray(stored.nbytes))
+                async with self.limit:
+                    await read_run(self.storage, self.where, Run(stored.object, [Range(self.entry.path, stored, raw)]))
+                self._inflated = (k, raw)
+            return self._inflated[1]
+
     async def _part(self, k: int, offset: int, dest: memoryview) -> None:
         stored = self.entry.ranges[k]
+        if stored.codec is not None:  # checked whole as it is decompressed
+            dest[:] = (await self._raw(k))[offset : offset + len(dest)]
+            parts = self.parts.setdefault(k, [])
+            parts.append((offset, len(dest), 0))
+            if sum(n for _, n, _ in parts) == stored.nbytes:
+                del self.parts[k]
+            return
         async with self.limit:
             try:
                 got = await self.storage.read_into(stored.object, stored.offset + offset, dest)

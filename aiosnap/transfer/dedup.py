@@ -1,0 +1,215 @@
+"""Incremental saves on the transfer side: land each chunk writing only its new pieces.
+
+A piece whose captured bytes (xxh3-128 digest, size and crc32c) equal a range of the base
+step (see :class:`~aiosnap.format.placement.Reuse`) is not uploaded: the manifest names the
+base's range. The chunk's object then holds only the new pieces, packed in plan order at
+:data:`PIECE_ALIGN`; a chunk with nothing new writes no object. Decided per piece, never
+per chunk, and never on tensor version counters or addresses: on the bytes as captured.
+
+Runs on the transfer side's loop; hashing and packing run on worker threads (crc32c and
+xxhash release the GIL). A slab is packed in place (every new piece moves towards the
+slab's start, ``memoryview`` assignment is a memmove); a spooled chunk's new pieces are
+read from its file into one buffer of their size (the spool file stays intact for a resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from ..core.checksums import RangeChecksums, content_digest, crc32c_of
+from ..core.codec import compress_range
+from ..errors import ChecksumMismatchError
+from ..format.placement import Landing, Placed, Reference, Reuse
+from ..format.spec import ChunkSpec
+from ..storage.base import Storage
+
+__all__ = ["PIECE_ALIGN", "hash_slab", "land_file", "land_slab", "whole_landing"]
+
+PIECE_ALIGN = 64
+"""Alignment of each piece inside a packed object (the plan's own, ``trainer.chunks.ALIGN``)."""
+
+
+def _boundaries(offsets: Sequence[tuple[int, int]]) -> list[int]:
+    return [b for offset, nbytes in offsets for b in (offset, offset + nbytes)]
+
+
+def hash_slab(data: memoryview, chunk: ChunkSpec, digests: bool) -> tuple[RangeChecksums, list[str | None]]:
+    """Worker thread: the crc32c segments of ``data`` and the digest of each piece (None
+    each when ``digests`` is False)."""
+    checksums = RangeChecksums(data, _boundaries([(p.dst_offset, p.nbytes) for p in chunk.pieces]))
+    found = [content_digest(data[p.dst_offset : p.dst_offset + p.nbytes]) if digests else None for p in chunk.pieces]
+    return checksums, found
+
+
+def whole_landing(
+    chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None], *, incremental: bool
+) -> Landing:
+    """Every piece written where the plan put it."""
+    pieces = tuple(
+        Placed(chunk.object_name, p.dst_offset, crc, digest)
+        for p, crc, digest in zip(chunk.pieces, crcs, digests, strict=True)
+    )
+    return Landing(chunk.nbytes, pieces, incremental=incremental)
+
+
+def _decide(
+    chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None], reuse: Reuse
+) -> tuple[list[Placed | None], list[Reference]]:
+    """Per piece, the base range that holds its bytes (None: a new piece)."""
+    reused: list[Placed | None] = []
+    references: list[Reference] = []
+    for piece, crc, digest in zip(chunk.pieces, crcs, digests, strict=True):
+        found = None if digest is None else reuse.take(piece.nbytes, digest, crc)
+        if found is None:
+            reused.append(None)
+            continue
+        reused.append(found[0])
+        references.append(found[1])
+    return reused, references
+
+
+Packed = tuple[int, int | None, int | None, int | None]
+"""Where a new piece went in its packed object: (offset, stored size, crc32c of the stored
+frame, shuffle), the last three None when stored raw."""
+
+
+def _landing(
+    chunk: ChunkSpec,
+    crcs: Sequence[int],
+    digests: Sequence[str | None],
+    reused: Sequence[Placed | None],
+    packed: Sequence[Packed | None],
+    stored: int,
+    references: Sequence[Reference],
+) -> Landing:
+    pieces = []
+    for crc, digest, found, place in zip(crcs, digests, reused, packed, strict=True):
+        if found is not None:
+            pieces.append(found)
+        else:
+            assert place is not None
+            pieces.append(Placed(chunk.object_name, place[0], crc, digest, *place[1:]))
+    return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)), incremental=True)
+
+
+def _pack(data: memoryview, sources: Sequence[tuple[int, int, int | None]]) -> tuple[list[Packed], int]:
+    """Worker thread: pack the pieces at ``sources`` (offset, size, item size to compress by,
+    or None: stored raw), in offset order, each at the next :data:`PIECE_ALIGN` boundary of
+    ``data`` itself: compressed (zstd, shuffled by the item size) when that is smaller, else
+    moved (no piece moves past where it was: each takes no more room than it had). The
+    alignment gaps are zeroed. Returns where each went and the packed size."""
+    cursor = end = 0
+    found: list[Packed] = []
+    for offset, nbytes, itemsize in sources:
+        if cursor > offset:
+            raise AssertionError("packing moves pieces towards the start only")
+        raw = data[offset : offset + nbytes]
+        frame = None if itemsize is None else compress_range(raw, itemsize)
+        data[end:cursor] = bytes(cursor - end)
+        if frame is not None and itemsize is not None:
+            data[cursor : cursor + len(frame)] = frame
+            found.append((cursor, len(frame), crc32c_of(frame), itemsize if itemsize > 1 else None))
+            end = cursor + len(frame)
+        else:
+            if cursor != offset:
+                data[cursor : cursor + nbytes] = raw
+            found.append((cursor, None, None, None))
+            end = cursor + nbytes
+        cursor = -(-end // PIECE_ALIGN) * PIECE_ALIGN
+    return found, end
+
+
+def _new_pieces(
+    chunk: ChunkSpec, reused: Sequence[Placed | None], itemsizes: Sequence[int] | None
+) -> list[tuple[int, int, int | None]]:
+    """Indices of the pieces to write, in offset order, with the item size to compress by."""
+    order = sorted((i for i, found in enumerate(reused) if found is None), key=lambda i: chunk.pieces[i].dst_offset)
+    return [(i, chunk.pieces[i].nbytes, None if itemsizes is None else itemsizes[i]) for i in order]
+
+
+async def _write_packed(
+    storage: Storage, chunk: ChunkSpec, data: memoryview, offsets: Sequence[int], new: list[tuple[int, int, int | None]]
+) -> tuple[list[Packed | None], int]:
+    """Pack the ``new`` pieces (index, size, item size), each now at ``offsets[index]`` of
+    ``data``, and write the packed object (none when nothing is new)."""
+    packed: list[Packed | None] = [None] * len(chunk.pieces)
+    if not new:
+        return packed, 0
+    places, stored = await asyncio.to_thread(_pack, data, [(offsets[i], n, k) for i, n, k in new])
+    for (index, _, _), place in zip(new, places, strict=True):
+        packed[index] = place
+    extents = [(p[0], p[1] or chunk.pieces[i].nbytes) for i, p in enumerate(packed) if p is not None]
+    checksums = await asyncio.to_thread(RangeChecksums, data[:stored], _boundaries(extents))
+    try:
+        await storage.write_checksummed(chunk.object_name, data[:stored], checksums)
+    finally:
+        checksums.release()
+    return packed, stored
+
+
+async def land_slab(
+    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None, itemsizes: Sequence[int] | None = None
+) -> Landing:
+    """Upload the staged slab bytes ``data`` of ``chunk``: all of it as planned, or (with
+    ``reuse``) only its new pieces, and (with ``itemsizes``, each piece's dtype item size)
+    each compressed where that makes it smaller."""
+    checksums, digests = await asyncio.to_thread(hash_slab, data, chunk, reuse is not None)
+    try:
+        crcs = [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
+        reused, references = ([None] * len(crcs), []) if reuse is None else _decide(chunk, crcs, digests, reuse)
+        if not references and itemsizes is None:
+            await storage.write_checksummed(chunk.object_name, data, checksums)
+            return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+    finally:
+        checksums.release()
+    new = _new_pieces(chunk, reused, itemsizes)
+    packed, stored = await _write_packed(storage, chunk, data, [p.dst_offset for p in chunk.pieces], new)
+    return _landing(chunk, crcs, digests, reused, packed, stored, references)
+
+
+def _read_pieces(
+    path: str, chunk: ChunkSpec, new: list[tuple[int, int, int | None]], crcs: Sequence[int]
+) -> tuple[bytearray, list[int]]:
+    """Worker thread: the ``new`` pieces of spool file ``path`` read one after the other
+    (each at the next :data:`PIECE_ALIGN` boundary), each checked against the crc32c it
+    was spooled with; and where each one is."""
+    offsets = [0] * len(chunk.pieces)
+    cursor = 0
+    for index, nbytes, _ in new:
+        offsets[index] = cursor
+        cursor = -(-(cursor + nbytes) // PIECE_ALIGN) * PIECE_ALIGN
+    out = bytearray(cursor)
+    view = memoryview(out)
+    with open(path, "rb") as f:
+        for index, nbytes, _ in new:
+            piece, at = chunk.pieces[index], offsets[index]
+            f.seek(piece.dst_offset)
+            got = f.readinto(view[at : at + nbytes])
+            if got != nbytes or crc32c_of(view[at : at + nbytes]) != crcs[index]:
+                raise ChecksumMismatchError(
+                    f"spool file {path}: the piece at {piece.dst_offset} does not match its spooled crc32c"
+                )
+    return out, offsets
+
+
+async def land_file(
+    storage: Storage, path: str, crc: int, chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None],
+    reuse: Reuse | None, itemsizes: Sequence[int] | None = None,
+) -> Landing:  # fmt: skip
+    """Upload the spooled chunk in ``path`` (crc32c ``crc``; its pieces' ``crcs`` and
+    ``digests`` as spooled): the whole file, or (with ``reuse``) its new pieces, and (with
+    ``itemsizes``) each compressed where that makes it smaller. The new pieces are read into
+    one buffer of their size (the spool file stays as it is, for a resume)."""
+    known = all(d is not None for d in digests)
+    reused: list[Placed | None] = [None] * len(crcs)
+    references: list[Reference] = []
+    if reuse is not None and known:
+        reused, references = _decide(chunk, crcs, digests, reuse)
+    if not references and itemsizes is None:
+        await storage.write_file_verified(chunk.object_name, path, crc)
+        return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+    new = _new_pieces(chunk, reused, itemsizes)
+    buffer, offsets = await asyncio.to_thread(_read_pieces, path, chunk, new, crcs)
+    packed, stored = await _write_packed(storage, chunk, memoryview(buffer), offsets, new)
+    return _landing(chunk, crcs, digests, reused, packed, stored, references)

@@ -1,0 +1,152 @@
+"""The base of an incremental save, and the check that its references still stand (loop).
+
+The base is the latest committed step of the root, read at the save's preflight (or the
+one this transfer side committed last, when it is still the latest): its ranges, by
+digest, are what the save may name instead of uploading (:mod:`.dedup`). Before the
+manifest of a save that names earlier objects is committed, every one of them must still
+be in storage with its recorded size (one size request each): an object another process
+deleted meanwhile (``aiosnap purge``, ``rollback``, gc) fails the save with
+:class:`~aiosnap.errors.CorruptCheckpointError` naming it, and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from ..catalog.pins import pins_for
+from ..catalog.steps import read_manifest
+from ..core.aio import run_all
+from ..core.checksums import crc32c_of
+from ..errors import AiosnapError, CorruptCheckpointError
+from ..format.manifest import Checksums, Manifest, build_manifest
+from ..format.placement import BaseRanges, Landing, Reference, Reuse, landed_manifest
+from ..format.spec import SaveSpec
+from ..storage.base import Storage
+
+__all__ = [
+    "CHECK_CONCURRENCY",
+    "IncrementalSave",
+    "check_references",
+    "read_base",
+    "verify_ranges",
+]
+
+log = logging.getLogger("aiosnap")
+
+CHECK_CONCURRENCY = 16
+"""Size requests in flight while checking references."""
+
+
+async def read_base(storage: Storage, latest: int | None, rank: int, known: BaseRanges | None) -> BaseRanges | None:
+    """The ranges of step ``latest`` that ``rank`` may reuse: ``known`` when it is that
+    step's, else read from its manifest. None (the save writes every byte) when there is
+    no committed step or its manifest cannot be read."""
+    if latest is None:
+        return None
+    if known is not None and known.step == latest:
+        return known
+    try:
+        manifest = await read_manifest(storage, latest)
+    except (AiosnapError, OSError) as exc:
+        log.info("aiosnap: step %d of %s cannot serve as a base (this save writes whole): %r", latest, storage.url, exc)
+        return None
+    return BaseRanges.of(manifest, rank)
+
+
+async def check_references(storage: Storage, step: int, references: Sequence[Reference]) -> None:
+    """Every referenced object is in storage with its recorded size; else
+    :class:`CorruptCheckpointError` naming the step being saved and the object."""
+    limit = asyncio.Semaphore(CHECK_CONCURRENCY)
+
+    async def check(name: str, nbytes: int) -> None:
+        async with limit:
+            try:
+                size = await storage.size(name)
+            except FileNotFoundError:
+                size = None
+        if size != nbytes:
+            found = "is gone" if size is None else f"has {size} bytes, not {nbytes}"
+            raise CorruptCheckpointError(
+                f"{storage.url} step {step}: referenced object {name!r} of an earlier step {found} "
+                "(deleted by another process?); nothing was committed, the next save writes whole"
+            )
+
+    await run_all(check(name, nbytes) for name, _, nbytes in references)
+
+
+async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], concurrency: int) -> None:
+    """Read every range of ``manifest`` in the objects ``names`` and check its crc32c
+    (:class:`CorruptCheckpointError` naming the first that does not match): what a resumed
+    incremental save does with the places its journal recorded, before it commits them.
+    Holds at most ``concurrency`` ranges in memory."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def check(name: str, offset: int, nbytes: int, crc: int | None) -> None:
+        async with limit:
+            buffer = memoryview(bytearray(nbytes))
+            try:
+                got = await storage.read_into(name, offset, buffer)
+            except FileNotFoundError:
+                got = -1
+            if got != nbytes or crc is None or await asyncio.to_thread(crc32c_of, buffer) != crc:
+                raise CorruptCheckpointError(
+                    f"{storage.url} step {manifest.step}: {nbytes} bytes at {offset} of {name!r} do not match "
+                    "the crc32c the save recorded"
+                )
+
+    await run_all(
+        check(span.object, span.offset, span.nbytes, span.crc32c)
+        for _, span in manifest.all_ranges()
+        if span.object in names
+    )  # fmt: skip
+
+
+class IncrementalSave:
+    """One incremental save's base, the pins that keep its objects, and the check of its
+    references before the commit (transfer loop). ``known``: the base this transfer side
+    committed last on the root (None: read one); ``whole``: write every byte (the last
+    save found a reference gone)."""
+
+    def __init__(
+        self, storage: Storage, spec: SaveSpec, known: BaseRanges | None, *, whole: bool, dedup: bool = True
+    ) -> None:
+        self.storage = storage
+        self.spec = spec
+        self.known = known
+        self.whole = whole
+        self.dedup = dedup
+        """False: only compressed (every piece written, no digests, no base)."""
+        self.reuse = Reuse(BaseRanges(-1, "", {}))
+        """Nothing to reuse until :meth:`start` found a base (digests are taken anyway:
+        the next save compares with them)."""
+        self._token: int | None = None
+
+    async def start(self, latest: int | None) -> None:
+        """Find the base (the root's latest step ``latest``, older than this one) and pin
+        its objects, before the first upload."""
+        if not self.dedup or self.whole or latest is None or latest >= self.spec.step:
+            return
+        base = await read_base(self.storage, latest, self.spec.rank, self.known)
+        if base is None:
+            return
+        self._token = pins_for(self.storage.url).pin(base.names)
+        self.reuse = Reuse(base, compressed=self.spec.distributed is None)
+
+    def manifest(self, crcs: Checksums, landings: Sequence[Landing]) -> Manifest:
+        """The manifest to commit: each piece where it landed."""
+        plan = [(c.object_name, [p.dst_offset for p in c.pieces]) for c in self.spec.chunks]
+        return landed_manifest(build_manifest(self.spec, crcs), plan, landings)
+
+    async def check(self, manifest: Manifest) -> None:
+        """Every object ``manifest`` references is still there (see the module docstring)."""
+        references = [(o.name, o.rank, o.nbytes) for o in manifest.references or ()]
+        if references:
+            await check_references(self.storage, self.spec.step, references)
+
+    def release(self) -> None:
+        """The save is over (committed, failed or cancelled): unpin."""
+        if self._token is not None:
+            pins_for(self.storage.url).release(self._token)
+            self._token = None

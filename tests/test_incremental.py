@@ -1,0 +1,528 @@
+"""Incremental saves (``upload.dedup``, issue 24): a range whose captured bytes equal one of
+the root's latest committed step is not uploaded again; the manifest names that range.
+
+Real files, real torch, real training steps (a LoRA-style fine-tune: a frozen base with
+``requires_grad=False``, adapters and their Adam state trained), both upload executors, the
+spool with a resume, and S3 (moto). What each step owns is read from its manifest."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
+from aiosnap.catalog.pins import pins_for
+from aiosnap.core.checksums import crc32c_of
+from aiosnap.core.names import attempt_of_object, step_dir
+from aiosnap.format.journal import JOURNAL
+from aiosnap.format.manifest import Manifest
+from aiosnap.storage.local import LocalStorage
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.conftest import FaultyStorage, assert_same, s3_config
+from tests.dist_launch import run_ranks
+from tests.fuzzing import mutate_document
+
+pytestmark = pytest.mark.both_executors
+
+
+class _LoraLinear(torch.nn.Module):
+    """A frozen linear layer and a trained low-rank update."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, n_in) * 0.01)
+        self.lora_b = torch.nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+def _fine_tune(layers: int = 6, width: int = 256) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_LoraLinear(width, width) for _ in range(layers)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.Adam(trained, lr=1e-2)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        x = torch.randn(8, 256)
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({"model": state["model"].state_dict(), "optim": state["optim"].state_dict()})
+
+
+def _config(root: Path, **upload: Any) -> Config:
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="8MiB",
+        upload={"chunk_size": "1MiB", "concurrency": 4, "dedup": True, **upload},
+        retention={"keep_last": None},  # what retention keeps of referenced steps: the catalog's tests
+    )
+
+
+def _changed_bytes(model: torch.nn.Module) -> int:
+    """The bytes a trained step changes: adapters and their two Adam moments."""
+    return 3 * sum(p.nbytes for p in model.parameters() if p.requires_grad)
+
+
+def test_a_fine_tune_saved_five_times_writes_only_what_changed_and_loads_bit_exact(root: Path) -> None:
+    model, optimizer = _fine_tune()
+    state = {"model": model, "optim": optimizer}
+    frozen = model[2].base.weight
+    kept: dict[int, dict[str, Any]] = {}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        for step in range(1, 6):
+            _train(model, optimizer)
+            if step == 4:  # a kernel writing frozen bytes without bumping the version counter
+                version = frozen._version
+                frozen.detach().numpy()[3, :17] += 1.0
+                assert frozen._version == version
+            ckpt.save(state, step=step).wait()
+            kept[step] = _snapshot(state)
+        manifests = {step: ckpt.manifest(step) for step in range(1, 6)}
+        for step, expected in kept.items():
+            assert_same(ckpt.load(step=step), expected)
+    total = manifests[1].total_bytes
+    assert manifests[1].references is None and manifests[1].own_bytes == total
+    changed = _changed_bytes(model)
+    for step in (2, 3, 5):
+        m = manifests[step]
+        assert m.total_bytes >= total - 64 * len(m.entries)  # the same state, wherever its bytes are
+        assert changed <= m.own_bytes <= changed + 64 * 4 * len(m.entries), (step, m.own_bytes, changed)
+        assert m.own_bytes < 0.1 * total
+        for ref in m.references or ():
+            found = attempt_of_object(ref.name)
+            assert found is not None and found[0] < step
+    # step 4 saved the frozen weight again: it changed, although its version did not
+    weight = next(e for e in manifests[4].entries if e.path == "model/2.base.weight")
+    own = {o.name for o in manifests[4].objects}
+    assert all(r.object in own for r in weight.ranges)
+    assert manifests[4].own_bytes >= changed + frozen.nbytes
+    # and step 5 names step 4's copy of it, not step 1's
+    weight5 = next(e for e in manifests[5].entries if e.path == "model/2.base.weight")
+    assert {attempt_of_object(r.object)[0] for r in weight5.ranges} == {4}  # type: ignore[index]
+
+
+def test_a_chunk_mixing_frozen_and_changed_tensors_writes_only_the_changed_ones(root: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "frozen_a": torch.randn(3001, generator=g),
+        "adapter": torch.randn(17, generator=g),
+        "frozen_b": torch.randn(999, generator=g),
+        "tiny": torch.ones(1, dtype=torch.bfloat16),
+    }
+    with SyncCheckpointer(_config(root)) as ckpt:  # one chunk holds all four
+        ckpt.save(state, step=1).wait()
+        state["adapter"].mul_(2)
+        ckpt.save(state, step=2).wait()
+        first, second = ckpt.manifest(1), ckpt.manifest(2)
+        assert_same(ckpt.load(step=2), state)
+    assert len(first.objects) == 1
+    assert [o.nbytes for o in second.objects] == [state["adapter"].nbytes]
+    assert [r.name for r in second.references or ()] == [first.objects[0].name]
+    by_path = {e.path: e for e in second.entries}
+    assert by_path["adapter"].ranges[0].object == second.objects[0].name
+    for path in ("frozen_a", "frozen_b", "tiny"):
+        assert by_path[path].ranges[0].object == first.objects[0].name
+
+
+def test_equal_tensors_in_one_state_never_name_one_range_twice(root: Path) -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(1000), "c": torch.ones(10)}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["b2"] = torch.zeros(1000)  # a third copy of the same bytes
+        ckpt.save(state, step=2).wait()
+        assert_same(ckpt.load(step=2), state)
+        second = ckpt.manifest(2)
+    assert second.own_bytes == 4000  # a and b reuse step 1's two ranges; b2 is written
+
+
+def _restore(source: Path, target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+
+
+def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], Path, Path]:
+    """Step 1 committed, then an incremental step 2 (``spool.mode: always``) caught by a crash
+    while some chunks had landed (those with nothing new, at once) and others were still on
+    the spool disk. Returns the config, the state of step 2, and copies of the spool and of
+    the root as the crash left them (restore them to play it)."""
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": None},
+    )
+    g = torch.Generator().manual_seed(5)
+    state = {"frozen": torch.randn(40_000, generator=g), "adapter": torch.randn(300, generator=g), "n": 1}
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+    state["adapter"].add_(1)
+    state["frozen"][-5:] = 0.0  # the last chunk changes too: it is held below
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: name.startswith(step_dir(2))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=2)
+    journal = next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL
+    deadline = time.monotonic() + 20
+    while journal.read_text().count('"landed"') < 2:  # chunks with nothing new land at once
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(root, root_copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    return config, state, spool_copy, root_copy
+
+
+def _play_crash(config: Config, spool_copy: Path, root_copy: Path) -> None:
+    assert config.spool.dir is not None
+    _restore(spool_copy, Path(config.spool.dir))
+    _restore(root_copy, Path(config.storage.url))
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_a_spooled_incremental_save_resumed_after_a_crash_commits_the_same_references(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
+    with SyncCheckpointer(config) as again:
+        report = again.resume_spool()
+        assert report.resumed == [2], report
+        resumed = again.manifest(2)
+        assert_same(again.load(step=2), state)
+    assert resumed.references, "the resumed save names step 1's objects"
+    assert resumed.own_bytes < resumed.total_bytes // 2
+
+
+@pytest.mark.thread_only
+def test_retention_after_a_resumed_incremental_save_keeps_the_bytes_it_references(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
+    keep_one = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 1})})
+    with SyncCheckpointer(keep_one) as again:
+        assert again.resume_spool().resumed == [2]
+        assert again.steps() == [2]  # step 1 is gone as a checkpoint ...
+        named = {o.name for o in again.manifest(2).references or ()}
+        assert named and all((Path(config.storage.url) / n).is_file() for n in named)  # ... its bytes are not
+        assert_same(again.load(step=2), state)
+
+
+def _edit_landed(journal: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``edit`` to every ``landed`` record that has a landing, re-signing its line."""
+    records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]
+    for record in records:
+        if record.get("kind") == "landed" and "placed" in record:
+            edit(record)
+    bodies = [json.dumps(record).encode() for record in records]
+    journal.write_bytes(b"".join(f"{crc32c_of(body):08x} ".encode() + body + b"\n" for body in bodies))
+
+
+def _forge_place(record: dict[str, Any]) -> None:
+    record["placed"][0][0] = "000000000001/" + "f" * 32 + "/rank-0/0.bin"
+
+
+def _forge_size(record: dict[str, Any]) -> None:
+    record["stored"] = 2**40
+
+
+def _forge_escape(record: dict[str, Any]) -> None:
+    record["references"] = [["../outside.bin", 0, 64]]
+    record["placed"][0][0] = "../outside.bin"
+
+
+def _forge_digest(record: dict[str, Any]) -> None:
+    record["placed"][0][2] = "not hex"
+
+
+def _forge_offset(record: dict[str, Any]) -> None:
+    for place in record["placed"]:
+        place[1] += 8
+
+
+class _ForgeSwap:
+    """The first two landings that name earlier objects swap them: every name, size and
+    offset stays valid, only the bytes are another piece's (a crc32c says so)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record["references"] and len(self.records) < 2:
+            self.records.append(record)
+        if len(self.records) == 2:
+            first, second = self.records
+            first["placed"][0], second["placed"][0] = second["placed"][0], first["placed"][0]
+            first["references"], second["references"] = second["references"], first["references"]
+            self.records.append({})  # done
+
+
+@pytest.mark.thread_only
+def test_hand_edited_landings_in_a_journal_never_commit_a_step_that_does_not_load(tmp_path: Path) -> None:
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    rng = random.Random(7)
+    edits: list[Callable[[dict[str, Any]], None]] = [_forge_place, _forge_size, _forge_escape, _forge_digest]
+    edits += [_forge_offset, _ForgeSwap()]
+    edits += [functools.partial(_fuzz_record, random.Random(rng.random())) for _ in range(12)]
+    for edit in edits:
+        _play_crash(config, spool_copy, root_copy)
+        assert config.spool.dir is not None
+        journal = next(p for p in Path(config.spool.dir).iterdir() if p.is_dir()) / JOURNAL
+        _edit_landed(journal, edit)
+        with SyncCheckpointer(config) as again:
+            report = again.resume_spool()
+            if 2 in again.steps():  # committed: then it loads, bit-exact
+                assert_same(again.load(step=2), state)
+            else:
+                assert report.resumed == [], (edit, report)
+            assert_same(again.load(step=1)["frozen"][:10], state["frozen"][:10])
+
+
+def _fuzz_record(rng: random.Random, record: dict[str, Any]) -> None:
+    fields = {k: record[k] for k in ("stored", "placed", "references")}
+    record.update(mutate_document(fields, rng))
+
+
+def test_a_referenced_object_gone_before_the_commit_fails_the_save_and_the_next_writes_whole(root: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"frozen": torch.randn(100_000, generator=g), "adapter": torch.randn(64, generator=g)}
+    with SyncCheckpointer(_config(root, chunk_size="128KiB")) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+        gone = ckpt.manifest(2).references[0]  # type: ignore[index]
+        (root / gone.name).unlink()  # another process's purge, say
+        with pytest.raises(CorruptCheckpointError, match="step 2.*" + gone.name.replace("/", ".")):
+            ckpt.load(step=2)
+        state["adapter"].add_(1)
+        with pytest.raises(CorruptCheckpointError, match=gone.name.replace("/", ".")):
+            ckpt.save(state, step=3).wait()
+        assert ckpt.steps() == [1, 2]
+        ckpt.save(state, step=4).wait()
+        whole = ckpt.manifest(4)
+        assert whole.references is None and whole.own_bytes == whole.total_bytes
+        assert_same(ckpt.load(step=4), state)
+        state["adapter"].add_(1)
+        ckpt.save(state, step=5).wait()  # and incremental again, against step 4
+        assert ckpt.manifest(5).references
+        assert_same(ckpt.load(step=5), state)
+
+
+@pytest.mark.thread_only  # the pins registry is per process: this one's
+def test_the_base_objects_are_pinned_while_a_save_references_them(root: Path) -> None:
+    seen: list[frozenset[str]] = []
+    store = FaultyStorage(LocalStorage(root))
+    store.hold_when = lambda name: seen.append(pins_for(store.url).pinned()) is not None  # records, never holds
+    state = {"frozen": torch.randn(50_000), "adapter": torch.randn(10)}
+    with SyncCheckpointer(_config(root), storage=store) as ckpt:
+        ckpt.save(state, step=1).wait()
+        first = {o.name for o in ckpt.manifest(1).objects}
+        seen.clear()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+    assert seen and all(first <= pinned for pinned in seen)
+    assert pins_for(store.url).pinned() == frozenset()
+
+
+def test_the_same_step_saved_again_never_references_itself(root: Path) -> None:
+    state = {"w": torch.randn(10_000)}
+    with SyncCheckpointer(_config(root)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        ckpt.save(state, step=1).wait()  # a re-save replaces step 1: it cannot name its own bytes
+        again = ckpt.manifest(1)
+        assert again.references is None
+        assert_same(ckpt.load(step=1), state)
+
+
+@pytest.mark.thread_only
+def test_incremental_compressed_saves_to_s3_reference_the_earlier_steps_objects(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    config = s3_config(s3_endpoint, s3_bucket, prefix="inc")
+    upload = config.upload.model_copy(update={"dedup": True, "compression": "zstd"})
+    config = config.model_copy(update={"upload": upload})
+    model, optimizer = _fine_tune(layers=3)
+    state = {"model": model, "optim": optimizer}
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2):
+            _train(model, optimizer, steps=1)
+            ckpt.save(state, step=step).wait()
+            expected = _snapshot(state)
+        second: Manifest = ckpt.manifest(2)
+        assert_same(ckpt.load(step=2), expected)
+    assert second.references and second.own_bytes < 0.2 * second.total_bytes
+    assert any(r.codec == "zstd" for e in second.entries for r in e.ranges)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16]
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[dict[str, torch.Tensor]]:
+    """A few states of the same tensors (random sizes, tiny and odd ones included), each
+    changing some tensors (in whole or in part) and keeping the others."""
+    count = draw(st.integers(1, 6))
+    state: dict[str, torch.Tensor] = {}
+    for index in range(count):
+        numel = draw(st.sampled_from([1, 3, 17, 255, 1000, 4099, 20_001]))
+        dtype = draw(st.sampled_from(_DTYPES))
+        seed = draw(st.integers(0, 2**16))
+        raw = torch.randint(
+            0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+        state[f"t{index}"] = raw.view(dtype)
+    history = [{k: v.clone() for k, v in state.items()}]
+    for _ in range(draw(st.integers(1, 4))):
+        for name in draw(st.lists(st.sampled_from(sorted(state)), unique=True)):
+            tensor = state[name].view(torch.uint8)
+            at = draw(st.integers(0, tensor.numel() - 1))
+            tensor[at] ^= 0x5A  # one byte differs: the whole range is new
+        history.append({k: v.clone() for k, v in state.items()})
+    return history
+
+
+@pytest.mark.thread_only
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=_histories(), chunk=st.sampled_from(["64KiB", "1MiB"]))
+def test_random_histories_saved_with_dedup_load_back_as_saved(
+    tmp_path: Path, history: list[dict[str, torch.Tensor]], chunk: str
+) -> None:
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
+    with SyncCheckpointer(_config(root, chunk_size=chunk)) as ckpt:
+        for step, state in enumerate(history, start=1):
+            ckpt.save(state, step=step).wait()
+        for step, state in enumerate(history, start=1):
+            assert_same(ckpt.load(step=step), state)
+            manifest = ckpt.manifest(step)
+            assert manifest.total_bytes >= sum(t.nbytes for t in state.values())
+
+
+def test_retention_deletes_steps_but_keeps_the_objects_kept_steps_reference(root: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    state = {"frozen": torch.randn(30_000, generator=g), "x": torch.randn(500, generator=g), "adapter": torch.ones(9)}
+    config = _config(root).model_copy(update={"retention": _config(root).retention.model_copy(update={"keep_last": 2})})
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    with SyncCheckpointer(config) as ckpt:
+        for step in range(1, 7):
+            if step in (2, 5):
+                state["x"].add_(1)  # x written at step 2, named by steps 3 and 4, written again at 5
+            state["adapter"].add_(1)
+            ckpt.save(state, step=step).wait()
+            kept[step] = {k: v.clone() for k, v in state.items()}
+            for alive in ckpt.steps():  # whatever retention kept loads, after every save
+                assert_same(ckpt.load(step=alive), kept[alive])
+        steps = ckpt.steps()
+        named = {o.name for s in steps for o in ckpt.manifest(s).references or ()}
+    assert steps == [5, 6]  # keep_last counts steps; the bytes kept steps name stay where they are
+    assert any(n.startswith(step_dir(1)) for n in named) and all((root / n).is_file() for n in named)
+    kept_folders = (step_dir(5), step_dir(6))
+    leftover = {n for p in root.rglob("*.bin") if not (n := str(p.relative_to(root))).startswith(kept_folders)}
+    assert leftover == {n for n in named if not n.startswith(kept_folders)}  # nothing else of deleted steps
+
+
+@pytest.mark.thread_only  # the ranks pick their executor themselves: one launch covers both
+def test_two_ranks_each_reference_their_own_earlier_objects(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    child = Path(__file__).resolve().parent / "incremental_ranks.py"
+    results = run_ranks("fine_tune_ranks", 2, tmp_path / "job", child=child, root=str(root), executor="process")
+    steps = [r.get("ok", r)["steps"] for r in results]  # type: ignore[index]
+    for rank_steps in steps:
+        assert [s["same"] for s in rank_steps] == [True, True, True], rank_steps
+    first, second, third = steps[0]
+    assert first["refs"] == [] and first["own"] == first["total"]
+    for later in (second, third):
+        assert later["refs"] and later["own"] < 0.1 * later["total"]
+        for name, rank in later["refs"]:  # each rank names its own earlier objects only
+            assert f"/rank-{rank}/" in name
+    assert third["own"] > second["own"]  # rank 1's rank-local tensor changed at step 3
+
+
+@pytest.mark.thread_only
+def test_the_incremental_benchmark_measures_what_dedup_saves(capsys: pytest.CaptureFixture[str]) -> None:
+    from aiosnap.bench.incremental import main
+
+    report = main(["--base-mb", "3", "--full-mb", "2", "--saves", "2", "--no-s3"])
+    assert json.loads(capsys.readouterr().out) == report
+    tune, full = report["fine_tune"]["local"], report["full"]["local"]
+    on, off = "dedup_on_zstd_off", "dedup_off_zstd_off"
+    assert tune[on]["bytes_per_save"] < 0.2 * tune[off]["bytes_per_save"]
+    assert full[on]["bytes_per_save"] == full[off]["bytes_per_save"]  # everything changed
+    assert full["dedup_off_zstd_on"]["bytes_per_save"] < full[off]["bytes_per_save"]
+    assert report["fine_tune"]["dcp_async_save_local"]["durable_s"] > 0
+
+
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
+async def test_the_fault_soak_with_dedup_and_compression_loses_nothing(
+    root: Path, request: pytest.FixtureRequest
+) -> None:
+    from tests.soak import Figures, soak_in_process
+
+    config = Config(
+        storage={"url": str(root)}, ram_budget="1MiB", events={"log": False},
+        upload={"chunk_size": "256KiB", "dedup": True, "compression": "zstd"},
+    )  # fmt: skip
+    figures = Figures()
+    rounds = request.config.getoption("--soak-rounds")
+    await soak_in_process(config, rounds, 13, figures, store=FaultyStorage(LocalStorage(root)))
+    assert figures.data_lost == 0, figures.problems
+    assert figures.steps_verified > 0
+
+
+@pytest.mark.thread_only
+def test_a_downloaded_incremental_step_stands_alone_and_leaves_objects_copied_before(tmp_path: Path) -> None:
+    import asyncio
+
+    from aiosnap.transfer.copy import copy_step
+
+    root, other = tmp_path / "ckpt", tmp_path / "copy"
+    g = torch.Generator().manual_seed(6)
+    state = {"frozen": torch.randn(60_000, generator=g), "adapter": torch.randn(50, generator=g)}
+    with SyncCheckpointer(_config(root, compression="zstd")) as ckpt:
+        ckpt.save(state, step=1).wait()
+        first_state = {k: v.clone() for k, v in state.items()}
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+        first, second = ckpt.manifest(1), ckpt.manifest(2)
+    assert second.references
+
+    async def copy(manifest: Manifest, to: Path = other) -> bool:
+        source, dest = LocalStorage(str(root)), LocalStorage(str(to))
+        try:
+            return await copy_step(source, dest, manifest)
+        finally:
+            await source.close()
+            await dest.close()
+
+    assert asyncio.run(copy(first))
+    assert asyncio.run(copy(second))  # the objects of step 1 it names are there already: left alone
+    alone = tmp_path / "alone"
+    assert asyncio.run(copy(second, alone))  # step 2 only, with the bytes it names
+    shutil.rmtree(root)  # the copies stand alone
+    with SyncCheckpointer(_config(alone)) as copied:
+        assert copied.steps() == [2]
+        assert_same(copied.load(step=2), state)
+    with SyncCheckpointer(_config(other)) as copied:
+        assert copied.steps() == [1, 2]
+        assert_same(copied.load(step=2), state)
+        assert_same(copied.load(step=1), first_state)
