@@ -41,6 +41,8 @@ class Figures:
     steps_verified: int = 0
     data_lost: int = 0
     problems: list[str] = field(default_factory=list)
+    referencing_steps: set[int] = field(default_factory=set)
+    """Steps verified whose manifest names an earlier step's bytes (incremental saves)."""
 
     def lost(self, why: str) -> None:
         self.data_lost += 1
@@ -61,7 +63,11 @@ async def _verify(ckpt: Checkpointer, last_durable: int | None, figures: Figures
         try:
             loaded = await ckpt.load(step=step)
             assert_same(loaded, soak_state(step))
+            if (await ckpt.manifest(step)).references:
+                figures.referencing_steps.add(step)
         except Exception as exc:
+            if step not in await ckpt.steps() and step != steps[-1]:
+                continue  # a concurrent gc deleted this older step meanwhile: not a loss
             figures.lost(f"step {step} listed but does not load bit-exact: {exc!r}")
             continue
         figures.steps_verified += 1
@@ -161,6 +167,48 @@ async def soak_in_process(
         with contextlib.suppress(Exception):
             await ckpt.close(timeout=30)
     return step
+
+
+_GC_LOOP = """
+import asyncio, sys, time
+from pathlib import Path
+from aiosnap.catalog.garbage import collect_garbage
+from aiosnap.storage.local import LocalStorage
+
+async def main(root, stop, deadline):
+    storage, runs = LocalStorage(root), 0
+    while not Path(stop).exists() and time.monotonic() < deadline:
+        await collect_garbage(storage, keep_last=2, grace_s=30.0)  # fewer steps than retention keeps
+        runs += 1
+        await asyncio.sleep(0.05)
+    print(runs)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])))
+"""
+
+
+@contextlib.contextmanager
+def concurrent_gc(root: Path, stop: Path, limit_s: float) -> Any:
+    """``aiosnap gc`` (keep_last 2) in a loop in another process on local root ``root``
+    while the block runs (at most ``limit_s``); yields a list that gets its run count."""
+    root.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _GC_LOOP, str(root), str(stop), str(limit_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ),
+    )  # fmt: skip
+    runs: list[int] = []
+    try:
+        yield runs
+    finally:
+        stop.touch()
+        try:
+            out, err = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+        if child.returncode != 0:
+            raise AssertionError(f"the concurrent gc failed: {err[-2000:]}")
+        runs.append(int(out.strip() or 0))
 
 
 def _child(config: Config, first: int, count: int) -> subprocess.Popen[str]:

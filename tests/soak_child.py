@@ -14,11 +14,15 @@ from aiosnap import Config, SyncCheckpointer
 
 
 def soak_state(step: int, numel: int = 150_000) -> dict[str, Any]:
-    """What training holds at ``step`` (deterministic, so a loaded step can be checked)."""
+    """What training holds at ``step`` (deterministic, so a loaded step can be checked): ``w``
+    and ``b`` change at every step, ``slow`` every fifth, ``frozen`` never (what incremental
+    saves name in earlier steps instead of writing again)."""
     generator = torch.Generator().manual_seed(step)
     return {
         "w": torch.randn(numel, generator=generator),
         "b": torch.randint(0, 1000, (333,), generator=generator, dtype=torch.int32),
+        "frozen": torch.randn(40_000, generator=torch.Generator().manual_seed(-1)).to(torch.bfloat16),
+        "slow": torch.randn(20_000, generator=torch.Generator().manual_seed(step // 5)),
         "meta": {"step": step, "tags": ("soak", step % 7)},
     }
 

@@ -472,23 +472,6 @@ def test_the_incremental_benchmark_measures_what_dedup_saves(capsys: pytest.Capt
     assert report["fine_tune"]["dcp_async_save_local"]["durable_s"] > 0
 
 
-@pytest.mark.thread_only  # wraps a storage in the trainer's process
-async def test_the_fault_soak_with_dedup_and_compression_loses_nothing(
-    root: Path, request: pytest.FixtureRequest
-) -> None:
-    from tests.soak import Figures, soak_in_process
-
-    config = Config(
-        storage={"url": str(root)}, ram_budget="1MiB", events={"log": False},
-        upload={"chunk_size": "256KiB", "dedup": True, "compression": "zstd"},
-    )  # fmt: skip
-    figures = Figures()
-    rounds = request.config.getoption("--soak-rounds")
-    await soak_in_process(config, rounds, 13, figures, store=FaultyStorage(LocalStorage(root)))
-    assert figures.data_lost == 0, figures.problems
-    assert figures.steps_verified > 0
-
-
 @pytest.mark.thread_only
 def test_a_downloaded_incremental_step_stands_alone_and_leaves_objects_copied_before(tmp_path: Path) -> None:
     import asyncio

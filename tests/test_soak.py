@@ -9,7 +9,7 @@ import pytest
 from aiosnap import Config
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import FaultyStorage, s3_config
-from tests.soak import Figures, soak_in_process, soak_killed_children
+from tests.soak import Figures, concurrent_gc, soak_in_process, soak_killed_children
 
 from soak_ranks import RankFigures, soak_rank_jobs
 
@@ -32,6 +32,25 @@ async def test_soak_local_disk(root: Path, request: pytest.FixtureRequest) -> No
         config, request.config.getoption("--soak-rounds"), 11, figures, store=FaultyStorage(LocalStorage(root))
     )
     _report(figures, "local disk, failing storage wrapper")
+
+
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
+async def test_soak_incremental_compressed_saves_with_retention_and_a_concurrent_gc(
+    root: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Dedup and compression on, retention (keep_last 3) deleting steps under live saves, and
+    ``aiosnap gc`` (keep_last 2) looping in another process: nothing committed is lost."""
+    config = Config(
+        storage={"url": str(root)}, ram_budget="1MiB", events={"log": False},
+        upload={"chunk_size": "256KiB", "dedup": True, "compression": "zstd"},
+    )  # fmt: skip
+    figures = Figures()
+    rounds = request.config.getoption("--soak-rounds")
+    with concurrent_gc(root, tmp_path / "stop-gc", limit_s=30 + 10 * rounds) as gc_runs:
+        await soak_in_process(config, rounds, 13, figures, store=FaultyStorage(LocalStorage(root)))
+    _report(figures, f"dedup + zstd, retention, gc in another process ({gc_runs[0]} gc runs)")
+    assert gc_runs[0] > 0
+    assert figures.referencing_steps, "no save named an earlier step's bytes: the soak did not exercise dedup"
 
 
 async def test_soak_s3_through_the_fault_proxy(
