@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -397,3 +398,42 @@ def test_a_save_while_the_helper_still_starts_looks_at_a_file_root_itself(root: 
     with pytest.raises(StepOrderError, match="older than the latest committed step 1"):
         ckpt.save({"w": torch.ones(1000)}, step=0)  # refused in save() however long the helper takes
     ckpt.close()
+
+
+def test_a_stuck_look_of_the_trainer_holds_up_neither_the_handle_nor_the_next_save_nor_close(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's own look at a file root (made while the upload process still starts) is
+    bounded: a listing that never returns (a stuck NFS mount, here a thread blocked on an
+    event) is given up after ``PREFLIGHT_GRACE_S`` or once the helper's look is back; the
+    save commits with the helper, and neither its handle, the next save nor close(timeout)
+    waits for the stuck thread (review of issue 25: each waited for the listing)."""
+    release = threading.Event()
+    stuck: list[str] = []
+    real = LocalStorage.list_children
+
+    async def list_children(self: LocalStorage, prefix: str = "") -> list[str]:
+        if not stuck:  # the first listing in this process is the trainer's look: it sticks
+            stuck.append(threading.current_thread().name)
+            await asyncio.to_thread(release.wait, 60)
+        return await real(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list_children", list_children)
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    pid = _helper_pid(ckpt)
+    os.kill(pid, signal.SIGSTOP)  # a helper that has not started serving (as one still importing)
+    try:
+        handle = ckpt.save({"w": torch.ones(1000)}, step=1)  # neither look back: checked before the commit
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert stuck, "the trainer looked itself"
+        assert handle.wait(20).step == 1, "committed with the helper's own look"
+        assert ckpt.save({"w": torch.zeros(1000)}, step=2).wait(20).step == 2
+        started = time.monotonic()
+        ckpt.close(timeout=20)
+        assert time.monotonic() - started < 12, "close waited for the stuck listing (or the loop's closing did)"
+    finally:
+        release.set()
+    with SyncCheckpointer(Config(storage={"url": str(root)})) as reader:
+        assert reader.steps() == [1, 2] and torch.equal(reader.load()["w"], torch.zeros(1000))
