@@ -73,8 +73,15 @@ class TransferLink:
         the trainer one listing of the root, on a thread of its own that nothing waits for:
         the look is given up once either look is back, the save ends, or after
         :data:`PREFLIGHT_GRACE_S` (a listing stuck in the kernel, a hung NFS mount, may
-        linger on its thread). Loop thread."""
-        if getattr(job.transfer, "ready", True) or type(job.storage).connect is not Storage.connect:
+        linger on its thread). Not for a multi-rank save: its trainer side beats for the rank
+        until the transfer side's own look is back (``Admission._bridge``); an answer
+        of the trainer's would stop that heartbeat while the process still starts, and the
+        other ranks would take this one for stopped. Loop thread."""
+        if (
+            getattr(job.transfer, "ready", True)
+            or job.plan.spec.distributed is not None
+            or type(job.storage).connect is not Storage.connect
+        ):
             return
         storage, step = job.storage, job.plan.step
         look = asyncio.ensure_future(
