@@ -82,7 +82,7 @@ class SpoolSession:
         self._held = 0  # disk budget of files kept until finish()
         self._unsynced: list[Path] = []  # spilled during capture, not fsynced yet
         self._capture_over = False
-        self._captured_journalled = False
+        self._captured_once: asyncio.Future[None] | None = None  # the attempt to journal 'captured'
         self._resumable = False
         self.secured = 0
         """Chunks held in RAM that were written to the spool too (on preemption)."""
@@ -206,14 +206,21 @@ class SpoolSession:
             await self._journal_captured()
 
     async def _journal_captured(self) -> None:
-        if self._captured_journalled:
+        """Journal ``captured`` once, after the files spilled during capture are fsynced.
+        Single-flight: a later call (a preemption while those files are fsynced, a chunk
+        secured after capture) waits for the first one's end, and never appends the record
+        before those fsyncs are done, nor a second one (nor after a failed fsync)."""
+        if self._captured_once is not None:
+            await asyncio.shield(self._captured_once)
             return
+        self._captured_once = asyncio.get_running_loop().create_future()
         try:
             await self._sync_spilled()
             await self._record({"kind": "captured"})
-            self._captured_journalled = True
         except OSError as exc:
             self._broken(exc)
+        finally:
+            self._captured_once.set_result(None)
 
     async def _sync_spilled(self) -> None:
         """fsync the spool files spilled during capture, then their folder (their names, the
