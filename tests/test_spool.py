@@ -410,6 +410,8 @@ def test_a_spill_waits_for_no_fsync_until_capture_ends_and_everything_is_durable
     assert spilled >= 4 and len(chunk_fsyncs) == spilled, "every spilled chunk fsynced before 'captured'"
     assert set(on_disk) <= set(chunk_fsyncs)
     assert (str(folder), "") in before, "their folder too: the names survive"
+    assert (str(spool_dir), "") in before, "the spool folder too: the save's folder's own name survives"
+    assert [p for p, _ in synced].count(str(spool_dir)) == 1, "once a save"
     assert all(last != "spooled" for _, last in synced), "no fsync for a spooled record on its own"
     with SyncCheckpointer(_local(root, tmp_path / "spool2")) as again:
         assert torch.equal(again.load()["w"], state["w"])

@@ -82,6 +82,7 @@ class SpoolSession:
         self._unsynced: list[Path] = []  # spilled during capture, not fsynced yet
         self._capture_over = False
         self._captured_once: asyncio.Future[None] | None = None  # the attempt to journal 'captured'
+        self._root_synced = False  # the spool folder fsynced since this save's folder was made in it
         self._resumable = False
         self.secured = 0
         """Chunks held in RAM that were written to the spool too (on preemption)."""
@@ -215,10 +216,13 @@ class SpoolSession:
         self._captured_once = asyncio.get_running_loop().create_future()
         try:
             failed = await self._sync_spilled()
-            if failed is not None:  # a writeback error of the disk (EIO, ENOSPC): no 'captured'
-                self._broken(failed[1], f"fsync {failed[0]}")
-            else:
+            if failed is None and self._journal is not None:  # the save's folder exists: its name first
+                failed = await self._sync_spool_root()
+            if failed is None:  # (else a writeback error of the disk, EIO or ENOSPC: no 'captured')
                 await self._record({"kind": "captured"})
+                failed = await self._sync_spool_root()  # (unless done above) that record made the folder
+            if failed is not None:
+                self._broken(failed[1], f"fsync {failed[0]}")
         except OSError as exc:
             self._broken(exc)
         finally:
@@ -253,6 +257,19 @@ class SpoolSession:
             return None
 
         return await complete_before_cancel(asyncio.to_thread(sync))
+
+    async def _sync_spool_root(self) -> tuple[str, OSError] | None:
+        """fsync the spool folder once, after the save's own folder was made in it (by its
+        first spill or journal record), so that a crash does not lose that folder's name;
+        what could not be fsynced, and why, else None."""
+        if self._root_synced:
+            return None
+        self._root_synced = True
+        try:
+            await complete_before_cancel(asyncio.to_thread(durable.fsync_dir, self.spool.root))
+        except OSError as exc:
+            return f"the spool folder {self.spool.root}", exc
+        return None
 
     async def secure(self, chunk: Chunk, data: memoryview) -> bool:
         """Preemption: write ``chunk``, held in RAM as ``data`` (which must not change until
