@@ -3,6 +3,8 @@ read back (as untrusted input) and printed with their ratio, goal and verdict.""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosnap.bench.results import Figure, ResultsFileError, compare, read_figures, record
+from aiosnap.bench import summary
+from aiosnap.bench.results import (
+    MAX_FILE_BYTES,
+    MAX_TEXT_CHARS,
+    Figure,
+    ResultsFileError,
+    compare,
+    read_figures,
+    record,
+)
 from aiosnap.bench.spool import spill_floor_s
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -115,6 +126,18 @@ _fields = st.fixed_dictionaries(
 )
 
 
+def _summary(path: Path) -> tuple[int, str, str]:
+    """``aiosnap bench summary path`` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            summary.main([str(path)])
+        except SystemExit as exc:
+            status = int(exc.code or 0)
+    return status, out.getvalue(), err.getvalue()
+
+
 @settings(max_examples=300, deadline=None)
 @given(row=st.one_of(_json, _fields))
 def test_any_json_line_is_a_figure_or_a_results_file_error(tmp_path_factory: Any, row: Any) -> None:
@@ -123,9 +146,96 @@ def test_any_json_line_is_a_figure_or_a_results_file_error(tmp_path_factory: Any
     try:
         figures = read_figures(results)
     except ResultsFileError:
+        assert _summary(results)[0] == 2
         return
     assert len(figures) == 1 and isinstance(figures[0], Figure)
     assert figures[0].verdict in ("pass", "miss", "-")
+    status, shown, _ = _summary(results)
+    assert status == 0 and shown.count("\n|") == 2 and shown.encode("utf-8")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=200), cut=st.integers(0, 300))
+def test_any_bytes_are_a_table_or_a_typed_refusal_through_main(tmp_path_factory: Any, data: bytes, cut: int) -> None:
+    """Hostile results files end in a table or exit 2 naming the file, never in another
+    exception (a byte string spliced into a good line, or alone)."""
+    good = json.dumps(compare("spool", "blocked", 1.0, "s", "floor", 1.0, 1.5).__dict__).encode()
+    results = tmp_path_factory.mktemp("fuzz") / "results.jsonl"
+    results.write_bytes(good[:cut] + data + good[cut:] + b"\n")
+    status, _, err = _summary(results)
+    assert status in (0, 2)
+    if status == 2:
+        assert str(results) in err
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"\xff\xfe" + b"GOOD\n", "line 1: not UTF-8"),
+        (b'{"schema": 1, "value": ' + b"9" * 5000 + b"}\n", "line 1: not JSON"),
+        (b"[" * 200_000 + b"]" * 200_000 + b"\n", "line 1: not JSON (nested too deeply)"),
+        (b"FIGURE|value|" + b"9" * 4000, "field 'value' is out of the range of a float"),
+        (b"FIGURE|ratio|" + b"9" * 400, "field 'ratio' is out of the range of a float"),
+        (b"FIGURE|anchor_value|1e999", "field 'anchor_value' is inf, not a finite number"),
+        (b'FIGURE|note|"\\ud800"', "field 'note' is not valid Unicode"),
+        (b'FIGURE|anchor|"' + b"x" * (MAX_TEXT_CHARS + 1) + b'"', f"field 'anchor' is longer than {MAX_TEXT_CHARS}"),
+        (b"GOOD\n" * (MAX_FILE_BYTES // 150), f"larger than {MAX_FILE_BYTES} bytes"),
+    ],
+)
+def test_a_hostile_results_file_is_refused_by_main_naming_what_is_wrong(tmp_path: Path, data: bytes, says: str) -> None:
+    """Each crashed ``aiosnap bench summary`` with an untyped error (UnicodeDecodeError, the
+    int digit limit's ValueError, RecursionError, OverflowError) or read a huge file whole."""
+    good = json.dumps(compare("spool", "blocked", 1.0, "s", "floor", 1.0, 1.5).__dict__)
+    if data.startswith(b"FIGURE|"):
+        _, field, value = data.split(b"|", 2)
+        row = json.loads(good)
+        row[field.decode()] = "@"
+        data = json.dumps(row).replace('"@"', value.decode()).encode() + b"\n"
+    results = tmp_path / "results.jsonl"
+    results.write_bytes(data.replace(b"GOOD", good.encode()))
+    status, _, err = _summary(results)
+    assert status == 2 and str(results) in err and says in err, err
+
+
+def test_the_table_escapes_and_truncates_its_cells(tmp_path: Path) -> None:
+    """A figure's text cannot forge rows, move the terminal's cursor, or make every row as
+    wide as its longest cell (a 0.6 MB file printed ~1.2 GB): newlines, control characters
+    and ``|`` are escaped, cells cut to ``summary.CELL_CHARS``."""
+    results = tmp_path / "results.jsonl"
+    record(results, [
+        compare("spool", "blocked\n| forged | row | 0 s | - | 0.1x | <= 1.5x | pass |", 9.0, "s", "floor", 0.4, 1.5),
+        compare("x", "\x1b[2J\x1b[Hclears the terminal\u202e", 1.0, "s", "a", 1.0, 1.5, note="a\nb\x07"),
+        *(compare("many", f"f{i}", 1.0, "s", "a", 1.0, 1.5) for i in range(300)),
+        compare("long", "long", 1.0, "s", "x" * MAX_TEXT_CHARS, 1.0, 1.5, note="y" * MAX_TEXT_CHARS),
+    ])  # fmt: skip
+    status, shown, _ = _summary(results)
+    assert status == 0
+    lines = shown.splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    assert len(table) == 2 + 303, "one line per figure: no forged row"
+    assert "blocked\\n\\| forged \\| row" in table[2] and table[2].rstrip().endswith("| miss |")
+    assert not any(ch in shown for ch in "\x1b\x07\u202e"), "no control character reaches the terminal"
+    assert "\\x1b[2J" in table[3] and "- x / \\x1b[2J" in shown and "a\\nb\\x07" in shown
+    assert max(len(line) for line in lines) <= 7 * (summary.CELL_CHARS + 3) + 2
+    assert len(shown) < 2 * results.stat().st_size, "no amplification"
+
+
+def test_record_refuses_a_figure_the_summary_would_refuse_and_writes_nothing(tmp_path: Path) -> None:
+    """A broken run (an infinite figure) was written, and the next summary refused the whole
+    file: every other benchmark's row was lost. Now refused where it is made."""
+    results = tmp_path / "results.jsonl"
+    record(results, [compare("spool", "blocked", 0.5, "s", "floor", 0.4, 1.5)])
+    with pytest.raises(ValueError, match=r"local / warm: value is inf, not a finite number"):
+        compare("local", "warm", float("inf"), "s", "memcpy", 0.04, 1.25)
+    with pytest.raises(ValueError, match=r"local / warm: anchor_value is nan"):
+        compare("local", "warm", 1.0, "s", "memcpy", float("nan"), 1.25)
+    broken = Figure("local", "warm", 1.0, "s", "memcpy", 0.04, float("inf"), 1.25)
+    fine = compare("local", "cold", 0.5, "s", "memcpy", 0.4, 1.5)
+    with pytest.raises(ResultsFileError, match=r"local / warm: field 'ratio' is inf"):
+        record(results, [fine, broken])
+    with pytest.raises(ResultsFileError, match=r"field 'anchor' is longer than"):
+        record(results, [compare("local", "cold", 0.5, "s", "m" * (MAX_TEXT_CHARS + 1), 0.4, 1.5)])
+    assert [f.figure for f in read_figures(results)] == ["blocked"], "nothing of a refused batch written"
 
 
 def test_the_disk_floor_writes_the_bytes_as_fsynced_chunk_files_and_leaves_nothing(tmp_path: Path) -> None:

@@ -410,6 +410,80 @@ def test_a_spill_waits_for_no_fsync_until_capture_ends_and_everything_is_durable
     assert spilled >= 4 and len(chunk_fsyncs) == spilled, "every spilled chunk fsynced before 'captured'"
     assert set(on_disk) <= set(chunk_fsyncs)
     assert (str(folder), "") in before, "their folder too: the names survive"
+    assert (str(spool_dir), "") in before, "the spool folder too: the save's folder's own name survives"
+    assert [p for p, _ in synced].count(str(spool_dir)) == 1, "once a save"
     assert all(last != "spooled" for _, last in synced), "no fsync for a spooled record on its own"
     with SyncCheckpointer(_local(root, tmp_path / "spool2")) as again:
         assert torch.equal(again.load()["w"], state["w"])
+
+
+def test_a_preemption_while_the_spill_is_fsynced_journals_captured_once_after_the_fsyncs(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's ``captured`` record is written once, after every file spilled during
+    capture is fsynced, also when a preemption asks for it meanwhile (its keep_resumable
+    waits for the attempt under way): it appended ``captured`` at once, while the files were
+    still being fsynced, and a second ``captured`` followed (review of issue 25)."""
+    spool_dir = tmp_path / "spool"
+    real_fsync_file = durable.fsync_file
+    early: list[bytes] = []
+
+    def journals() -> list[Path]:
+        return list(spool_dir.rglob("journal.jsonl"))
+
+    def fsync_file(path: Any) -> None:  # the worker thread of the spill's fsyncs
+        if not early:
+            early.append(b"")
+            (job,) = ckpt._engine._jobs.values()
+            session = job.spooling.session
+            ckpt._loop.loop.call_soon_threadsafe(ckpt._engine.preempted)
+            deadline = time.monotonic() + 10
+            while not session._resumable:  # the preemption reached this save
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            window = time.monotonic() + 0.5  # it would journal 'captured' within ms
+            while time.monotonic() < window and not early[0]:
+                early[0] = b"".join(p.read_bytes() for p in journals() if b'"captured"' in p.read_bytes())
+                time.sleep(0.02)
+        real_fsync_file(path)
+
+    monkeypatch.setattr(durable, "fsync_file", fsync_file)
+    config = _local(root, spool_dir, mode="always", resume=False)
+    state = {"w": torch.randn(3 * MiB)}  # 12 MiB: twelve chunks, every one spilled
+    with SyncCheckpointer(config) as ckpt:
+        handle = ckpt.save(state, step=1)
+        assert early, "the spill's fsyncs ran before captured"
+        assert early[0] == b"", "'captured' was journalled while the spilled files were still being fsynced"
+        (journal,) = journals()
+        kinds = [json.loads(line.split(" ", 1)[1])["kind"] for line in journal.read_text().splitlines()]
+        assert kinds.count("captured") == 1, kinds
+        assert handle.wait(30).step == 1
+        assert torch.equal(ckpt.load()["w"], state["w"])
+
+
+def test_a_failed_fsync_of_a_spilled_chunk_is_named_as_such(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chunk file's writeback error now shows at the fsync before ``captured``, not at the
+    spill (the spill waits for no fsync, issue 25): the save goes on from its spool files
+    without a ``captured`` record (a crash discards it, as the warning says), and the
+    warning names the chunk file's fsync, not the journal (review of issue 25)."""
+    spool_dir = tmp_path / "spool"
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/2.bin"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = {"w": torch.randn(3 * MiB)}
+    with caplog.at_level("WARNING", logger="aiosnap"), SyncCheckpointer(_local(root, spool_dir, mode="always")) as ckpt:
+        handle = ckpt.save(state, step=1)
+        (journal,) = spool_dir.rglob("journal.jsonl")
+        assert b'"captured"' not in journal.read_bytes()
+        assert handle.wait(30).step == 1
+        assert torch.equal(ckpt.load()["w"], state["w"])
+    warned = [r.getMessage() for r in caplog.records if "step 1" in r.getMessage()]
+    assert any("cannot fsync the spilled chunk file 2.bin" in m and "Input/output error" in m for m in warned), warned
+    assert not any("cannot write the spool journal" in m for m in warned), warned

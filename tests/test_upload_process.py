@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -397,3 +399,77 @@ def test_a_save_while_the_helper_still_starts_looks_at_a_file_root_itself(root: 
     with pytest.raises(StepOrderError, match="older than the latest committed step 1"):
         ckpt.save({"w": torch.ones(1000)}, step=0)  # refused in save() however long the helper takes
     ckpt.close()
+
+
+def test_a_stuck_look_of_the_trainer_holds_up_neither_the_handle_nor_the_next_save_nor_close(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's own look at a file root (made while the upload process still starts) is
+    bounded: a listing that never returns (a stuck NFS mount, here a thread blocked on an
+    event) is given up after ``PREFLIGHT_GRACE_S`` or once the helper's look is back; the
+    save commits with the helper, and neither its handle, the next save nor close(timeout)
+    waits for the stuck thread (review of issue 25: each waited for the listing)."""
+    release = threading.Event()
+    stuck: list[str] = []
+    real = LocalStorage.list_children
+
+    async def list_children(self: LocalStorage, prefix: str = "") -> list[str]:
+        if not stuck:  # the first listing in this process is the trainer's look: it sticks
+            stuck.append(threading.current_thread().name)
+            await asyncio.to_thread(release.wait, 60)
+        return await real(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list_children", list_children)
+    ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="16MiB")))
+    pid = _helper_pid(ckpt)
+    os.kill(pid, signal.SIGSTOP)  # a helper that has not started serving (as one still importing)
+    try:
+        handle = ckpt.save({"w": torch.ones(1000)}, step=1)  # neither look back: checked before the commit
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert stuck, "the trainer looked itself"
+        assert handle.wait(20).step == 1, "committed with the helper's own look"
+        assert ckpt.save({"w": torch.zeros(1000)}, step=2).wait(20).step == 2
+        started = time.monotonic()
+        ckpt.close(timeout=20)
+        assert time.monotonic() - started < 12, "close waited for the stuck listing (or the loop's closing did)"
+    finally:
+        release.set()
+    with SyncCheckpointer(Config(storage={"url": str(root)})) as reader:
+        assert reader.steps() == [1, 2] and torch.equal(reader.load()["w"], torch.zeros(1000))
+
+
+def test_a_rank_whose_helper_still_starts_keeps_beating_from_the_trainer(root: Path) -> None:
+    """A multi-rank save made while the upload process still starts: the trainer side's
+    heartbeat goes on until the transfer side's own look at the root is back (its heartbeat
+    then takes over). The trainer's own look (for one-process saves) is not made here: it
+    answered within milliseconds, the trainer stopped beating, and the other ranks declared
+    a rank stopped whose helper only started slowly (review of issue 25, on 2 gloo ranks:
+    RankTimeoutError). One process in the multi-rank format (``rank_local``), as a rank."""
+    config = _process(
+        Config.model_validate({
+            "storage": {"url": str(root)}, "ram_budget": "16MiB", "events": {"log": False},
+            "distributed": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.5},
+        })
+    )  # fmt: skip
+    with SyncCheckpointer(config) as ckpt:
+        pid = _helper_pid(ckpt)
+        os.kill(pid, signal.SIGSTOP)  # a helper that has not started serving (as one still importing)
+        try:
+            handle = ckpt.save({"w": torch.ones(1000), "rank": 0}, step=1, rank_local=["rank"])
+            (job,) = ckpt._engine._jobs.values()
+            assert job.plan.spec.distributed is not None
+
+            def beat() -> int:  # the marker is replaced whole
+                found = list(root.glob("*/*/rank-0.alive"))
+                return int(json.loads(found[0].read_bytes())["beat"]) if found else 0
+
+            first, deadline = beat(), time.monotonic() + 10
+            while beat() < first + 3:
+                assert time.monotonic() < deadline, "the trainer stopped beating before its helper did"
+                time.sleep(0.05)
+            assert not job.preflight.done(), "nobody looked at the root but the stopped helper"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert handle.wait(30).step == 1

@@ -21,7 +21,11 @@ summary knowing it. Schema, version 1 (unknown keys are refused, so a typo is se
 ``note``          optional, a few words (the cause of a miss, the run's conditions)
 
 A row with the same ``bench`` and ``figure`` as an earlier one replaces it in the table (a
-benchmark run again), keeping the first one's place.
+benchmark run again), keeping the first one's place. The file is untrusted input: at most
+:data:`MAX_FILE_BYTES`, UTF-8, every number finite and within a float's range, every string
+valid Unicode of at most :data:`MAX_TEXT_CHARS` characters; anything else is a
+:class:`ResultsFileError` naming the file, the line and the field. :func:`record` writes only
+figures that read back.
 """
 
 from __future__ import annotations
@@ -34,10 +38,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "Figure", "ResultsFileError", "add_results_option", "compare", "read_figures", "record"]
+__all__ = [
+    "MAX_FILE_BYTES", "MAX_TEXT_CHARS", "SCHEMA", "Figure", "ResultsFileError", "add_results_option", "compare",
+    "read_figures", "record",
+]  # fmt: skip
 
 SCHEMA = 1
 GOAL_OPS = ("<=", ">=")
+MAX_FILE_BYTES = 4 * 1024 * 1024
+"""A results file larger than this is refused (a ``make bench`` run appends a few kB)."""
+MAX_TEXT_CHARS = 1000
+"""The longest string a figure's field may hold."""
 
 
 class ResultsFileError(ValueError):
@@ -82,7 +93,12 @@ def compare(
     goal_op: str = "<=",
     note: str = "",
 ) -> Figure:
-    """A figure whose ratio is ``value / anchor_value`` unless ``ratio`` is given."""
+    """A figure whose ratio is ``value / anchor_value`` unless ``ratio`` is given.
+    ValueError (naming the figure) for a number that is not finite: a broken measurement is
+    refused where it is made, not written to a file the summary would then refuse whole."""
+    for field, number in (("value", value), ("anchor_value", anchor_value), ("goal", goal), ("ratio", ratio)):
+        if number is not None and not math.isfinite(number):
+            raise ValueError(f"{bench} / {name}: {field} is {number!r}, not a finite number")
     if ratio is None and anchor_value:
         ratio = value / anchor_value
     return Figure(
@@ -104,10 +120,14 @@ def add_results_option(parser: argparse.ArgumentParser) -> None:
 
 
 def record(path: str | Path | None, figures: Iterable[Figure]) -> None:
-    """Append ``figures`` to the results file ``path`` (nothing when ``path`` is None)."""
+    """Append ``figures`` to the results file ``path`` (nothing when ``path`` is None).
+    :class:`ResultsFileError` (and nothing written) when one of them would not read back."""
     if path is None:
         return
-    lines = "".join(json.dumps(asdict(f), sort_keys=True) + "\n" for f in figures)
+    rows = [json.dumps(asdict(f), sort_keys=True) for f in figures]
+    for row, figure in zip(rows, figures, strict=True):
+        _parse(_loads(row, f"{figure.bench} / {figure.figure}"), f"{figure.bench} / {figure.figure}")
+    lines = "".join(row + "\n" for row in rows)
     with open(path, "a", encoding="utf-8") as out:
         out.write(lines)
 
@@ -132,9 +152,17 @@ def _parse(row: Any, where: str) -> Figure:
     for name, types in _FIELDS.items():
         value = row.get(name)
         if name in row and (not isinstance(value, types) or isinstance(value, bool)):
-            raise ResultsFileError(f"{where}: field {name!r} is {value!r}, not {'/'.join(t.__name__ for t in types)}")
+            shown = _short(repr(value))
+            raise ResultsFileError(f"{where}: field {name!r} is {shown}, not {'/'.join(t.__name__ for t in types)}")
+        if isinstance(value, int) and name != "schema":
+            try:
+                row[name] = value = float(value)
+            except OverflowError:
+                raise ResultsFileError(f"{where}: field {name!r} is out of the range of a float") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise ResultsFileError(f"{where}: field {name!r} is {value!r}, not a finite number")
+        if isinstance(value, str):
+            _check_text(value, f"{where}: field {name!r}")
     if row["schema"] != SCHEMA:
         raise ResultsFileError(f"{where}: field 'schema' is {row['schema']!r}; this summary reads schema {SCHEMA}")
     if row.get("goal_op", "<=") not in GOAL_OPS:
@@ -142,19 +170,47 @@ def _parse(row: Any, where: str) -> Figure:
     return Figure(**row)
 
 
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_text(text: str, what: str) -> None:
+    if len(text) > MAX_TEXT_CHARS:
+        raise ResultsFileError(f"{what} is longer than {MAX_TEXT_CHARS} characters ({len(text)})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\\ud800"): no terminal can print it
+        raise ResultsFileError(f"{what} is not valid Unicode (a lone surrogate)") from None
+
+
+def _loads(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ResultsFileError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ResultsFileError(f"{where}: not JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer over the digit limit of int()
+        raise ResultsFileError(f"{where}: not JSON ({_short(str(exc))})") from None
+
+
 def read_figures(path: str | Path) -> list[Figure]:
     """The figures of a results file, a later row of the same bench and figure replacing an
-    earlier one in its place; :class:`ResultsFileError` names the line at fault."""
+    earlier one in its place; :class:`ResultsFileError` names the line at fault (OSError
+    when the file cannot be read)."""
+    with open(path, "rb") as source:
+        data = source.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ResultsFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes: not a results file")
     found: dict[tuple[str, str], Figure] = {}
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ResultsFileError(f"{where}: not JSON ({exc.msg})") from None
-            parsed = _parse(row, where)
-            found[(parsed.bench, parsed.figure)] = parsed
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{path}, line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ResultsFileError(f"{where}: not UTF-8 (byte {exc.start})") from None
+        if not line.strip():
+            continue
+        parsed = _parse(_loads(line, where), where)
+        found[(parsed.bench, parsed.figure)] = parsed
     return list(found.values())

@@ -10,19 +10,46 @@ from __future__ import annotations
 
 import argparse
 import sys
+import unicodedata
 from typing import Any
 
 from .results import Figure, ResultsFileError, read_figures
 
-__all__ = ["main", "table"]
+__all__ = ["CELL_CHARS", "NOTE_CHARS", "main", "table"]
 
 HEADER = ("bench", "figure", "value", "floor / anchor", "ratio", "goal", "")
+CELL_CHARS = 100
+"""A cell longer than this is cut (with ``...``): one long figure must not widen every row."""
+NOTE_CHARS = 400
+"""The same for a note, printed under the table."""
+
+
+def _escaped(text: str, limit: int) -> str:
+    """``text`` as one line of plain characters: newlines and other control or format
+    characters (ESC, bidi overrides) escaped as Python would write them, ``|`` as ``\\|``
+    (it would start a new cell), cut to ``limit`` characters."""
+    out = []
+    for char in text:
+        if char == "|":
+            out.append("\\|")
+        elif unicodedata.category(char)[0] in "CZ" and char != " ":  # controls, format, line/para separators
+            out.append(
+                repr(char)[1:-1]
+                if char.isascii()
+                else f"\\u{ord(char):04x}"
+                if ord(char) < 0x10000
+                else f"\\U{ord(char):08x}"
+            )
+        else:
+            out.append(char)
+    escaped = "".join(out)
+    return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
 
 
 def _number(value: float | None, unit: str = "") -> str:
     if value is None:
         return "-"
-    text = f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    text = f"{value:.0f}" if 1000 <= abs(value) < 1e15 else f"{value:.3g}"
     return f"{text} {unit}".strip()
 
 
@@ -30,7 +57,8 @@ def _row(f: Figure) -> tuple[str, ...]:
     anchor = f.anchor if f.anchor_value is None else f"{_number(f.anchor_value, f.unit)} ({f.anchor})"
     goal = "-" if f.goal is None else f"{f.goal_op} {_number(f.goal)}x"
     ratio = "-" if f.ratio is None else f"{_number(f.ratio)}x"
-    return (f.bench, f.figure, _number(f.value, f.unit), anchor, ratio, goal, f.verdict)
+    cells = (f.bench, f.figure, _number(f.value, f.unit), anchor, ratio, goal, f.verdict)
+    return tuple(_escaped(cell, CELL_CHARS) for cell in cells)
 
 
 def table(figures: list[Figure]) -> str:
@@ -46,7 +74,7 @@ def table(figures: list[Figure]) -> str:
     misses = [f for f in figures if f.verdict == "miss"]
     graded = [f for f in figures if f.verdict != "-"]
     out.append(f"\n{len(graded) - len(misses)} of {len(graded)} goals met; {len(figures)} figures in all.")
-    out.extend(f"- {f.bench} / {f.figure}: {f.note}" for f in figures if f.note)
+    out.extend(_escaped(f"- {f.bench} / {f.figure}: {f.note}", NOTE_CHARS) for f in figures if f.note)
     return "\n".join(out)
 
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import threading
 import traceback
-from collections.abc import Coroutine, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, ParamSpec, TypeVar
 
 from ..errors import first_error
 
-__all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel", "run_all"]
+__all__ = ["complete_before_cancel", "drop_frame_locals", "finish_despite_cancel", "run_all", "run_detached"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 async def complete_before_cancel(operation: Coroutine[Any, Any, T]) -> T:
@@ -81,3 +85,52 @@ async def run_all(operations: Iterable[Coroutine[Any, Any, Any]]) -> None:
                 group.create_task(operation)
     except BaseExceptionGroup as group_error:
         raise (leaf := first_error(group_error)) from leaf.__cause__
+
+
+class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Runs each submitted call at once, on the submitting thread: it never starts a thread
+    (a ThreadPoolExecutor only because an event loop's default executor must be one)."""
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+def run_detached(make: Callable[[], Coroutine[Any, Any, T]], name: str) -> asyncio.Future[T]:
+    """Run the coroutine ``make()`` on a daemon thread ``name`` of its own, its blocking calls
+    (``to_thread``, ``run_in_executor``) inline on that thread; the returned future, of the
+    running loop, gets its result. Cancelling the future abandons the thread: nothing ever
+    waits for it (not this loop's closing, which waits for its default executor's threads,
+    nor the interpreter's exit), so a call stuck in the kernel holds up nobody but itself.
+    For short looks whose answer may come too late to matter."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def deliver(outcome: concurrent.futures.Future[T]) -> None:  # the loop thread
+        if future.done():
+            return
+        error = outcome.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome.result())
+
+    def run() -> None:  # the detached thread
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        own = asyncio.new_event_loop()
+        own.set_default_executor(_InlineExecutor())
+        try:
+            outcome.set_result(own.run_until_complete(make()))
+        except BaseException as exc:
+            outcome.set_exception(exc)
+        finally:
+            own.close()
+        with contextlib.suppress(RuntimeError):  # that loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(deliver, outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -12,16 +12,18 @@ multi-rank save hear of it through storage. Loop thread only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ..config import Config
+from ..core.aio import run_detached
 from ..format.placement import Landing
 from ..handoff.contract import SlabChunk, Staged, Transfer, TransferOutcome
 from ..storage.base import Storage
-from ..transfer.commit import preflight, whose_commit
+from ..transfer.commit import Preflight, preflight, whose_commit
 from ..transfer.rank_settle import settle_without_transfer
 from .resources import Resources
-from .savejob import SaveJob
+from .savejob import PREFLIGHT_GRACE_S, SaveJob
 
 __all__ = ["CLOSE_LOOK_S", "TransferLink"]
 
@@ -69,19 +71,36 @@ class TransferLink:
         the trainer looks at it itself, beside the process's own look, so that save() need not
         wait for the process to start to check the step order. The first look back is the one
         save() checks; the transfer side checks its own before the commit, as always. Costs
-        the trainer one listing of the root. Loop thread."""
-        if getattr(job.transfer, "ready", True) or type(job.storage).connect is not Storage.connect:
+        the trainer one listing of the root, on a thread of its own that nothing waits for:
+        the look is given up once either look is back, the save ends, or after
+        :data:`PREFLIGHT_GRACE_S` (a listing stuck in the kernel, a hung NFS mount, may
+        linger on its thread). Not for a multi-rank save: its trainer side beats for the rank
+        until the transfer side's own look is back (``Admission._bridge``); an answer
+        of the trainer's would stop that heartbeat while the process still starts, and the
+        other ranks would take this one for stopped. Loop thread."""
+        if (
+            getattr(job.transfer, "ready", True)
+            or job.plan.spec.distributed is not None
+            or type(job.storage).connect is not Storage.connect
+        ):
             return
+        storage, step = job.storage, job.plan.step
+        look = asyncio.ensure_future(
+            asyncio.wait_for(run_detached(lambda: preflight(storage, step), "aiosnap-look"), PREFLIGHT_GRACE_S)
+        )
 
-        async def look() -> None:
-            try:
-                found = await preflight(job.storage, job.plan.step)
-            except Exception as exc:  # the process's own look reports what matters
-                log.debug("aiosnap: the trainer's look at %s failed: %r", job.storage.url, exc)
+        def back(done: asyncio.Future[Preflight]) -> None:
+            if done.cancelled():
                 return
-            job.preflight_back(found.latest, None)
+            error = done.exception()
+            if error is not None:  # the process's own look reports what matters
+                log.debug("aiosnap: the trainer's look at %s failed: %r", storage.url, error)
+                return
+            job.preflight_back(done.result().latest, None)
 
-        job.spooling.run(look())
+        look.add_done_callback(back)
+        for ending in (job.preflight, job.outcome):  # (they hold the look until it ends)
+            ending.add_done_callback(lambda _: look.cancel())
 
     def lend(self, save_id: str, chunk: Staged, transfer: Transfer) -> None:
         """``chunk`` of save ``save_id`` goes to ``transfer``: lent until done_with gives it back."""

@@ -11,7 +11,6 @@ chunk landed is on disk. Loop thread; file I/O runs on worker threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -83,7 +82,8 @@ class SpoolSession:
         self._held = 0  # disk budget of files kept until finish()
         self._unsynced: list[Path] = []  # spilled during capture, not fsynced yet
         self._capture_over = False
-        self._captured_journalled = False
+        self._captured_once: asyncio.Future[None] | None = None  # the attempt to journal 'captured'
+        self._root_synced = False  # the spool folder fsynced since this save's folder was made in it
         self._resumable = False
         self.secured = 0
         """Chunks held in RAM that were written to the spool too (on preemption)."""
@@ -209,35 +209,70 @@ class SpoolSession:
             await self._journal_captured()
 
     async def _journal_captured(self) -> None:
-        if self._captured_journalled:
+        """Journal ``captured`` once, after the files spilled during capture are fsynced.
+        Single-flight: a later call (a preemption while those files are fsynced, a chunk
+        secured after capture) waits for the first one's end, and never appends the record
+        before those fsyncs are done, nor a second one (nor after a failed fsync)."""
+        if self._captured_once is not None:
+            await asyncio.shield(self._captured_once)
             return
+        self._captured_once = asyncio.get_running_loop().create_future()
         try:
-            await self._sync_spilled()
-            await self._record({"kind": "captured"})
-            self._captured_journalled = True
+            failed = await self._sync_spilled()
+            if failed is None and self._journal is not None:  # the save's folder exists: its name first
+                failed = await self._sync_spool_root()
+            if failed is None:  # (else a writeback error of the disk, EIO or ENOSPC: no 'captured')
+                await self._record({"kind": "captured"})
+                failed = await self._sync_spool_root()  # (unless done above) that record made the folder
+            if failed is not None:
+                self._broken(failed[1], f"fsync {failed[0]}")
         except OSError as exc:
             self._broken(exc)
+        finally:
+            self._captured_once.set_result(None)
 
-    async def _sync_spilled(self) -> None:
+    async def _sync_spilled(self) -> tuple[str, OSError] | None:
         """fsync the spool files spilled during capture, then their folder (their names, the
         journal's), before the journal says the save was captured: every file it names is on
         disk by then, as when each was fsynced at once. Until that record a crash discards
         the save however much of it reached the disk (resume needs ``captured``), so the
         spill need not wait for each file's fsync: the disk writes them back meanwhile (see
         :func:`~aiosnap.core.durable.start_writeback`), and the records of the spilled chunks
-        become durable with the ``captured`` record's fsync."""
+        become durable with the ``captured`` record's fsync. Returns what could not be
+        fsynced, and why (a writeback error of the disk now shows here, not at the spill)."""
         paths, self._unsynced = self._unsynced, []
         if not paths:
-            return
+            return None
         folder = self.spool.save_dir(self.plan.save_id)
 
-        def sync() -> None:
+        def sync() -> tuple[str, OSError] | None:
             for path in paths:
-                with contextlib.suppress(FileNotFoundError):  # landed meanwhile, and removed
+                try:
                     durable.fsync_file(path)
-            durable.fsync_dir(folder)
+                except FileNotFoundError:  # landed meanwhile, and removed
+                    continue
+                except OSError as exc:
+                    return f"the spilled chunk file {path.name}", exc
+            try:
+                durable.fsync_dir(folder)
+            except OSError as exc:
+                return f"the spool folder {folder}", exc
+            return None
 
-        await complete_before_cancel(asyncio.to_thread(sync))
+        return await complete_before_cancel(asyncio.to_thread(sync))
+
+    async def _sync_spool_root(self) -> tuple[str, OSError] | None:
+        """fsync the spool folder once, after the save's own folder was made in it (by its
+        first spill or journal record), so that a crash does not lose that folder's name;
+        what could not be fsynced, and why, else None."""
+        if self._root_synced:
+            return None
+        self._root_synced = True
+        try:
+            await complete_before_cancel(asyncio.to_thread(durable.fsync_dir, self.spool.root))
+        except OSError as exc:
+            return f"the spool folder {self.spool.root}", exc
+        return None
 
     async def secure(self, chunk: Chunk, data: memoryview) -> bool:
         """Preemption: write ``chunk``, held in RAM as ``data`` (which must not change until
@@ -272,11 +307,11 @@ class SpoolSession:
             await self._journal_captured()
         return True
 
-    def _broken(self, exc: OSError) -> None:
+    def _broken(self, exc: OSError, what: str = "write the spool journal") -> None:
         self.fallback = self.fallback or f"{type(exc).__name__}: {exc}"
         log.warning(
-            "aiosnap: cannot write the spool journal of step %d (%s): the save goes on, "
-            "but would not survive a crash", self.plan.step, exc,
+            "aiosnap: cannot %s of step %d (%s): the save goes on, but would not survive a crash",
+            what, self.plan.step, exc,
         )  # fmt: skip
 
     async def done_with(self, index: int, pieces: Landing | None) -> None:
