@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import Config, SyncCheckpointer
+from .results import Figure, add_results_option, compare, record
 from .s3 import _create_bucket, _endpoint
 
 MiB = 1024 * 1024
@@ -54,13 +55,13 @@ class _Adapted(torch.nn.Module):
         return out
 
 
-def make_state(megabytes: int, *, fine_tune: bool) -> dict[str, Any]:
+def make_state(megabytes: int, *, fine_tune: bool, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The model and its Adam state: a frozen base of ``megabytes`` (``fine_tune``), or a
-    fully trained model whose weights and moments total about ``megabytes``."""
-    per_layer = (WIDTH * WIDTH + WIDTH) * 4 * (1 if fine_tune else 3)
+    fully trained model whose weights and moments total about ``megabytes`` (of ``dtype``)."""
+    per_layer = (WIDTH * WIDTH + WIDTH) * dtype.itemsize * (1 if fine_tune else 3)
     layers = max(1, round(megabytes * 1e6 / per_layer))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(_Adapted(WIDTH, fine_tune) for _ in range(layers)))
+    model = torch.nn.Sequential(*(_Adapted(WIDTH, fine_tune) for _ in range(layers))).to(dtype)
     optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     train_step(model, optim)
     return {"model": model, "optim": optim}
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--saves", type=int, default=5, help="saves per configuration (default 5)")
     parser.add_argument("--cap-mb-s", type=float, default=100.0, help="S3 bandwidth cap (default 100 MB/s)")
     parser.add_argument("--no-s3", action="store_true", help="local disk only")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"saves": args.saves}
     workloads = {"fine_tune": (args.base_mb, True), "full": (args.full_mb, False)}
@@ -180,9 +182,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
             figures["dcp_async_save_local"] = _dcp(scratch / f"dcp-{name}", state, args.saves)
             report[name] = figures
+        state = make_state(args.full_mb, fine_tune=False, dtype=torch.bfloat16)  # bf16 weights and moments
+        report["full_bf16"] = {
+            "state_bytes": _state_bytes(state),
+            "local": {
+                f"dedup_off_zstd_{z}": _aiosnap(targets["local"](False, "zstd" if z == "on" else "none"), state, 2)
+                for z in ("off", "on")
+            },
+        }
     report["ratios"] = _goals(report)
+    record(args.results, _figures(report))
     print(json.dumps(report, indent=2))
     return report
+
+
+def _figures(report: dict[str, Any]) -> list[Figure]:
+    """The issue's goals as rows of ``aiosnap bench summary``."""
+    tune, full, half = report["fine_tune"], report["full"], report["full_bf16"]
+    on, off, zstd = "dedup_on_zstd_off", "dedup_off_zstd_off", "dedup_off_zstd_on"
+    rows = [
+        compare(
+            "incremental", "fine-tune: bytes written per save after the first, dedup on",
+            tune["local"][on]["bytes_per_save"] / MiB, "MiB", "the whole state", tune["state_bytes"] / MiB, 0.06,
+        ),
+        compare(
+            "incremental", "fine-tune: durable, dedup on, local disk", tune["local"][on]["durable_s"], "s",
+            "DCP async_save, local disk", tune["dcp_async_save_local"]["durable_s"], 0.2,
+        ),
+        compare(
+            "incremental", "fp32 weights + Adam moments: bytes with zstd", full["local"][zstd]["bytes_per_save"] / MiB,
+            "MiB", "raw bytes", full["local"][off]["bytes_per_save"] / MiB, 0.8,
+        ),
+        compare(
+            "incremental", "bf16 weights + Adam moments: bytes with zstd", half["local"][zstd]["bytes_per_save"] / MiB,
+            "MiB", "raw bytes", half["local"][off]["bytes_per_save"] / MiB, 0.8,
+        ),
+    ]  # fmt: skip
+    for target in (t for t in full if t.startswith(("local", "s3"))):
+        rows.append(compare(
+            "incremental", f"full training: durable, dedup on, {target}", full[target][on]["durable_s"], "s",
+            "dedup off", full[target][off]["durable_s"], 1.05,
+        ))  # fmt: skip
+        rows.append(compare(
+            "incremental", f"full training: save() blocked, dedup on, {target}", full[target][on]["blocked_s"], "s",
+            "dedup off", full[target][off]["blocked_s"], 1.05, note="goal: dedup adds no blocked time",
+        ))  # fmt: skip
+        if target.startswith("s3_capped_"):
+            cap = float(target.removeprefix("s3_capped_").removesuffix("mb_s"))
+            rows.append(compare(
+                "incremental", f"full training: durable with zstd through {cap:g} MB/s",
+                full[target][zstd]["durable_s"], "s", "raw bytes at the cap", full["state_bytes"] / (cap * 1e6), 0.85,
+            ))  # fmt: skip
+    return rows
 
 
 def _goals(report: dict[str, Any]) -> dict[str, Any]:
