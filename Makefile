@@ -87,6 +87,7 @@ bench: install
 	$(PY) -m aiosnap.bench interference --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench distributed --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench distributed --simulate
+	$(PY) -m aiosnap.bench incremental --base-mb 256 --full-mb 256 --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench summary $(BENCH_RESULTS)
 
 # The CUDA tests and the D2H staging benchmark (pinned staging: aiosnap against DCP's pinned

@@ -459,11 +459,18 @@ def test_two_ranks_each_reference_their_own_earlier_objects(tmp_path: Path) -> N
 
 
 @pytest.mark.thread_only
-def test_the_incremental_benchmark_measures_what_dedup_saves(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_incremental_benchmark_measures_what_dedup_saves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from aiosnap.bench.incremental import main
+    from aiosnap.bench.results import read_figures
 
-    report = main(["--base-mb", "3", "--full-mb", "2", "--saves", "2", "--no-s3"])
+    results = tmp_path / "results.jsonl"
+    report = main(["--base-mb", "3", "--full-mb", "2", "--saves", "2", "--no-s3", "--results", str(results)])
     assert json.loads(capsys.readouterr().out) == report
+    rows = {f.figure: f for f in read_figures(results)}
+    assert rows["fine-tune: bytes written per save after the first, dedup on"].ratio < 0.2
+    assert rows["bf16 weights + Adam moments: bytes with zstd"].goal == 0.8
     tune, full = report["fine_tune"]["local"], report["full"]["local"]
     on, off = "dedup_on_zstd_off", "dedup_off_zstd_off"
     assert tune[on]["bytes_per_save"] < 0.2 * tune[off]["bytes_per_save"]

@@ -69,7 +69,8 @@ def make_state(megabytes: int, *, fine_tune: bool, dtype: torch.dtype = torch.fl
 
 def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
     optim.zero_grad()
-    model(torch.randn(4, WIDTH)).square().mean().backward()
+    dtype = next(model.parameters()).dtype
+    model(torch.randn(4, WIDTH, dtype=dtype)).float().square().mean().backward()
     optim.step()
 
 
