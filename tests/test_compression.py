@@ -19,6 +19,7 @@ from aiosnap.catalog.maintenance import verify_step
 from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.names import step_dir
 from aiosnap.format.manifest import COMPRESSED_VERSION, Manifest
+from aiosnap.storage.base import Storage
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import assert_same
 from tests.fuzzing import sign_manifest
@@ -251,3 +252,49 @@ def test_the_safetensors_export_reads_compressed_ranges(root: Path, tmp_path: Pa
     assert sorted(found) == ["b", "w"]
     for name in found:
         assert_same(found[name], state["model"][name])
+
+
+def test_packing_never_writes_the_slab_and_lands_whole_when_its_ram_is_short(tmp_path: Path) -> None:
+    """A staged slab may be read by another party while it uploads (on preemption the
+    trainer side writes it to the spool, and journals its bytes at the plan's offsets), so
+    packing and compressing write into RAM of their own, reserved without waiting from the
+    transfer side's share of the budget: the slab is byte for byte what was captured
+    afterwards, the reservation is given back (also when the write fails), and with no room
+    the chunk lands whole and raw (correct, only larger)."""
+    import asyncio
+
+    from aiosnap.core.budget import ByteBudget
+    from aiosnap.format.spec import ChunkSpec, PieceSpec
+    from aiosnap.transfer.dedup import land_slab
+    from tests.conftest import FaultyStorage
+
+    parts = [_trained_like(30_000, torch.float32, seed).view(torch.uint8) for seed in range(3)]
+    pieces = tuple(PieceSpec(i, p.numel(), 120_064 * i) for i, p in enumerate(parts))
+    chunk = ChunkSpec("1/s/rank-0/0.bin", 120_064 * 2 + parts[2].numel(), pieces)
+    slab = bytearray(chunk.nbytes)
+    for piece, part in zip(pieces, parts, strict=True):
+        slab[piece.dst_offset : piece.dst_offset + piece.nbytes] = part.numpy().tobytes()
+    captured = bytes(slab)
+    storage = LocalStorage(tmp_path)
+
+    async def land(scratch: ByteBudget, target: Storage = storage) -> Any:
+        return await land_slab(target, memoryview(slab), chunk, None, [4, 4, 4], scratch)
+
+    scratch = ByteBudget(1 << 20, "packing scratch")
+    packed = asyncio.run(land(scratch))
+    assert bytes(slab) == captured and scratch.used == 0
+    assert all(p.stored is not None and p.shuffle == 4 for p in packed.pieces)
+    assert (tmp_path / chunk.object_name).stat().st_size == packed.stored < 0.95 * chunk.nbytes
+
+    failing = FaultyStorage(storage, fail_when=lambda name: True, error=OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(land(scratch, failing))
+    assert scratch.used == 0 and bytes(slab) == captured
+
+    full = ByteBudget(1 << 20, "packing scratch")
+    assert full.try_acquire(full.capacity - 1000)
+    whole = asyncio.run(land(full))
+    assert full.used == full.capacity - 1000
+    assert whole.stored == chunk.nbytes and all(p.stored is None for p in whole.pieces)
+    assert [p.offset for p in whole.pieces] == [p.dst_offset for p in pieces]
+    assert (tmp_path / chunk.object_name).read_bytes() == captured

@@ -15,7 +15,7 @@ import pytest
 import torch
 from aiosnap import Config, ConfigError, SyncCheckpointer
 from tests.dist_launch import ok, run_ranks
-from tests.preempt_child import state
+from tests.preempt_child import packed_state, state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,6 +109,23 @@ def test_saves_the_grace_period_is_too_short_for_are_resumed_from_the_spool(tmp_
             assert ckpt.steps() == [1]
         assert _loads(root, 1)
     assert time.monotonic() - began >= 2  # they waited for the grace period
+
+
+def test_a_preempted_incremental_compressed_upload_resumes_to_the_bytes_it_captured(tmp_path: Path) -> None:
+    """dedup + zstd: the chunk of step 2 holds two new pieces (packed, compressed) and two
+    that step 1 wrote; its write is held, SIGTERM, the grace period runs out and the slab is
+    secured to the spool. The slab must still hold the captured bytes at the plan's offsets
+    (packing into it in place once made the resume commit wrong bytes that passed every
+    check), so the resumed step 2 loads bit-exact."""
+    root, spool = tmp_path / "ckpt", tmp_path / "spool"
+    code, out, err = Child("stuck-packed", str(root), str(spool)).preempt_after("UPLOADING")
+    assert code == -signal.SIGTERM and "NOT REACHED" not in out, (code, out, err[-3000:])
+    config = Config(storage={"url": str(root)}, spool={"dir": str(spool)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [2], ckpt.resume_report
+        for step in (1, 2):
+            restored, expected = ckpt.load(step=step), packed_state(step)
+            assert all(torch.equal(restored[k], v) for k, v in expected.items()), step
 
 
 _WATCH_THE_HELPER = """
