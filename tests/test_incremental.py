@@ -509,3 +509,22 @@ def test_a_downloaded_incremental_step_stands_alone_and_leaves_objects_copied_be
         assert copied.steps() == [1, 2]
         assert_same(copied.load(step=2), state)
         assert_same(copied.load(step=1), first_state)
+
+
+def test_a_base_re_saved_by_another_writer_is_read_again_not_taken_from_the_cache(root: Path) -> None:
+    """Writer A caches the base it committed (step 5, its save id); writer B re-saves step 5
+    (its old attempt goes). A's next save must see that step 5 is now another save's, read
+    its ranges, and reference B's objects: with the cache keyed on the step alone it named
+    A's removed objects and failed before its commit."""
+    frozen = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    with SyncCheckpointer(_config(root)) as a:
+        a.save({"f": frozen, "a": torch.ones(10)}, step=5).wait()
+        ours = a.manifest(5).save_id
+        with SyncCheckpointer(_config(root)) as b:
+            b.save({"f": frozen, "a": torch.zeros(10)}, step=5).wait()
+            theirs = b.manifest(5).save_id
+        assert theirs != ours
+        a.save({"f": frozen, "a": torch.full((10,), 2.0)}, step=6).wait()
+        manifest = a.manifest(6)
+        assert {ref.name.split("/")[1] for ref in manifest.references or ()} == {theirs}
+        assert torch.equal(a.load(step=6)["f"], frozen)
