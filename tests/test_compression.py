@@ -298,3 +298,37 @@ def test_packing_never_writes_the_slab_and_lands_whole_when_its_ram_is_short(tmp
     assert whole.stored == chunk.nbytes and all(p.stored is None for p in whole.pieces)
     assert [p.offset for p in whole.pieces] == [p.dst_offset for p in pieces]
     assert (tmp_path / chunk.object_name).read_bytes() == captured
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ram_budget", "fits"),
+    [(torch.bfloat16, "4MiB", False), (torch.int8, "4MiB", True), (torch.bfloat16, "16MiB", True)],
+)
+def test_a_safetensors_export_of_a_compressed_range_larger_than_half_its_budget(
+    root: Path, tmp_path: Path, dtype: torch.dtype, ram_budget: str, fits: bool
+) -> None:
+    """The export's range cache streams a range above half its budget in raw windows: a
+    compressed range's raw bytes are not at those offsets (it once exported frame bytes as
+    the tensor). A compressed range is read whole through the decompressing reader, its
+    frame, raw bytes and unshuffle scratch charged: the export is bit-exact when they fit,
+    and refused naming ram_budget when they do not, never wrong."""
+    import aiosnap
+    from aiosnap import AiosnapError
+    from safetensors.torch import load_file
+
+    w = _trained_like(2_800_000 // dtype.itemsize, dtype, 5)  # 2.8 MB in one compressed range
+    upload = {"chunk_size": "4MiB", "compression": "zstd"}
+    config = Config(storage={"url": str(root)}, ram_budget="16MiB", upload=upload)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"model": {"w": w}}, step=1).wait()
+        assert all(r.codec == "zstd" for e in ckpt.manifest(1).entries for r in e.ranges)
+    out = tmp_path / "hf"
+    if not fits:  # 4 MiB for source ranges: 2.8 MB raw + its frame + unshuffle scratch do not fit
+        with pytest.raises(AiosnapError, match="ram_budget"):
+            aiosnap.export(str(root), str(out), to="safetensors", config={"ram_budget": ram_budget})
+        return
+    aiosnap.export(str(root), str(out), to="safetensors", config={"ram_budget": ram_budget})
+    found: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        found.update(load_file(str(shard)))
+    assert torch.equal(found["w"].view(torch.uint8), w.view(torch.uint8))
