@@ -193,8 +193,10 @@ def _forge_frame(root: Path, doc: dict[str, Any], frame: bytes) -> None:
 
 
 @pytest.mark.thread_only
-@pytest.mark.parametrize("kind", ["bomb", "short", "garbage", "window"])
+@pytest.mark.parametrize("kind", ["bomb", "short", "garbage", "window", "unsized"])
 def test_a_forged_frame_is_refused_without_a_large_allocation(root: Path, kind: str) -> None:
+    """Also before anything is decompressed: the frame's header must say it holds the
+    range's size (a frame that does not say, "unsized", is refused by its header)."""
     _, doc = _saved(root)
     nbytes = _first_range(doc)["nbytes"]
     frames = {
@@ -204,11 +206,14 @@ def test_a_forged_frame_is_refused_without_a_large_allocation(root: Path, kind: 
         "window": zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters(window_log=31, enable_ldm=True)
         ).compress(bytes(1000)),
+        "unsized": zstandard.ZstdCompressor(write_content_size=False).compress(bytes(nbytes)),
     }
     frame = frames[kind]
     _forge_frame(root, doc, frame)
-    with SyncCheckpointer(_config(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="decompress"):
+    with SyncCheckpointer(_config(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="decompress") as got:
         ckpt.load(step=1)
+    if kind in ("unsized", "short", "bomb"):
+        assert "header says" in str(got.value)
 
 
 def test_bf16_weights_compress_to_0_8_and_fp32_adam_moments_below_0_9(root: Path) -> None:
