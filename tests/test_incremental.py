@@ -528,3 +528,27 @@ def test_a_base_re_saved_by_another_writer_is_read_again_not_taken_from_the_cach
         manifest = a.manifest(6)
         assert {ref.name.split("/")[1] for ref in manifest.references or ()} == {theirs}
         assert torch.equal(a.load(step=6)["f"], frozen)
+
+
+def test_the_spool_takes_digests_only_for_incremental_saves(tmp_path: Path) -> None:
+    """An xxh3-128 pass over every spilled chunk is what dedup compares; without
+    ``upload.dedup`` the spill costs its crc32c pass alone (no digests in the journal), and
+    a spooled save round-trips either way."""
+    import asyncio
+
+    from aiosnap.core.checksums import content_digest
+
+    data = memoryview(torch.randn(4096).view(torch.uint8).numpy()).cast("B")
+    for dedup in (False, True):
+        root, spool_dir = tmp_path / f"ckpt-{dedup}", tmp_path / f"spool-{dedup}"
+        config = _config(root, dedup=dedup).model_copy(
+            update={"spool": Config(spool={"dir": str(spool_dir), "mode": "always"}).spool}
+        )
+        with SyncCheckpointer(config) as ckpt:
+            spool = ckpt._engine.resources.spool
+            assert spool is not None and spool.digests is dedup
+            *_, digests = asyncio.run(spool.spill("probe", 0, data, [(0, 1000), (1024, 3000)]))
+            assert digests == ([content_digest(data[0:1000]), content_digest(data[1024:4024])] if dedup else None)
+            state = {"w": torch.randn(100_000), "b": torch.randn(10)}
+            ckpt.save(state, step=1).wait()
+            assert all(torch.equal(ckpt.load(step=1)[k], v) for k, v in state.items())
