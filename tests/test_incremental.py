@@ -552,3 +552,38 @@ def test_the_spool_takes_digests_only_for_incremental_saves(tmp_path: Path) -> N
             state = {"w": torch.randn(100_000), "b": torch.randn(10)}
             ckpt.save(state, step=1).wait()
             assert all(torch.equal(ckpt.load(step=1)[k], v) for k, v in state.items())
+
+
+@pytest.mark.thread_only
+def test_a_resume_recomputes_the_digests_its_journal_gives_for_spooled_chunks(tmp_path: Path) -> None:
+    """The journal's ``spooled`` digests are untrusted like the rest of it: the resume reads
+    the spool files anyway (their crc32c), so it takes each piece's digest from the bytes,
+    and never commits one the journal made up (the next save would take it for the content
+    of that range)."""
+    from aiosnap.core.checksums import content_digest
+
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
+    assert config.spool.dir is not None
+    journal = next(p for p in Path(config.spool.dir).iterdir() if p.is_dir()) / JOURNAL
+    forged = "0123456789abcdef0123456789abcdef"
+    records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]
+    spooled = [r for r in records if r.get("kind") == "spooled" and r.get("digests")]
+    assert spooled, "the crash left chunks on the spool"
+    for record in spooled:
+        record["digests"] = [forged] * len(record["digests"])
+    bodies = [json.dumps(record).encode() for record in records]
+    journal.write_bytes(b"".join(f"{crc32c_of(body):08x} ".encode() + body + b"\n" for body in bodies))
+    with SyncCheckpointer(config) as again:
+        assert again.resume_spool().resumed == [2]
+        manifest = again.manifest(2)
+        assert_same(again.load(step=2), state)
+    root = Path(config.storage.url)
+    found = {(name, offset): digest for name, offset, digest in manifest.digests or ()}
+    assert forged not in found.values()
+    for entry in manifest.entries:
+        for r in entry.ranges:
+            if r.codec is None and (r.object, r.offset) in found:
+                with open(root / r.object, "rb") as f:
+                    f.seek(r.offset)
+                    assert found[(r.object, r.offset)] == content_digest(memoryview(f.read(r.nbytes)))
