@@ -14,6 +14,9 @@ argv: scenario root [spool]. Scenarios:
   then step 2 (two of its four tensors changed, all in one chunk: packed, compressed) is
   held as ``stuck`` once its upload has started the write, UPLOADING is printed, and the
   handle waited for;
+- ``stuck-compressed``: with ``upload.compression: zstd``, save the state of
+  ``packed_state(2)`` as step 1 to ``root`` (an S3 root behind a stalling proxy, say: the
+  test sets it up), print CAPTURED once save() returned, and wait for the handle;
 - ``idle``: print READY, train until ``ckpt.preempted`` (no save in flight), take a last
   save (step 5), close, return; in process mode it prints HELPER <pid> first.
 
@@ -79,6 +82,15 @@ def stuck_packed(config: Config, root: str) -> None:
         print("NOT REACHED", flush=True)
 
 
+def stuck_compressed(config: Config) -> None:
+    upload = config.upload.model_copy(update={"compression": "zstd", "chunk_size": 2 * 1024**2})
+    with SyncCheckpointer(config.model_copy(update={"upload": upload})) as ckpt:
+        handle = ckpt.save(packed_state(2), step=1)
+        print("CAPTURED", flush=True)  # the test signals once the proxy holds the chunk's body
+        handle.wait()
+        print("NOT REACHED", flush=True)
+
+
 def main(scenario: str, root: str, spool: str | None) -> None:
     settings: dict[str, Any] = {
         "storage": {"url": root},
@@ -95,6 +107,9 @@ def main(scenario: str, root: str, spool: str | None) -> None:
     config = Config(**settings)
     if scenario == "stuck-packed":
         stuck_packed(config, root)
+        return
+    if scenario == "stuck-compressed":
+        stuck_compressed(config)
         return
     storage: Any = None
     if scenario in ("in-flight", "stuck", "committing"):
