@@ -261,7 +261,9 @@ class _Core:
             undo.callback(self._job.close)
             undo.callback(events.close)
             self._job.check_spools(self.config.spool)
-            spool = Spool.open(self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget))
+            spool = Spool.open(
+                self.config.spool, min_bytes=slab_bytes_for(self.config, ram_budget), digests=self.config.upload.dedup
+            )
             if spool is not None:
                 undo.callback(spool.close)  # the lock, so a later checkpointer may take the spool
             self._loop = LoopThread(self.config.loop)

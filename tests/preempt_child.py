@@ -10,6 +10,13 @@ argv: scenario root [spool]. Scenarios:
   UPLOADING, then wait for the handle as a trainer that knows nothing of preemption would;
 - ``committing``: as ``stuck``, but the storage holds only the manifest's write: every
   chunk lands, and COMMITTING is printed once the save is committing;
+- ``stuck-packed``: with ``upload.dedup`` and ``upload.compression: zstd``, step 1 lands,
+  then step 2 (two of its four tensors changed, all in one chunk: packed, compressed) is
+  held as ``stuck`` once its upload has started the write, UPLOADING is printed, and the
+  handle waited for;
+- ``stuck-compressed``: with ``upload.compression: zstd``, save the state of
+  ``packed_state(2)`` as step 1 to ``root`` (an S3 root behind a stalling proxy, say: the
+  test sets it up), print CAPTURED once save() returned, and wait for the handle;
 - ``idle``: print READY, train until ``ckpt.preempted`` (no save in flight), take a last
   save (step 5), close, return; in process mode it prints HELPER <pid> first.
 
@@ -46,17 +53,64 @@ def train_until_preempted(ckpt: SyncCheckpointer) -> None:
         time.sleep(0.005)  # one training step
 
 
+def packed_state(step: int) -> dict[str, torch.Tensor]:
+    """Four trained-like tensors in one 512 KiB chunk; step 2 changes the second and fourth
+    (dedup writes only those, and moves the fourth towards the chunk's start)."""
+    generator = torch.Generator().manual_seed(7)
+    tensors = {f"t{i}": torch.randn(20_000, generator=generator) * 0.02 for i in range(4)}
+    if step == 1:
+        tensors["t1"] = tensors["t1"] + 1
+        tensors["t3"] = tensors["t3"] + 1
+    return tensors
+
+
+def stuck_packed(config: Config, root: str) -> None:
+    config = config.model_copy(
+        update={"upload": config.upload.model_copy(update={"dedup": True, "compression": "zstd"})}
+    )
+    storage = FaultyStorage(LocalStorage(root))
+    with SyncCheckpointer(config, storage=storage) as ckpt:
+        ckpt.save(packed_state(1), step=1).wait()
+        storage.hold_when = lambda name: name.endswith(".bin")
+        handle = ckpt.save(packed_state(2), step=2)
+        began = time.monotonic()
+        while storage._gate is None:  # the chunk's write is held: whatever it packs is packed
+            assert time.monotonic() - began < DEADLINE_S, "the upload never started"
+            time.sleep(0.005)
+        print("UPLOADING", flush=True)
+        handle.wait()
+        print("NOT REACHED", flush=True)
+
+
+def stuck_compressed(config: Config) -> None:
+    upload = config.upload.model_copy(update={"compression": "zstd", "chunk_size": 2 * 1024**2})
+    with SyncCheckpointer(config.model_copy(update={"upload": upload})) as ckpt:
+        handle = ckpt.save(packed_state(2), step=1)
+        print("CAPTURED", flush=True)  # the test signals once the proxy holds the chunk's body
+        handle.wait()
+        print("NOT REACHED", flush=True)
+
+
 def main(scenario: str, root: str, spool: str | None) -> None:
     settings: dict[str, Any] = {
         "storage": {"url": root},
         "ram_budget": "16MiB",
         "upload": {"chunk_size": "512KiB", "concurrency": 1},
-        "preemption": {"enabled": True, "grace_period": 2.0 if scenario in ("stuck", "committing") else 20.0},
+        "preemption": {
+            "enabled": True,
+            "grace_period": 2.0 if scenario in ("stuck", "committing", "stuck-packed") else 20.0,
+        },
         "events": {"log": False},
     }
     if spool is not None:
         settings["spool"] = {"dir": spool, "mode": "overflow"}
     config = Config(**settings)
+    if scenario == "stuck-packed":
+        stuck_packed(config, root)
+        return
+    if scenario == "stuck-compressed":
+        stuck_compressed(config)
+        return
     storage: Any = None
     if scenario in ("in-flight", "stuck", "committing"):
         storage = FaultyStorage(LocalStorage(root))

@@ -19,6 +19,7 @@ from aiosnap.catalog.maintenance import verify_step
 from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.names import step_dir
 from aiosnap.format.manifest import COMPRESSED_VERSION, Manifest
+from aiosnap.storage.base import Storage
 from aiosnap.storage.local import LocalStorage
 from tests.conftest import assert_same
 from tests.fuzzing import sign_manifest
@@ -192,8 +193,10 @@ def _forge_frame(root: Path, doc: dict[str, Any], frame: bytes) -> None:
 
 
 @pytest.mark.thread_only
-@pytest.mark.parametrize("kind", ["bomb", "short", "garbage", "window"])
+@pytest.mark.parametrize("kind", ["bomb", "short", "garbage", "window", "unsized"])
 def test_a_forged_frame_is_refused_without_a_large_allocation(root: Path, kind: str) -> None:
+    """Also before anything is decompressed: the frame's header must say it holds the
+    range's size (a frame that does not say, "unsized", is refused by its header)."""
     _, doc = _saved(root)
     nbytes = _first_range(doc)["nbytes"]
     frames = {
@@ -203,11 +206,14 @@ def test_a_forged_frame_is_refused_without_a_large_allocation(root: Path, kind: 
         "window": zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters(window_log=31, enable_ldm=True)
         ).compress(bytes(1000)),
+        "unsized": zstandard.ZstdCompressor(write_content_size=False).compress(bytes(nbytes)),
     }
     frame = frames[kind]
     _forge_frame(root, doc, frame)
-    with SyncCheckpointer(_config(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="decompress"):
+    with SyncCheckpointer(_config(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="decompress") as got:
         ckpt.load(step=1)
+    if kind in ("unsized", "short", "bomb"):
+        assert "header says" in str(got.value)
 
 
 def test_bf16_weights_compress_to_0_8_and_fp32_adam_moments_below_0_9(root: Path) -> None:
@@ -251,3 +257,83 @@ def test_the_safetensors_export_reads_compressed_ranges(root: Path, tmp_path: Pa
     assert sorted(found) == ["b", "w"]
     for name in found:
         assert_same(found[name], state["model"][name])
+
+
+def test_packing_never_writes_the_slab_and_lands_whole_when_its_ram_is_short(tmp_path: Path) -> None:
+    """A staged slab may be read by another party while it uploads (on preemption the
+    trainer side writes it to the spool, and journals its bytes at the plan's offsets), so
+    packing and compressing write into RAM of their own, reserved without waiting from the
+    transfer side's share of the budget: the slab is byte for byte what was captured
+    afterwards, the reservation is given back (also when the write fails), and with no room
+    the chunk lands whole and raw (correct, only larger)."""
+    import asyncio
+
+    from aiosnap.core.budget import ByteBudget
+    from aiosnap.format.spec import ChunkSpec, PieceSpec
+    from aiosnap.transfer.dedup import land_slab
+    from tests.conftest import FaultyStorage
+
+    parts = [_trained_like(30_000, torch.float32, seed).view(torch.uint8) for seed in range(3)]
+    pieces = tuple(PieceSpec(i, p.numel(), 120_064 * i) for i, p in enumerate(parts))
+    chunk = ChunkSpec("1/s/rank-0/0.bin", 120_064 * 2 + parts[2].numel(), pieces)
+    slab = bytearray(chunk.nbytes)
+    for piece, part in zip(pieces, parts, strict=True):
+        slab[piece.dst_offset : piece.dst_offset + piece.nbytes] = part.numpy().tobytes()
+    captured = bytes(slab)
+    storage = LocalStorage(tmp_path)
+
+    async def land(scratch: ByteBudget, target: Storage = storage) -> Any:
+        return await land_slab(target, memoryview(slab), chunk, None, [4, 4, 4], scratch)
+
+    scratch = ByteBudget(1 << 20, "packing scratch")
+    packed = asyncio.run(land(scratch))
+    assert bytes(slab) == captured and scratch.used == 0
+    assert all(p.stored is not None and p.shuffle == 4 for p in packed.pieces)
+    assert (tmp_path / chunk.object_name).stat().st_size == packed.stored < 0.95 * chunk.nbytes
+
+    failing = FaultyStorage(storage, fail_when=lambda name: True, error=OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(land(scratch, failing))
+    assert scratch.used == 0 and bytes(slab) == captured
+
+    full = ByteBudget(1 << 20, "packing scratch")
+    assert full.try_acquire(full.capacity - 1000)
+    whole = asyncio.run(land(full))
+    assert full.used == full.capacity - 1000
+    assert whole.stored == chunk.nbytes and all(p.stored is None for p in whole.pieces)
+    assert [p.offset for p in whole.pieces] == [p.dst_offset for p in pieces]
+    assert (tmp_path / chunk.object_name).read_bytes() == captured
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ram_budget", "fits"),
+    [(torch.bfloat16, "4MiB", False), (torch.int8, "4MiB", True), (torch.bfloat16, "16MiB", True)],
+)
+def test_a_safetensors_export_of_a_compressed_range_larger_than_half_its_budget(
+    root: Path, tmp_path: Path, dtype: torch.dtype, ram_budget: str, fits: bool
+) -> None:
+    """The export's range cache streams a range above half its budget in raw windows: a
+    compressed range's raw bytes are not at those offsets (it once exported frame bytes as
+    the tensor). A compressed range is read whole through the decompressing reader, its
+    frame, raw bytes and unshuffle scratch charged: the export is bit-exact when they fit,
+    and refused naming ram_budget when they do not, never wrong."""
+    import aiosnap
+    from aiosnap import AiosnapError
+    from safetensors.torch import load_file
+
+    w = _trained_like(2_800_000 // dtype.itemsize, dtype, 5)  # 2.8 MB in one compressed range
+    upload = {"chunk_size": "4MiB", "compression": "zstd"}
+    config = Config(storage={"url": str(root)}, ram_budget="16MiB", upload=upload)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"model": {"w": w}}, step=1).wait()
+        assert all(r.codec == "zstd" for e in ckpt.manifest(1).entries for r in e.ranges)
+    out = tmp_path / "hf"
+    if not fits:  # 4 MiB for source ranges: 2.8 MB raw + its frame + unshuffle scratch do not fit
+        with pytest.raises(AiosnapError, match="ram_budget"):
+            aiosnap.export(str(root), str(out), to="safetensors", config={"ram_budget": ram_budget})
+        return
+    aiosnap.export(str(root), str(out), to="safetensors", config={"ram_budget": ram_budget})
+    found: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        found.update(load_file(str(shard)))
+    assert torch.equal(found["w"].view(torch.uint8), w.view(torch.uint8))

@@ -516,3 +516,81 @@ def test_a_downloaded_incremental_step_stands_alone_and_leaves_objects_copied_be
         assert copied.steps() == [1, 2]
         assert_same(copied.load(step=2), state)
         assert_same(copied.load(step=1), first_state)
+
+
+def test_a_base_re_saved_by_another_writer_is_read_again_not_taken_from_the_cache(root: Path) -> None:
+    """Writer A caches the base it committed (step 5, its save id); writer B re-saves step 5
+    (its old attempt goes). A's next save must see that step 5 is now another save's, read
+    its ranges, and reference B's objects: with the cache keyed on the step alone it named
+    A's removed objects and failed before its commit."""
+    frozen = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    with SyncCheckpointer(_config(root)) as a:
+        a.save({"f": frozen, "a": torch.ones(10)}, step=5).wait()
+        ours = a.manifest(5).save_id
+        with SyncCheckpointer(_config(root)) as b:
+            b.save({"f": frozen, "a": torch.zeros(10)}, step=5).wait()
+            theirs = b.manifest(5).save_id
+        assert theirs != ours
+        a.save({"f": frozen, "a": torch.full((10,), 2.0)}, step=6).wait()
+        manifest = a.manifest(6)
+        assert {ref.name.split("/")[1] for ref in manifest.references or ()} == {theirs}
+        assert torch.equal(a.load(step=6)["f"], frozen)
+
+
+def test_the_spool_takes_digests_only_for_incremental_saves(tmp_path: Path) -> None:
+    """An xxh3-128 pass over every spilled chunk is what dedup compares; without
+    ``upload.dedup`` the spill costs its crc32c pass alone (no digests in the journal), and
+    a spooled save round-trips either way."""
+    import asyncio
+
+    from aiosnap.core.checksums import content_digest
+
+    data = memoryview(torch.randn(4096).view(torch.uint8).numpy()).cast("B")
+    for dedup in (False, True):
+        root, spool_dir = tmp_path / f"ckpt-{dedup}", tmp_path / f"spool-{dedup}"
+        config = _config(root, dedup=dedup).model_copy(
+            update={"spool": Config(spool={"dir": str(spool_dir), "mode": "always"}).spool}
+        )
+        with SyncCheckpointer(config) as ckpt:
+            spool = ckpt._engine.resources.spool
+            assert spool is not None and spool.digests is dedup
+            *_, digests = asyncio.run(spool.spill("probe", 0, data, [(0, 1000), (1024, 3000)]))
+            assert digests == ([content_digest(data[0:1000]), content_digest(data[1024:4024])] if dedup else None)
+            state = {"w": torch.randn(100_000), "b": torch.randn(10)}
+            ckpt.save(state, step=1).wait()
+            assert all(torch.equal(ckpt.load(step=1)[k], v) for k, v in state.items())
+
+
+@pytest.mark.thread_only
+def test_a_resume_recomputes_the_digests_its_journal_gives_for_spooled_chunks(tmp_path: Path) -> None:
+    """The journal's ``spooled`` digests are untrusted like the rest of it: the resume reads
+    the spool files anyway (their crc32c), so it takes each piece's digest from the bytes,
+    and never commits one the journal made up (the next save would take it for the content
+    of that range)."""
+    from aiosnap.core.checksums import content_digest
+
+    config, state, spool_copy, root_copy = _crashed_incremental_save(tmp_path)
+    _play_crash(config, spool_copy, root_copy)
+    assert config.spool.dir is not None
+    journal = next(p for p in Path(config.spool.dir).iterdir() if p.is_dir()) / JOURNAL
+    forged = "0123456789abcdef0123456789abcdef"
+    records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]
+    spooled = [r for r in records if r.get("kind") == "spooled" and r.get("digests")]
+    assert spooled, "the crash left chunks on the spool"
+    for record in spooled:
+        record["digests"] = [forged] * len(record["digests"])
+    bodies = [json.dumps(record).encode() for record in records]
+    journal.write_bytes(b"".join(f"{crc32c_of(body):08x} ".encode() + body + b"\n" for body in bodies))
+    with SyncCheckpointer(config) as again:
+        assert again.resume_spool().resumed == [2]
+        manifest = again.manifest(2)
+        assert_same(again.load(step=2), state)
+    root = Path(config.storage.url)
+    found = {(name, offset): digest for name, offset, digest in manifest.digests or ()}
+    assert forged not in found.values()
+    for entry in manifest.entries:
+        for r in entry.ranges:
+            if r.codec is None and (r.object, r.offset) in found:
+                with open(root / r.object, "rb") as f:
+                    f.seek(r.offset)
+                    assert found[(r.object, r.offset)] == content_digest(memoryview(f.read(r.nbytes)))

@@ -10,12 +10,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from aiosnap import Config, ConfigError, SyncCheckpointer
 from tests.dist_launch import ok, run_ranks
-from tests.preempt_child import state
+from tests.preempt_child import packed_state, state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 class Child:
     """The child trainer, its output read line by line."""
 
-    def __init__(self, *args: str, executor: str = "thread") -> None:
-        env = {**os.environ, "AIOSNAP_UPLOAD__EXECUTOR": executor}
+    def __init__(self, *args: str, executor: str = "thread", env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "AIOSNAP_UPLOAD__EXECUTOR": executor, **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.preempt_child", *args], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -109,6 +110,54 @@ def test_saves_the_grace_period_is_too_short_for_are_resumed_from_the_spool(tmp_
             assert ckpt.steps() == [1]
         assert _loads(root, 1)
     assert time.monotonic() - began >= 2  # they waited for the grace period
+
+
+def test_a_preempted_incremental_compressed_upload_resumes_to_the_bytes_it_captured(tmp_path: Path) -> None:
+    """dedup + zstd: the chunk of step 2 holds two new pieces (packed, compressed) and two
+    that step 1 wrote; its write is held, SIGTERM, the grace period runs out and the slab is
+    secured to the spool. The slab must still hold the captured bytes at the plan's offsets
+    (packing into it in place once made the resume commit wrong bytes that passed every
+    check), so the resumed step 2 loads bit-exact."""
+    root, spool = tmp_path / "ckpt", tmp_path / "spool"
+    code, out, err = Child("stuck-packed", str(root), str(spool)).preempt_after("UPLOADING")
+    assert code == -signal.SIGTERM and "NOT REACHED" not in out, (code, out, err[-3000:])
+    config = Config(storage={"url": str(root)}, spool={"dir": str(spool)}, events={"log": False, "stderr": False})
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [2], ckpt.resume_report
+        for step in (1, 2):
+            restored, expected = ckpt.load(step=step), packed_state(step)
+            assert all(torch.equal(restored[k], v) for k, v in expected.items()), step
+
+
+def test_a_preempted_compressed_upload_in_the_upload_process_resumes_to_the_bytes_it_captured(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str, proxy: Any
+) -> None:
+    """The same with ``upload.executor: process`` and S3: the upload process compresses the
+    chunk, its request body stalls at the proxy, SIGTERM, the trainer secures the slab (in
+    the arena it shares with the upload process) to the spool; the resume loads bit-exact."""
+    proxy.reset_after_bytes = 64 * 1024
+    proxy.stall_every = 1
+    spool = tmp_path / "spool"
+    url = f"s3://{s3_bucket}/run"
+    s3 = {"AIOSNAP_S3__ENDPOINT_URL": proxy.url, "AIOSNAP_S3__ADDRESSING_STYLE": "path"}
+    child = Child("stuck-compressed", url, str(spool), executor="process", env=s3)
+    child.wait_for("CAPTURED")
+    deadline = time.monotonic() + 60
+    while proxy.stalls == 0:  # the chunk is compressed and its body on the way: held
+        assert time.monotonic() < deadline and child.process.poll() is None, "the upload never started"
+        time.sleep(0.01)
+    child.process.send_signal(signal.SIGTERM)
+    code, out, err = child.end()
+    assert code == -signal.SIGTERM and "NOT REACHED" not in out, (code, out, err[-3000:])
+    proxy.clear()
+    config = Config(
+        storage={"url": url}, spool={"dir": str(spool)}, events={"log": False, "stderr": False},
+        s3={"endpoint_url": s3_endpoint, "addressing_style": "path"},
+    )  # fmt: skip
+    with SyncCheckpointer(config) as ckpt:
+        assert ckpt.resume_report.resumed == [1], ckpt.resume_report
+        restored, expected = ckpt.load(step=1), packed_state(2)
+        assert all(torch.equal(restored[k], v) for k, v in expected.items())
 
 
 _WATCH_THE_HELPER = """

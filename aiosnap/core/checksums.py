@@ -105,13 +105,17 @@ def file_crc32c(path: str | Path, start: int = 0, end: int | None = None) -> int
     return crc
 
 
-def file_crc32c_with_pieces(path: str | Path, pieces: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """CRC32C of a whole file and of each ``(offset, nbytes)`` piece of it, reading the file
+def file_crc32c_with_pieces(
+    path: str | Path, pieces: list[tuple[int, int]], digested: list[tuple[int, int]] | None = None
+) -> tuple[int, list[int], list[str] | None]:
+    """CRC32C of a whole file and of each ``(offset, nbytes)`` piece of it, and (None when
+    ``digested`` is None) the xxh3-128 digest of each ``digested`` piece, reading the file
     once. The file is a spooled chunk: at most one slab in size."""
     with open(path, "rb") as f:
         data = memoryview(f.read())
     checksums = RangeChecksums(data, [b for o, n in pieces for b in (o, o + n)])
-    return checksums.of(0, data.nbytes), [checksums.of(o, o + n) for o, n in pieces]
+    digests = None if digested is None else [content_digest(data[o : o + n]) for o, n in digested]
+    return checksums.of(0, data.nbytes), [checksums.of(o, o + n) for o, n in pieces], digests
 
 
 class RangeChecksums:

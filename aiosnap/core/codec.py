@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import zstandard
 
-__all__ = ["LEVEL", "MAX_WINDOW", "compress_range", "decompress_into", "shuffle_into", "unshuffle_into"]
+__all__ = [
+    "LEVEL", "MAX_WINDOW", "SCRATCH_BYTES", "check_frame", "compress_into", "compress_range", "decompress_into",
+    "shuffle_into", "unshuffle_into",
+]  # fmt: skip
 
 LEVEL = 3
 MAX_WINDOW = 1 << 27
 """The largest zstd window a stored frame may ask for (what we write uses far less)."""
 _BLOCK = 1 << 20
+SCRATCH_BYTES = 1 << 16
+"""The scratch :func:`compress_into` shuffles through (whatever the range's size)."""
 
 
 def shuffle_into(data: memoryview, out: memoryview, itemsize: int) -> None:
@@ -48,6 +53,41 @@ def compress_range(data: memoryview, itemsize: int, level: int = LEVEL) -> bytes
     return frame if len(frame) < data.nbytes else None
 
 
+def compress_into(data: memoryview, out: memoryview, itemsize: int, level: int = LEVEL) -> int | None:
+    """Write ``data`` shuffled by ``itemsize`` (1: not shuffled) and zstd-compressed into
+    ``out`` (at least ``data``'s size), through at most :data:`SCRATCH_BYTES` of scratch;
+    the frame's size, or None when it is not smaller than ``data`` (nothing to use in
+    ``out``: the range is stored raw). The frame's header records ``data``'s size."""
+    import numpy as np
+
+    nbytes = data.nbytes
+    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=nbytes)
+    written = 0
+
+    def put(frame: bytes) -> bool:
+        nonlocal written
+        if written + len(frame) >= nbytes:
+            return False
+        out[written : written + len(frame)] = frame
+        written += len(frame)
+        return True
+
+    if itemsize <= 1:
+        for start in range(0, nbytes, SCRATCH_BYTES):
+            if not put(compressor.compress(data[start : start + SCRATCH_BYTES])):
+                return None
+    else:
+        source = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
+        scratch = np.empty(min(SCRATCH_BYTES, len(source)), dtype=np.uint8)
+        for byte in range(itemsize):  # plane ``byte`` of the shuffled stream, a block at a time
+            for start in range(0, len(source), len(scratch)):
+                block = scratch[: min(len(scratch), len(source) - start)]
+                np.copyto(block, source[start : start + len(block), byte])
+                if not put(compressor.compress(block.data)):
+                    return None
+    return written if put(compressor.flush()) else None
+
+
 def _inflate(frame: memoryview, dest: memoryview) -> None:
     reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(frame, read_across_frames=False)
     filled = 0
@@ -65,10 +105,23 @@ def _inflate(frame: memoryview, dest: memoryview) -> None:
         reader.close()  # type: ignore[no-untyped-call]
 
 
+def check_frame(frame: memoryview | bytes, nbytes: int) -> None:
+    """ValueError unless ``frame``'s header says it holds exactly ``nbytes`` (read before
+    anything is allocated for it or decompressed)."""
+    try:
+        size = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"not a valid zstd frame: {exc}") from None
+    if size != nbytes:
+        held = "an unknown number of" if size == zstandard.CONTENTSIZE_UNKNOWN else str(size)
+        raise ValueError(f"the frame's header says it holds {held} bytes, the range {nbytes}")
+
+
 def decompress_into(frame: memoryview, dest: memoryview, itemsize: int) -> None:
     """Decompress ``frame`` into ``dest`` (exactly its size), unshuffling by ``itemsize``
-    through one scratch buffer of its size; ValueError if the frame does not hold exactly
-    that many bytes."""
+    through one scratch buffer of its size; ValueError if the frame's header or its content
+    does not hold exactly that many bytes (the header is checked first)."""
+    check_frame(frame, dest.nbytes)
     if itemsize <= 1:
         _inflate(frame, dest)
         return

@@ -46,18 +46,22 @@ def spool_budget_bytes(config: SpoolConfig, root: Path) -> int:
 class Spool:
     """One spool directory, locked for this process, with its disk budget."""
 
-    def __init__(self, root: Path, budget: ByteBudget, mode: str, lock_fd: int) -> None:
+    def __init__(self, root: Path, budget: ByteBudget, mode: str, lock_fd: int, *, digests: bool = False) -> None:
         self.root = root
         self.budget = budget
         self.mode = mode
+        self.digests = digests
+        """Take each range's xxh3-128 digest as it is spilled (``upload.dedup``: what
+        incremental saves compare); without it, a spill costs its crc32c pass only."""
         self.active: set[str] = set()
         """Save ids with a session in this process: never leftovers (loop thread)."""
         self._lock_fd: int | None = lock_fd
 
     @classmethod
-    def open(cls, config: SpoolConfig, min_bytes: int) -> Spool | None:
+    def open(cls, config: SpoolConfig, min_bytes: int, *, digests: bool = False) -> Spool | None:
         """Lock and size the spool (caller's thread, at checkpointer start). None when the
-        spool is off, or unusable (unwritable, too little space): saves then wait for RAM."""
+        spool is off, or unusable (unwritable, too little space): saves then wait for RAM.
+        ``digests``: see :attr:`digests`."""
         mode = config.effective_mode
         if mode == "off" or not config.dir:
             return None
@@ -81,26 +85,26 @@ class Spool:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
             os.close(lock_fd)
             return None
-        return cls(root, ByteBudget(budget, "spool.budget"), mode, lock_fd)
+        return cls(root, ByteBudget(budget, "spool.budget"), mode, lock_fd, digests=digests)
 
     def save_dir(self, save_id: str) -> Path:
         return self.root / save_id
 
     async def spill(
         self, save_id: str, index: int, data: memoryview, ranges: list[tuple[int, int]], *, sync: bool = True
-    ) -> tuple[str, int, list[int], list[str]]:
+    ) -> tuple[str, int, list[int], list[str] | None]:
         """Write one chunk durably (``sync=False``: written, its writeback started, the
         fsync left to the caller); returns its path, its crc32c and those of its ranges,
-        and their xxh3-128 digests (what incremental saves compare). OSError (ENOSPC,
+        and (with :attr:`digests`) their xxh3-128 digests, else None. OSError (ENOSPC,
         EACCES) is raised as is, the partial file removed."""
         directory = self.save_dir(save_id)
         path = directory / f"{index}.bin"
 
-        def write() -> tuple[int, list[int], list[str]]:
+        def write() -> tuple[int, list[int], list[str] | None]:
             directory.mkdir(exist_ok=True)
             durable.write_file(path, data, sync=sync)
             checksums = RangeChecksums(data, [b for offset, nbytes in ranges for b in (offset, offset + nbytes)])
-            digests = [content_digest(data[offset : offset + nbytes]) for offset, nbytes in ranges]
+            digests = [content_digest(data[o : o + n]) for o, n in ranges] if self.digests else None
             crcs = [checksums.of(offset, offset + nbytes) for offset, nbytes in ranges]
             return checksums.of(0, data.nbytes), crcs, digests
 

@@ -22,7 +22,7 @@ from ..trainer.chunks import ALIGN
 from ..trainer.slabs import LoadSlabs, SlabPool
 from ..trainer.spool import Bounce
 
-__all__ = ["Resources", "slab_bytes_for"]
+__all__ = ["Resources", "scratch_slabs_for", "slab_bytes_for"]
 
 log = logging.getLogger("aiosnap")
 
@@ -34,6 +34,17 @@ def slab_bytes_for(config: Config, ram_budget: int) -> int:
     return max(ALIGN, size // ALIGN * ALIGN)
 
 
+def scratch_slabs_for(config: Config, count: int) -> int:
+    """Slabs of the RAM budget (``count`` in all) set aside for the transfer side to pack
+    incremental or compressed chunks into (it never writes a slab: see
+    :mod:`aiosnap.transfer.dedup`): room for ``upload.concurrency`` chunks packed at once
+    with their codec scratch, at most half the budget, none with fewer than four slabs
+    (chunks then land whole)."""
+    if not (config.upload.dedup or config.upload.compression != "none") or count < 4:
+        return 0
+    return min(config.upload.concurrency + 1, count // 2)
+
+
 class Resources:
     """The arena (shared with the upload process in ``process`` mode), its budget, the
     slabs lent from it, and the copier that fills them."""
@@ -42,6 +53,10 @@ class Resources:
         self.spool = spool
         self.slab_bytes = slab_bytes_for(config, ram_budget)
         count = max(1, ram_budget // self.slab_bytes)
+        scratch = scratch_slabs_for(config, count)
+        self.scratch_bytes = scratch * self.slab_bytes
+        """The share of the budget the transfer side packs chunks in (outside the arena)."""
+        count -= scratch
         shared = config.upload.executor == "process"
         self.arena = Arena(self.slab_bytes, count, shared=shared)  # reserved; resident where written
         self.budget = ByteBudget(self.arena.size, "ram_budget")

@@ -57,11 +57,11 @@ class TransferLink:
             if self.config.upload.executor == "process":
                 from ..transfer.process import ProcessTransfer
 
-                self.transfer = ProcessTransfer(self.config, self.resources.arena, self)
+                self.transfer = ProcessTransfer(self.config, self.resources.arena, self, self.resources.scratch_bytes)
             else:
                 from ..transfer.local import LocalTransfer
 
-                self.transfer = LocalTransfer(self.config, self.resources.arena, self)
+                self.transfer = LocalTransfer(self.config, self.resources.arena, self, self.resources.scratch_bytes)
             self.transfer.open_root(self.storage.url, self.storage)
         return self.transfer
 

@@ -133,11 +133,11 @@ class SpoolSession:
         self.spooled_bytes += nbytes
         self.spool_seconds += time.perf_counter() - began
         self._files[chunk.index] = Path(path)
-        return FileChunk(self.plan.save_id, chunk.index, path, nbytes, crc, tuple(pieces), tuple(digests))
+        return FileChunk(self.plan.save_id, chunk.index, path, nbytes, crc, tuple(pieces), tuple(digests or ()))
 
     async def _spill(
         self, chunk: Chunk, copy: Callable[[torch.Tensor], Awaitable[None]], ranges: list[tuple[int, int]]
-    ) -> tuple[str, int, list[int], list[str]]:
+    ) -> tuple[str, int, list[int], list[str] | None]:
         """Copy the chunk into a slab (``always``) or the bounce slab (``overflow``) and write
         it out; the slab is free again when this returns."""
         if self.spool.mode == "always":

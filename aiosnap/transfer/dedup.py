@@ -7,24 +7,33 @@ base's range. The chunk's object then holds only the new pieces, packed in plan 
 per chunk, and never on tensor version counters or addresses: on the bytes as captured.
 
 Runs on the transfer side's loop; hashing and packing run on worker threads (crc32c and
-xxhash release the GIL). A slab is packed in place (every new piece moves towards the
-slab's start, ``memoryview`` assignment is a memmove); a spooled chunk's new pieces are
-read from its file into one buffer of their size (the spool file stays intact for a resume).
+xxhash release the GIL). A slab is never written: another reader may see it (on preemption
+the trainer side writes the slabs it lent to the spool, and its journal records the bytes
+at the plan's offsets). The new pieces (compressed where that is smaller) are packed into
+a buffer of their size, reserved from the transfer side's share of the RAM budget without
+waiting (``scratch``); a spooled chunk's new pieces are read from its file into such a
+buffer (the spool file stays intact for a resume). When the share has no room, the chunk
+lands whole, as planned: no references, no compression (correct, only less saved).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
+from ..core.budget import ByteBudget
 from ..core.checksums import RangeChecksums, content_digest, crc32c_of
-from ..core.codec import compress_range
+from ..core.codec import SCRATCH_BYTES, compress_into
 from ..errors import ChecksumMismatchError
 from ..format.placement import Landing, Placed, Reference, Reuse
 from ..format.spec import ChunkSpec
 from ..storage.base import Storage
 
 __all__ = ["PIECE_ALIGN", "hash_slab", "land_file", "land_slab", "whole_landing"]
+
+log = logging.getLogger("aiosnap")
 
 PIECE_ALIGN = 64
 """Alignment of each piece inside a packed object (the plan's own, ``trainer.chunks.ALIGN``)."""
@@ -93,27 +102,57 @@ def _landing(
     return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)), incremental=True)
 
 
-def _pack(data: memoryview, sources: Sequence[tuple[int, int, int | None]]) -> tuple[list[Packed], int]:
-    """Worker thread: pack the pieces at ``sources`` (offset, size, item size to compress by,
-    or None: stored raw), in offset order, each at the next :data:`PIECE_ALIGN` boundary of
-    ``data`` itself: compressed (zstd, shuffled by the item size) when that is smaller, else
-    moved (no piece moves past where it was: each takes no more room than it had). The
-    alignment gaps are zeroed. Returns where each went and the packed size."""
+def _packed_size(new: Sequence[tuple[int, int, int | None]]) -> int:
+    """Room for the ``new`` pieces (index, size, item size) one after the other, each at the
+    next :data:`PIECE_ALIGN` boundary."""
+    cursor = 0
+    for _, nbytes, _ in new:
+        cursor = -(-(cursor + nbytes) // PIECE_ALIGN) * PIECE_ALIGN
+    return cursor
+
+
+def _scratch_size(new: Sequence[tuple[int, int, int | None]]) -> int:
+    """What packing ``new`` holds at once: its packed room, and the codec's scratch when
+    any piece is compressed."""
+    compressed = [nbytes for _, nbytes, itemsize in new if itemsize is not None]
+    return _packed_size(new) + min(SCRATCH_BYTES, max(compressed, default=0))
+
+
+@asynccontextmanager
+async def _reserved(scratch: ByteBudget | None, nbytes: int, what: str) -> AsyncIterator[bool]:
+    """Hold ``nbytes`` of ``scratch`` for the block if it has room now (True), else False."""
+    if nbytes and (scratch is None or nbytes > scratch.capacity or not scratch.try_acquire(nbytes)):
+        log.debug("aiosnap: no RAM for packing %s (%d bytes): it lands whole, raw", what, nbytes)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        if nbytes:
+            assert scratch is not None
+            scratch.release(nbytes)
+
+
+def _pack(
+    data: memoryview, sources: Sequence[tuple[int, int, int | None]], out: memoryview
+) -> tuple[list[Packed], int]:
+    """Worker thread: pack the pieces of ``data`` at ``sources`` (offset, size, item size to
+    compress by, or None: stored raw), in order, each at the next :data:`PIECE_ALIGN`
+    boundary of ``out`` (``data`` is only read): compressed (zstd, shuffled by the item
+    size) when that is smaller, else copied. The alignment gaps are zeroed. Returns where
+    each went and the packed size."""
     cursor = end = 0
     found: list[Packed] = []
     for offset, nbytes, itemsize in sources:
-        if cursor > offset:
-            raise AssertionError("packing moves pieces towards the start only")
         raw = data[offset : offset + nbytes]
-        frame = None if itemsize is None else compress_range(raw, itemsize)
-        data[end:cursor] = bytes(cursor - end)
-        if frame is not None and itemsize is not None:
-            data[cursor : cursor + len(frame)] = frame
-            found.append((cursor, len(frame), crc32c_of(frame), itemsize if itemsize > 1 else None))
-            end = cursor + len(frame)
+        out[end:cursor] = bytes(cursor - end)
+        room = out[cursor : cursor + nbytes]
+        size = None if itemsize is None else compress_into(raw, room, itemsize)
+        if size is not None and itemsize is not None:
+            found.append((cursor, size, crc32c_of(room[:size]), itemsize if itemsize > 1 else None))
+            end = cursor + size
         else:
-            if cursor != offset:
-                data[cursor : cursor + nbytes] = raw
+            room[:] = raw
             found.append((cursor, None, None, None))
             end = cursor + nbytes
         cursor = -(-end // PIECE_ALIGN) * PIECE_ALIGN
@@ -131,40 +170,47 @@ def _new_pieces(
 async def _write_packed(
     storage: Storage, chunk: ChunkSpec, data: memoryview, offsets: Sequence[int], new: list[tuple[int, int, int | None]]
 ) -> tuple[list[Packed | None], int]:
-    """Pack the ``new`` pieces (index, size, item size), each now at ``offsets[index]`` of
-    ``data``, and write the packed object (none when nothing is new)."""
+    """Pack the ``new`` pieces (index, size, item size), each at ``offsets[index]`` of
+    ``data``, into a buffer of their packed size (its room reserved by the caller), and
+    write it as the chunk's object (none when nothing is new)."""
     packed: list[Packed | None] = [None] * len(chunk.pieces)
     if not new:
         return packed, 0
-    places, stored = await asyncio.to_thread(_pack, data, [(offsets[i], n, k) for i, n, k in new])
+    out = memoryview(bytearray(_packed_size(new)))
+    places, stored = await asyncio.to_thread(_pack, data, [(offsets[i], n, k) for i, n, k in new], out)
     for (index, _, _), place in zip(new, places, strict=True):
         packed[index] = place
     extents = [(p[0], p[1] or chunk.pieces[i].nbytes) for i, p in enumerate(packed) if p is not None]
-    checksums = await asyncio.to_thread(RangeChecksums, data[:stored], _boundaries(extents))
+    checksums = await asyncio.to_thread(RangeChecksums, out[:stored], _boundaries(extents))
     try:
-        await storage.write_checksummed(chunk.object_name, data[:stored], checksums)
+        await storage.write_checksummed(chunk.object_name, out[:stored], checksums)
     finally:
         checksums.release()
     return packed, stored
 
 
 async def land_slab(
-    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None, itemsizes: Sequence[int] | None = None
-) -> Landing:
-    """Upload the staged slab bytes ``data`` of ``chunk``: all of it as planned, or (with
-    ``reuse``) only its new pieces, and (with ``itemsizes``, each piece's dtype item size)
-    each compressed where that makes it smaller."""
+    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None,
+    itemsizes: Sequence[int] | None = None, scratch: ByteBudget | None = None,
+) -> Landing:  # fmt: skip
+    """Upload the staged slab bytes ``data`` of ``chunk`` (never written to): all of it as
+    planned, or (with ``reuse``) only its new pieces, and (with ``itemsizes``, each piece's
+    dtype item size) each compressed where that makes it smaller; packed in RAM reserved
+    from ``scratch`` (whole when it has no room)."""
     checksums, digests = await asyncio.to_thread(hash_slab, data, chunk, reuse is not None)
     try:
         crcs = [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
         reused, references = ([None] * len(crcs), []) if reuse is None else _decide(chunk, crcs, digests, reuse)
-        if not references and itemsizes is None:
-            await storage.write_checksummed(chunk.object_name, data, checksums)
-            return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+        new = _new_pieces(chunk, reused, itemsizes)
+        packs = bool(references) or itemsizes is not None
+        async with _reserved(scratch, _scratch_size(new) if packs else 0, chunk.object_name) as room:
+            if not (packs and room):
+                await storage.write_checksummed(chunk.object_name, data, checksums)
+                return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+            checksums.release()
+            packed, stored = await _write_packed(storage, chunk, data, [p.dst_offset for p in chunk.pieces], new)
     finally:
         checksums.release()
-    new = _new_pieces(chunk, reused, itemsizes)
-    packed, stored = await _write_packed(storage, chunk, data, [p.dst_offset for p in chunk.pieces], new)
     return _landing(chunk, crcs, digests, reused, packed, stored, references)
 
 
@@ -195,21 +241,25 @@ def _read_pieces(
 
 async def land_file(
     storage: Storage, path: str, crc: int, chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None],
-    reuse: Reuse | None, itemsizes: Sequence[int] | None = None,
+    reuse: Reuse | None, itemsizes: Sequence[int] | None = None, scratch: ByteBudget | None = None,
 ) -> Landing:  # fmt: skip
     """Upload the spooled chunk in ``path`` (crc32c ``crc``; its pieces' ``crcs`` and
     ``digests`` as spooled): the whole file, or (with ``reuse``) its new pieces, and (with
     ``itemsizes``) each compressed where that makes it smaller. The new pieces are read into
-    one buffer of their size (the spool file stays as it is, for a resume)."""
+    a buffer of their size, and packed into another, both reserved from ``scratch`` (the
+    whole file when it has no room; the spool file stays as it is, for a resume)."""
     known = all(d is not None for d in digests)
     reused: list[Placed | None] = [None] * len(crcs)
     references: list[Reference] = []
     if reuse is not None and known:
         reused, references = _decide(chunk, crcs, digests, reuse)
-    if not references and itemsizes is None:
-        await storage.write_file_verified(chunk.object_name, path, crc)
-        return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
     new = _new_pieces(chunk, reused, itemsizes)
-    buffer, offsets = await asyncio.to_thread(_read_pieces, path, chunk, new, crcs)
-    packed, stored = await _write_packed(storage, chunk, memoryview(buffer), offsets, new)
+    packs = bool(references) or itemsizes is not None
+    need = _packed_size(new) + _scratch_size(new) if packs else 0  # the pieces read, and packed
+    async with _reserved(scratch, need, chunk.object_name) as room:
+        if not (packs and room):
+            await storage.write_file_verified(chunk.object_name, path, crc)
+            return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+        buffer, offsets = await asyncio.to_thread(_read_pieces, path, chunk, new, crcs)
+        packed, stored = await _write_packed(storage, chunk, memoryview(buffer), offsets, new)
     return _landing(chunk, crcs, digests, reused, packed, stored, references)

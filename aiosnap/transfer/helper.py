@@ -101,11 +101,14 @@ PING_LAPSE = 2.0
 writing heartbeats (until the pings come again)."""
 
 
-async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int | None = None) -> None:
-    """Run commands until ``close`` or end of file (the trainer is gone)."""
+async def serve(
+    conn: Connection, arena: Arena, config: Config, trainer_pid: int | None = None, scratch_bytes: int = 0
+) -> None:
+    """Run commands until ``close`` or end of file (the trainer is gone). ``scratch_bytes``:
+    the share of the RAM budget the trainer left out of the arena for packing chunks."""
     loop = asyncio.get_running_loop()
     reports = _Reports(conn)
-    transfer = LocalTransfer(config, arena, reports)
+    transfer = LocalTransfer(config, arena, reports, scratch_bytes)
     stop = asyncio.Event()
     gone = False
 
@@ -150,7 +153,7 @@ async def serve(conn: Connection, arena: Arena, config: Config, trainer_pid: int
 
 
 def main(argv: list[str]) -> int:
-    socket_fd, arena_fd, slab_bytes, count = (int(a) for a in argv)
+    socket_fd, arena_fd, slab_bytes, count, scratch_bytes = (int(a) for a in argv)
     logging.basicConfig(level=logging.WARNING, format="aiosnap upload process: %(message)s")
     trainer_pid = os.getppid()
     conn = Connection(socket_fd)
@@ -170,7 +173,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(serve(conn, arena, config, trainer_pid))
+        runner(serve(conn, arena, config, trainer_pid, scratch_bytes))
     finally:
         conn.close()
     return 0

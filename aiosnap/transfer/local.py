@@ -24,6 +24,7 @@ from ..catalog.tombstones import Tombstones
 from ..config import Config
 from ..core.aio import finish_despite_cancel
 from ..core.arena import Arena
+from ..core.budget import ByteBudget
 from ..core.progress import counting_sent
 from ..errors import CorruptCheckpointError, first_error
 from ..format.dtypes import dtype_itemsize
@@ -67,9 +68,12 @@ class LocalTransfer:
     on 2 cores: save() blocked 1.4-1.5 s with uploads starting at the first chunk, 1.0-1.1 s
     without). Either way it would lengthen ``save()``, which is what training waits for."""
 
-    def __init__(self, config: Config, arena: Arena, listener: TransferListener) -> None:
+    def __init__(self, config: Config, arena: Arena, listener: TransferListener, scratch_bytes: int = 0) -> None:
         self.config = config
         self.arena = arena
+        self.scratch = ByteBudget(scratch_bytes, "packing scratch") if scratch_bytes else None
+        """The share of the RAM budget that packing incremental or compressed chunks uses
+        (none: they land whole)."""
         self.listener = listener
         self._roots: dict[str, Storage] = {}
         self._broken_roots: dict[str, BaseException] = {}
@@ -428,7 +432,9 @@ class _Upload:
                 [dtype_itemsize(self.spec.entries[p.entry].dtype) for p in chunk.pieces] if self.compress else None
             )
             with counting_sent(functools.partial(self.owner.listener.sent, self.save_id, staged.index)):
-                landing = await upload_chunk(self.storage, self.owner.arena, staged, chunk, reuse, itemsizes)
+                landing = await upload_chunk(
+                    self.storage, self.owner.arena, staged, chunk, reuse, itemsizes, self.owner.scratch
+                )
             if self.live is not None:  # before the slab goes back
                 if isinstance(staged, FileChunk):
                     await self.live.take_file(staged.index, staged.path)

@@ -95,7 +95,7 @@ class ProcessTransfer:
     """The trainer's handle on its upload process. Methods run on the trainer's loop thread;
     ``listener`` (the engine) hears the reports there."""
 
-    def __init__(self, config: Config, arena: Arena, listener: TransferListener) -> None:
+    def __init__(self, config: Config, arena: Arena, listener: TransferListener, scratch_bytes: int = 0) -> None:
         self.arena = arena
         self.listener = listener
         self.dead: UploadProcessError | None = None
@@ -115,7 +115,7 @@ class ProcessTransfer:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "aiosnap.transfer.helper", str(theirs.fileno()), str(arena.fd),
-                 str(arena.slab_bytes), str(arena.count)],
+                 str(arena.slab_bytes), str(arena.count), str(scratch_bytes)],
                 pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         finally:

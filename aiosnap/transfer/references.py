@@ -1,7 +1,8 @@
 """The base of an incremental save, and the check that its references still stand (loop).
 
-The base is the latest committed step of the root, read at the save's preflight (or the
-one this transfer side committed last, when it is still the latest): its ranges, by
+The base is the latest committed step of the root, read at the save's preflight (the
+ranges of the save this transfer side committed last are reused when the committed
+manifest is still that save's: the same step and save id): its ranges, by
 digest, are what the save may name instead of uploading (:mod:`.dedup`). Before the
 manifest of a save that names earlier objects is committed, every one of them must still
 be in storage with its recorded size (one size request each): an object another process
@@ -40,18 +41,20 @@ CHECK_CONCURRENCY = 16
 
 
 async def read_base(storage: Storage, latest: int | None, rank: int, known: BaseRanges | None) -> BaseRanges | None:
-    """The ranges of step ``latest`` that ``rank`` may reuse: ``known`` when it is that
-    step's, else read from its manifest. None (the save writes every byte) when there is
-    no committed step or its manifest cannot be read."""
+    """The ranges of step ``latest`` that ``rank`` may reuse, read from its manifest; or
+    ``known`` when the committed manifest is the very save ``known`` holds (the step and
+    its save id: another writer may have re-saved that step, removing the objects ``known``
+    names). None (the save writes every byte) when there is no committed step or its
+    manifest cannot be read."""
     if latest is None:
         return None
-    if known is not None and known.step == latest:
-        return known
     try:
         manifest = await read_manifest(storage, latest)
     except (AiosnapError, OSError) as exc:
         log.info("aiosnap: step %d of %s cannot serve as a base (this save writes whole): %r", latest, storage.url, exc)
         return None
+    if known is not None and (known.step, known.save_id) == (manifest.step, manifest.save_id):
+        return known
     return BaseRanges.of(manifest, rank)
 
 

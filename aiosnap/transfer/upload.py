@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from ..core.aio import drop_frame_locals, finish_despite_cancel
 from ..core.arena import Arena, SlabLease
+from ..core.budget import ByteBudget
 from ..format.placement import Landing, Reuse
 from ..format.spec import ChunkSpec
 from ..handoff.contract import FileChunk, SlabChunk, Staged
@@ -61,19 +62,22 @@ async def upload_chunk(
     chunk: ChunkSpec,
     reuse: Reuse | None = None,
     itemsizes: Sequence[int] | None = None,
+    scratch: ByteBudget | None = None,
 ) -> Landing:
     """Write ``staged`` (chunk ``chunk`` of its save) to storage: where each piece landed,
     with its crc32c (and, with ``reuse``, its digest: pieces equal to a base range are not
     written; with ``itemsizes``, each piece's dtype item size, pieces are compressed where
-    that makes them smaller: see :mod:`.dedup`)."""
+    that makes them smaller, packed in RAM reserved from ``scratch``: see :mod:`.dedup`)."""
     if isinstance(staged, FileChunk):
         digests = list(staged.digests) if staged.digests else [None] * len(chunk.pieces)
-        return await land_file(storage, staged.path, staged.crc, chunk, staged.pieces, digests, reuse, itemsizes)
+        return await land_file(
+            storage, staged.path, staged.crc, chunk, staged.pieces, digests, reuse, itemsizes, scratch
+        )
     assert isinstance(staged, SlabChunk)
     lease = arena.lease(staged.slab, staged.nbytes)
     try:
         assert lease.view is not None
-        return await land_slab(storage, lease.view, chunk, reuse, itemsizes)
+        return await land_slab(storage, lease.view, chunk, reuse, itemsizes, scratch)
     except BaseException as error:
         drop_frame_locals(error)  # its traceback would keep the request body (the slab) alive
         raise

@@ -5,7 +5,8 @@ A fill (the tensor bytes of one part of an output file) asks :meth:`RangeCache.g
 stored ranges it copies from, each with the stretch ``[lo, hi)`` of the range it needs.
 A range of at most half the budget is read whole, verified, and kept while the budget
 allows (least recently used go first), so the parts of a file, filled in order, find the
-ranges the part before them read. A larger range is *streamed*: the first time, read whole
+ranges the part before them read (a compressed range always is, its frame and scratch
+charged too). A larger range is *streamed*: the first time, read whole
 in windows of :attr:`RangeCache.window` bytes, its crc32c computed across all of them, only
 the stretch the fill needs kept; after that (and for a range that records no crc32c at
 all) only the stretch a fill needs is read. So a range larger than the budget allows costs
@@ -74,6 +75,14 @@ class Held:
     """Bytes of streamed stretches (and their windows) charged to this fill alone."""
 
 
+def _inflating(r: ByteRange) -> int:
+    """What reading compressed range ``r`` holds at once: its raw bytes, its frame, and
+    the unshuffle scratch (:func:`~aiosnap.core.codec.decompress_into`). A compressed
+    range is always read whole through :func:`~aiosnap.load.fetch_runs.read_run`: its raw
+    bytes are not at offsets of its object that windows could read."""
+    return r.nbytes + r.extent + (r.nbytes if (r.shuffle or 1) > 1 else 0)
+
+
 class RangeCache:
     """Verified stored ranges of ``storage`` for fills, within ``limit`` bytes (see the
     module docstring). Loop thread."""
@@ -95,14 +104,17 @@ class RangeCache:
         whole when at most half the budget, the largest streamed instead while the fill
         would not fit; a streamed stretch costs its bytes, and one window is read at a time."""
         missing = [w for w in wants if w.key not in self._entries]
+        inflated = [w for w in missing if w.where.codec is not None]  # never streamed: see _inflating
         whole = sorted(
-            (w for w in missing if w.where.nbytes <= self.budget.capacity // 2), key=lambda w: w.where.nbytes
+            (w for w in missing if w.where.codec is None and w.where.nbytes <= self.budget.capacity // 2),
+            key=lambda w: w.where.nbytes,
         )
         while True:
-            chosen = {w.key for w in whole}
+            chosen = {w.key for w in whole} | {w.key for w in inflated}
             streamed = [w for w in missing if w.key not in chosen]
             window = min(self.window, max((w.where.nbytes for w in streamed), default=0))
             cost = sum(w.where.nbytes for w in whole) + sum(w.hi - w.lo for w in streamed) + window
+            cost += sum(_inflating(w.where) for w in inflated)
             if cost <= self.budget.capacity or not whole:
                 return cost, chosen
             whole.pop()
@@ -189,6 +201,8 @@ class RangeCache:
     async def _stream(self, want: Want) -> bytearray:
         """Bytes ``[lo, hi)`` of a range read in windows, the whole range verified."""
         r = want.where
+        if r.codec is not None:
+            raise AssertionError("a compressed range is read whole, never streamed")
         out = bytearray(want.hi - want.lo)
         if r.crc32c is None or want.key in self._verified:  # nothing (more) to verify: read what is needed
             await self._read_exactly(want, want.lo, memoryview(out))
