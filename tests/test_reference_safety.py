@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.catalog.keep import names_in_manifest
@@ -419,3 +420,61 @@ def test_the_helper_makes_real_references(small_config: Config) -> None:
     assert second.references and len(second.objects) == 1
     assert second.total_bytes - second.own_bytes == sum(o.nbytes for o in second.references)
     assert time.monotonic() - start < 60
+
+
+def _dedup(root: Path, keep_last: int | None) -> Config:
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="8MiB",
+        upload={"chunk_size": "1MiB", "concurrency": 2, "dedup": True},
+        retention={"keep_last": keep_last},
+    )
+
+
+_FROZEN = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # 1 MiB, never trained
+
+
+def _frozen_state(step: int) -> dict[str, torch.Tensor]:
+    return {"base": _FROZEN.clone(), "adapter": torch.full((4096,), float(step))}
+
+
+class _CommitsDuringTheMark(LocalStorage):
+    """gc's root, where a job commits a newer step while gc reads what to keep for ``folder``
+    (after it listed the committed steps, before it read the newest's manifest): the job's
+    retention deletes the manifest gc is about to read."""
+
+    def __init__(self, root: str, folder: str, commit: Any) -> None:
+        super().__init__(root)
+        self.folder, self.commit, self.armed, self.done = folder, commit, False, False
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        if prefix == self.folder and not self.done:
+            self.armed = True  # retire_attempt lists the folder, then asks what to keep
+        return await super().list_children(prefix)
+
+    async def read(self, name: str, *args: Any, **kwargs: Any) -> bytes:
+        if self.armed and not self.done and name == f"{step_dir(2)}/manifest.json":
+            self.done = True
+            self.commit()  # on the job's own loop thread; this loop waits meanwhile
+        return await super().read(name, *args, **kwargs)
+
+
+def test_gc_whose_listed_manifest_vanishes_marks_again_and_keeps_the_newest_steps_base(tmp_path: Path) -> None:
+    """The newest step's base stays when the step gc listed is deleted under it (retention of a
+    newer commit) between gc's listing and its read; the report lists the folder as kept, not
+    removed, and counts only the bytes it freed. Retention leaves nothing but what is named."""
+    config = _dedup(tmp_path / "root", keep_last=1)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(_frozen_state(1), step=1).wait()
+        ckpt.save(_frozen_state(2), step=2).wait()
+        (step2,) = {attempt_of_object(o.name) for o in ckpt.manifest(2).references or ()}
+        assert step2 is not None and step2[0] == 1
+        folder = attempt_prefix(*step2)
+        (tmp_path / "root" / folder / "rank-0" / "7.bin").write_bytes(b"x" * 1000)  # what a crash left in it
+        storage = _CommitsDuringTheMark(config.storage.url, folder, lambda: ckpt.save(_frozen_state(3), step=3).wait())
+        report = asyncio.run(collect_garbage(storage, keep_last=1, grace_s=0.0))
+        assert storage.done and ckpt.steps() == [3]
+        assert_same(ckpt.load(step=3), _frozen_state(3))
+    assert report.kept_referenced == [folder] and folder not in report.removed_incomplete
+    assert report.freed_bytes == 1000  # the object no manifest names, nothing else
+    _only_what_is_named(config)
