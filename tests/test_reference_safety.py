@@ -478,3 +478,16 @@ def test_gc_whose_listed_manifest_vanishes_marks_again_and_keeps_the_newest_step
     assert report.kept_referenced == [folder] and folder not in report.removed_incomplete
     assert report.freed_bytes == 1000  # the object no manifest names, nothing else
     _only_what_is_named(config)
+
+
+def test_retention_of_incremental_saves_leaves_only_what_the_kept_step_names(tmp_path: Path) -> None:
+    """``keep_last: 1`` with dedup: each save's retention deletes the step before it down to
+    the objects the new step references (a save's pins go once its manifest names them), so
+    the root never grows by a step's unreferenced objects between gc runs."""
+    config = _dedup(tmp_path / "root", keep_last=1)
+    with SyncCheckpointer(config) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(_frozen_state(step), step=step).wait()
+        assert ckpt.steps() == [4] and len(pins_for(config.storage.url)) == 0
+    assert len(_only_what_is_named(config)) == 3  # the manifest, step 4's adapter, step 1's base
+    assert_same(_load(config, 4), _frozen_state(4))
