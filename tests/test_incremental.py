@@ -345,6 +345,31 @@ def test_the_base_objects_are_pinned_while_a_save_references_them(root: Path) ->
     assert pins_for(store.url).pinned() == frozenset()
 
 
+@pytest.mark.thread_only  # the storage is this process's
+def test_a_save_admitted_while_the_one_before_uploads_takes_the_newest_committed_step_as_its_base(
+    root: Path,
+) -> None:
+    """``max_pending_saves: 2``: step 3 is captured while step 2 still uploads; its base is
+    step 2 once step 2 committed (an older base is protected by nothing from another process's
+    retention or gc), so it references only objects the newest committed step names."""
+    store = FaultyStorage(LocalStorage(root))
+    config = _config(root).model_copy(update={"max_pending_saves": 2})
+    g = torch.Generator().manual_seed(3)
+    frozen, first = torch.randn(256 * 1024, generator=g), torch.randn(64, generator=g)  # one object each
+    with SyncCheckpointer(config, storage=store) as ckpt:
+        ckpt.save({"frozen": frozen, "adapter": first}, step=1).wait()
+        store.hold_when = lambda name: name.startswith(step_dir(2) + "/")
+        second = ckpt.save({"frozen": frozen, "adapter": first + 1}, step=2)
+        third = ckpt.save({"frozen": frozen, "adapter": first}, step=3)  # back to step 1's value
+        store.release(ckpt._loop.loop)  # type: ignore[attr-defined]
+        second.wait()
+        third.wait()
+        newest = {o.name for o in ckpt.manifest(2).stored_objects()}
+        references = {o.name for o in ckpt.manifest(3).references or ()}
+        assert references and references <= newest, references - newest
+        assert_same(ckpt.load(step=3), {"frozen": frozen, "adapter": first})
+
+
 def test_the_same_step_saved_again_never_references_itself(root: Path) -> None:
     state = {"w": torch.randn(10_000)}
     with SyncCheckpointer(_config(root)) as ckpt:
