@@ -30,6 +30,7 @@ from aiosnap.format.manifest import Manifest
 from aiosnap.format.markers import VERDICT_FILE, VERDICT_READ_S, Verdict
 from aiosnap.storage.base import ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
+from aiosnap.transfer.copy import copy_step
 from tests.conftest import assert_same, s3_config
 from tests.fuzzing import mutate_bytes, mutate_document, sign_manifest
 from tests.referencing import fine_tune_state, frozen_chain, on_root, reference, reference_base
@@ -491,3 +492,54 @@ def test_retention_of_incremental_saves_leaves_only_what_the_kept_step_names(tmp
         assert ckpt.steps() == [4] and len(pins_for(config.storage.url)) == 0
     assert len(_only_what_is_named(config)) == 3  # the manifest, step 4's adapter, step 1's base
     assert_same(_load(config, 4), _frozen_state(4))
+
+
+class _FailsAfter(LocalStorage):
+    """A download's source whose objects of ``step`` fail to read once ``go`` is set (a
+    damaged object, a reset connection), and a target that tells when ``name`` is written."""
+
+    def __init__(self, root: str, step: int, go: asyncio.Event) -> None:
+        super().__init__(root)
+        self.step, self.go, self.wrote = step, go, asyncio.Event()
+
+    async def read_into(self, name: str, offset: int, dest: Any) -> int:
+        if name.startswith(step_dir(self.step) + "/"):
+            await self.go.wait()
+            raise OSError("connection reset by peer")
+        return await super().read_into(name, offset, dest)
+
+    async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+        await super().write(name, data, if_absent=if_absent)
+        if name.startswith(step_dir(1) + "/"):
+            self.wrote.set()
+
+
+def test_a_failed_download_never_removes_a_referenced_object_another_committed_copy_names(tmp_path: Path) -> None:
+    """Downloads of steps 2 and 3 (both naming step 1's base) into one target at once: the one
+    that fails after writing the base removes its own objects, not the base the committed copy
+    of step 2 names; that copy loads."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    with SyncCheckpointer(_dedup(source, keep_last=None)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_frozen_state(step), step=step).wait()
+
+    async def main() -> tuple[Any, Any]:
+        step2_done = asyncio.Event()
+        failing = _FailsAfter(str(source), 3, step2_done)
+        into = _FailsAfter(str(target), 0, asyncio.Event())
+        third = asyncio.ensure_future(copy_step(failing, into, await read_manifest(failing, 3)))
+        await asyncio.wait_for(into.wrote.wait(), 30)  # the failing copy wrote the base
+
+        async def second() -> bool:
+            try:
+                return await copy_step(LocalStorage(str(source)), LocalStorage(str(target)), await read_manifest(failing, 2))
+            finally:
+                step2_done.set()
+
+        return tuple(await asyncio.gather(second(), third, return_exceptions=True))  # type: ignore[return-value]
+
+    copied, failed = asyncio.run(main())
+    assert copied is True and isinstance(failed, OSError)
+    target_config = _dedup(target, keep_last=None)
+    assert_same(_load(target_config, 2), _frozen_state(2))
+    _only_what_is_named(target_config)
