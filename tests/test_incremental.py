@@ -229,6 +229,63 @@ def test_retention_after_a_resumed_incremental_save_keeps_the_bytes_it_reference
         assert_same(again.load(step=2), state)
 
 
+def _crash_while_saving(config: Config, state: dict[str, Any], step: int, chunks_landed: int) -> Path:
+    """Save ``step`` with its object writes and manifest held, until ``chunks_landed`` chunks
+    landed (those with nothing new land at once), then crash; returns its spool folder."""
+    spool = Path(str(config.spool.dir))
+    before = {p.name for p in spool.iterdir()} if spool.exists() else set()
+    store = FaultyStorage(LocalStorage(config.storage.url))
+    store.hold_when = lambda name: name.startswith(step_dir(step))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=step)
+    folder = next(p for p in spool.iterdir() if p.is_dir() and p.name not in before)
+    deadline = time.monotonic() + 20
+    while (folder / JOURNAL).read_text().count('"landed"') < chunks_landed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    copy = folder.parent / f"crashed-{folder.name}"
+    shutil.copytree(folder, copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    _restore(copy, folder)
+    shutil.rmtree(copy)
+    return folder
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_two_spooled_incremental_saves_resume_in_step_order_and_both_commit(tmp_path: Path) -> None:
+    """Steps 2 and 3 left by crashes, both based on step 1 (step 3's adapter is back to step
+    1's value: every piece of it is a reference), resumed with ``keep_last: 1``: both commit,
+    in step order, and step 2's retention never deletes what step 3's journal references; the
+    root ends with step 3 and what it names."""
+    root, spool = tmp_path / "ckpt", tmp_path / "spool"
+    config = Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
+        spool={"dir": str(spool), "mode": "always", "resume": False},
+        retention={"keep_last": 1},
+    )
+    g = torch.Generator().manual_seed(6)
+    frozen, adapter = torch.randn(3 * 16 * 1024, generator=g), torch.randn(300, generator=g)  # 3 chunks + 1
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"frozen": frozen, "adapter": adapter}, step=1).wait()
+    second = _crash_while_saving(config, {"frozen": frozen, "adapter": adapter + 1}, 2, chunks_landed=3)
+    for _ in range(12):  # resume order must not hang on save ids: make step 2's the first by name
+        third = _crash_while_saving(config, {"frozen": frozen, "adapter": adapter}, 3, chunks_landed=4)
+        if second.name < third.name:
+            break
+        shutil.rmtree(third)
+    assert second.name < third.name
+    with SyncCheckpointer(config) as again:
+        report = again.resume_spool()
+        assert report.resumed == [2, 3] and not report.discarded, report
+        assert again.steps() == [3]
+        assert_same(again.load(step=3), {"frozen": frozen, "adapter": adapter})
+        named = {o.name for o in again.manifest(3).stored_objects()} | {f"{step_dir(3)}/manifest.json"}
+    assert {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} == named
+
+
 def _edit_landed(journal: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``edit`` to every ``landed`` record that has a landing, re-signing its line."""
     records = [json.loads(line.partition(b" ")[2]) for line in journal.read_bytes().splitlines()]

@@ -532,7 +532,9 @@ def test_a_failed_download_never_removes_a_referenced_object_another_committed_c
 
         async def second() -> bool:
             try:
-                return await copy_step(LocalStorage(str(source)), LocalStorage(str(target)), await read_manifest(failing, 2))
+                return await copy_step(
+                    LocalStorage(str(source)), LocalStorage(str(target)), await read_manifest(failing, 2)
+                )
             finally:
                 step2_done.set()
 
