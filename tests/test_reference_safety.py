@@ -314,22 +314,24 @@ _GC_LOOP = textwrap.dedent(
     from aiosnap.catalog.garbage import collect_garbage
     from aiosnap.storage.local import LocalStorage
 
-    async def main(root, runs_file, stop, deadline):
-        storage, runs = LocalStorage(root), 0
+    async def main(root, runs_file, stop, no_save, deadline):
+        storage, runs, orphans = LocalStorage(root), 0, 0
         while not Path(stop).exists() and time.monotonic() < deadline:
-            await collect_garbage(storage, keep_last=2, grace_s=60.0)
+            eager = Path(no_save).exists()  # no save in flight: folders no manifest names are orphans
+            report = await collect_garbage(storage, keep_last=2, grace_s=0.0 if eager else 60.0)
+            orphans += bool(eager and report.kept_referenced)
             runs += 1
-            Path(runs_file).write_text(str(runs))
+            Path(runs_file).write_text(f"{runs} {orphans}")
 
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], time.monotonic() + 20))
+    asyncio.run(main(*sys.argv[1:5], time.monotonic() + 40))
     """
 )
 
 
-def _runs(path: Path) -> int:
+def _runs(path: Path, field: int = 0) -> int:
     try:
-        return int(path.read_text() or 0)
-    except (FileNotFoundError, ValueError):
+        return int(path.read_text().split()[field])
+    except (FileNotFoundError, ValueError, IndexError):
         return 0
 
 
@@ -342,29 +344,35 @@ def _wait_for_runs(path: Path, more_than: int, child: subprocess.Popen[str]) -> 
 
 
 def test_gc_in_another_process_while_referencing_steps_are_committed(small_config: Config, tmp_path: Path) -> None:
-    stop, runs = tmp_path / "stop", tmp_path / "runs"
+    """gc runs all along in another process: with a grace of 60 s while a save is in flight,
+    of 0 s (every folder no manifest names is an orphan: the removal path) while none is, as
+    referencing steps are committed and retention deletes the steps that first wrote them."""
+    stop, runs, no_save = tmp_path / "stop", tmp_path / "runs", tmp_path / "no-save"
     root = Path(small_config.storage.url)
     root.mkdir(parents=True)
     child = subprocess.Popen(
-        [sys.executable, "-c", _GC_LOOP, str(root), str(runs), str(stop)],
+        [sys.executable, "-c", _GC_LOOP, str(root), str(runs), str(stop), str(no_save)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     states: dict[int, Any] = {}
     try:
-        seen = _wait_for_runs(runs, 0, child)  # gc is running before the first save
+        _wait_for_runs(runs, 0, child)  # gc is running before the first save
         with SyncCheckpointer(_with(small_config, 2)) as ckpt:
             for step in range(1, 8):
+                no_save.unlink(missing_ok=True)
+                _wait_for_runs(runs, _runs(runs) + 1, child)  # a whole gc run began after the unlink
                 states[step] = fine_tune_state(step)
                 ckpt.save(states[step], step=step).wait()
+                no_save.touch()
                 if step > 1:  # as an incremental save would commit it: naming the latest step's bytes
                     reference(small_config, step, step - 1)
-                if step % 2:
-                    seen = _wait_for_runs(runs, seen, child)  # at least one gc between these commits
+                _wait_for_runs(runs, _runs(runs) + 1, child)  # at least one eager gc between these commits
             assert ckpt.steps() == [6, 7]
     finally:
         stop.touch()
         _, err = child.communicate(timeout=30)
     assert child.returncode == 0, err
+    assert _runs(runs, 1) > 0, "gc never met a folder holding only referenced objects"
     for step in (6, 7):
         assert_same(_load(small_config, step), states[step])
         manifest = _manifest(small_config, step)
