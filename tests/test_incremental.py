@@ -161,19 +161,24 @@ def _restore(source: Path, target: Path) -> None:
     shutil.copytree(source, target)
 
 
+def _spooled_config(root: Path, spool_dir: Path, keep_last: int | None) -> Config:
+    """Incremental saves through the spool (never resumed at start: the tests resume)."""
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": keep_last},
+    )
+
+
 def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], Path, Path]:
     """Step 1 committed, then an incremental step 2 (``spool.mode: always``) caught by a crash
     while some chunks had landed (those with nothing new, at once) and others were still on
     the spool disk. Returns the config, the state of step 2, and copies of the spool and of
     the root as the crash left them (restore them to play it)."""
     root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
-    config = Config(
-        storage={"url": str(root)},
-        ram_budget="1MiB",
-        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
-        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
-        retention={"keep_last": None},
-    )
+    config = _spooled_config(root, spool_dir, keep_last=None)
     g = torch.Generator().manual_seed(5)
     state = {"frozen": torch.randn(40_000, generator=g), "adapter": torch.randn(300, generator=g), "n": 1}
     with SyncCheckpointer(config) as ckpt:
@@ -258,14 +263,8 @@ def test_two_spooled_incremental_saves_resume_in_step_order_and_both_commit(tmp_
     1's value: every piece of it is a reference), resumed with ``keep_last: 1``: both commit,
     in step order, and step 2's retention never deletes what step 3's journal references; the
     root ends with step 3 and what it names."""
-    root, spool = tmp_path / "ckpt", tmp_path / "spool"
-    config = Config(
-        storage={"url": str(root)},
-        ram_budget="1MiB",
-        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
-        spool={"dir": str(spool), "mode": "always", "resume": False},
-        retention={"keep_last": 1},
-    )
+    root = tmp_path / "ckpt"
+    config = _spooled_config(root, tmp_path / "spool", keep_last=1)
     g = torch.Generator().manual_seed(6)
     frozen, adapter = torch.randn(3 * 16 * 1024, generator=g), torch.randn(300, generator=g)  # 3 chunks + 1
     with SyncCheckpointer(config) as ckpt:
