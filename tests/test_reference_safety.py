@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
+from aiosnap import Config, CorruptCheckpointError, StorageError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.catalog.keep import names_in_manifest
 from aiosnap.catalog.maintenance import verify_step
@@ -553,3 +553,33 @@ def test_a_failed_download_never_removes_a_referenced_object_another_committed_c
     target_config = _dedup(target, keep_last=None)
     assert_same(_load(target_config, 2), _frozen_state(2))
     _only_what_is_named(target_config)
+
+
+class _ManifestAlwaysGone(LocalStorage):
+    """A root where step ``step``'s manifest is listed at every look and gone at every read
+    (as if other processes committed and deleted steps faster than a mark can read them)."""
+
+    def __init__(self, root: str, step: int) -> None:
+        super().__init__(root)
+        self.gone = f"{step_dir(step)}/manifest.json"
+
+    async def read(self, name: str, *args: Any, **kwargs: Any) -> bytes:
+        if name == self.gone:
+            raise FileNotFoundError(name)
+        return await super().read(name, *args, **kwargs)
+
+
+def test_a_mark_that_never_settles_deletes_nothing_and_says_so(tmp_path: Path) -> None:
+    config = _dedup(tmp_path / "root", keep_last=None)
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_frozen_state(step), step=step).wait()
+    before = _stored(config)
+    storage = _ManifestAlwaysGone(config.storage.url, 3)
+    with pytest.raises(StorageError, match="changed during each of 8 reads.*nothing was deleted"):
+        asyncio.run(collect_garbage(storage, keep_last=1, grace_s=0.0))
+    assert _stored(config) == before
+    with pytest.raises(StorageError, match="nothing was deleted"):  # the victim's manifest goes first
+        asyncio.run(apply_retention(storage, 1, 3, set()))
+    assert _stored(config) == before - {f"{step_dir(1)}/manifest.json"}
+    assert_same(_load(config, 3), _frozen_state(3))
