@@ -161,19 +161,24 @@ def _restore(source: Path, target: Path) -> None:
     shutil.copytree(source, target)
 
 
+def _spooled_config(root: Path, spool_dir: Path, keep_last: int | None) -> Config:
+    """Incremental saves through the spool (never resumed at start: the tests resume)."""
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="1MiB",
+        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
+        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
+        retention={"keep_last": keep_last},
+    )
+
+
 def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], Path, Path]:
     """Step 1 committed, then an incremental step 2 (``spool.mode: always``) caught by a crash
     while some chunks had landed (those with nothing new, at once) and others were still on
     the spool disk. Returns the config, the state of step 2, and copies of the spool and of
     the root as the crash left them (restore them to play it)."""
     root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
-    config = Config(
-        storage={"url": str(root)},
-        ram_budget="1MiB",
-        upload={"chunk_size": "64KiB", "concurrency": 2, "executor": "thread", "dedup": True},
-        spool={"dir": str(spool_dir), "mode": "always", "resume": False},
-        retention={"keep_last": None},
-    )
+    config = _spooled_config(root, spool_dir, keep_last=None)
     g = torch.Generator().manual_seed(5)
     state = {"frozen": torch.randn(40_000, generator=g), "adapter": torch.randn(300, generator=g), "n": 1}
     with SyncCheckpointer(config) as ckpt:
@@ -227,6 +232,57 @@ def test_retention_after_a_resumed_incremental_save_keeps_the_bytes_it_reference
         named = {o.name for o in again.manifest(2).references or ()}
         assert named and all((Path(config.storage.url) / n).is_file() for n in named)  # ... its bytes are not
         assert_same(again.load(step=2), state)
+
+
+def _crash_while_saving(config: Config, state: dict[str, Any], step: int, chunks_landed: int) -> Path:
+    """Save ``step`` with its object writes and manifest held, until ``chunks_landed`` chunks
+    landed (those with nothing new land at once), then crash; returns its spool folder."""
+    spool = Path(str(config.spool.dir))
+    before = {p.name for p in spool.iterdir()} if spool.exists() else set()
+    store = FaultyStorage(LocalStorage(config.storage.url))
+    store.hold_when = lambda name: name.startswith(step_dir(step))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=step)
+    folder = next(p for p in spool.iterdir() if p.is_dir() and p.name not in before)
+    deadline = time.monotonic() + 20
+    while (folder / JOURNAL).read_text().count('"landed"') < chunks_landed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    copy = folder.parent / f"crashed-{folder.name}"
+    shutil.copytree(folder, copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    _restore(copy, folder)
+    shutil.rmtree(copy)
+    return folder
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_two_spooled_incremental_saves_resume_in_step_order_and_both_commit(tmp_path: Path) -> None:
+    """Steps 2 and 3 left by crashes, both based on step 1 (step 3's adapter is back to step
+    1's value: every piece of it is a reference), resumed with ``keep_last: 1``: both commit,
+    in step order, and step 2's retention never deletes what step 3's journal references; the
+    root ends with step 3 and what it names."""
+    root = tmp_path / "ckpt"
+    config = _spooled_config(root, tmp_path / "spool", keep_last=1)
+    g = torch.Generator().manual_seed(6)
+    frozen, adapter = torch.randn(3 * 16 * 1024, generator=g), torch.randn(300, generator=g)  # 3 chunks + 1
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"frozen": frozen, "adapter": adapter}, step=1).wait()
+    second = _crash_while_saving(config, {"frozen": frozen, "adapter": adapter + 1}, 2, chunks_landed=3)
+    for _ in range(12):  # resume order must not hang on save ids: make step 2's the first by name
+        third = _crash_while_saving(config, {"frozen": frozen, "adapter": adapter}, 3, chunks_landed=4)
+        if second.name < third.name:
+            break
+        shutil.rmtree(third)
+    assert second.name < third.name
+    with SyncCheckpointer(config) as again:
+        report = again.resume_spool()
+        assert report.resumed == [2, 3] and not report.discarded, report
+        assert again.steps() == [3]
+        assert_same(again.load(step=3), {"frozen": frozen, "adapter": adapter})
+        named = {o.name for o in again.manifest(3).stored_objects()} | {f"{step_dir(3)}/manifest.json"}
+    assert {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} == named
 
 
 def _edit_landed(journal: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -343,6 +399,31 @@ def test_the_base_objects_are_pinned_while_a_save_references_them(root: Path) ->
         ckpt.save(state, step=2).wait()
     assert seen and all(first <= pinned for pinned in seen)
     assert pins_for(store.url).pinned() == frozenset()
+
+
+@pytest.mark.thread_only  # the storage is this process's
+def test_a_save_admitted_while_the_one_before_uploads_takes_the_newest_committed_step_as_its_base(
+    root: Path,
+) -> None:
+    """``max_pending_saves: 2``: step 3 is captured while step 2 still uploads; its base is
+    step 2 once step 2 committed (an older base is protected by nothing from another process's
+    retention or gc), so it references only objects the newest committed step names."""
+    store = FaultyStorage(LocalStorage(root))
+    config = _config(root).model_copy(update={"max_pending_saves": 2})
+    g = torch.Generator().manual_seed(3)
+    frozen, first = torch.randn(256 * 1024, generator=g), torch.randn(64, generator=g)  # one object each
+    with SyncCheckpointer(config, storage=store) as ckpt:
+        ckpt.save({"frozen": frozen, "adapter": first}, step=1).wait()
+        store.hold_when = lambda name: name.startswith(step_dir(2) + "/")
+        second = ckpt.save({"frozen": frozen, "adapter": first + 1}, step=2)
+        third = ckpt.save({"frozen": frozen, "adapter": first}, step=3)  # back to step 1's value
+        store.release(ckpt._loop.loop)  # type: ignore[attr-defined]
+        second.wait()
+        third.wait()
+        newest = {o.name for o in ckpt.manifest(2).stored_objects()}
+        references = {o.name for o in ckpt.manifest(3).references or ()}
+        assert references and references <= newest, references - newest
+        assert_same(ckpt.load(step=3), {"frozen": frozen, "adapter": first})
 
 
 def test_the_same_step_saved_again_never_references_itself(root: Path) -> None:

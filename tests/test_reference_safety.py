@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
+import torch
+from aiosnap import Config, CorruptCheckpointError, StorageError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
 from aiosnap.catalog.keep import names_in_manifest
 from aiosnap.catalog.maintenance import verify_step
@@ -29,6 +30,7 @@ from aiosnap.format.manifest import Manifest
 from aiosnap.format.markers import VERDICT_FILE, VERDICT_READ_S, Verdict
 from aiosnap.storage.base import ObjectInfo, Storage
 from aiosnap.storage.local import LocalStorage
+from aiosnap.transfer.copy import copy_step
 from tests.conftest import assert_same, s3_config
 from tests.fuzzing import mutate_bytes, mutate_document, sign_manifest
 from tests.referencing import fine_tune_state, frozen_chain, on_root, reference, reference_base
@@ -312,22 +314,24 @@ _GC_LOOP = textwrap.dedent(
     from aiosnap.catalog.garbage import collect_garbage
     from aiosnap.storage.local import LocalStorage
 
-    async def main(root, runs_file, stop, deadline):
-        storage, runs = LocalStorage(root), 0
+    async def main(root, runs_file, stop, no_save, deadline):
+        storage, runs, orphans = LocalStorage(root), 0, 0
         while not Path(stop).exists() and time.monotonic() < deadline:
-            await collect_garbage(storage, keep_last=2, grace_s=60.0)
+            eager = Path(no_save).exists()  # no save in flight: folders no manifest names are orphans
+            report = await collect_garbage(storage, keep_last=2, grace_s=0.0 if eager else 60.0)
+            orphans += bool(eager and report.kept_referenced)
             runs += 1
-            Path(runs_file).write_text(str(runs))
+            Path(runs_file).write_text(f"{runs} {orphans}")
 
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], time.monotonic() + 20))
+    asyncio.run(main(*sys.argv[1:5], time.monotonic() + 40))
     """
 )
 
 
-def _runs(path: Path) -> int:
+def _runs(path: Path, field: int = 0) -> int:
     try:
-        return int(path.read_text() or 0)
-    except (FileNotFoundError, ValueError):
+        return int(path.read_text().split()[field])
+    except (FileNotFoundError, ValueError, IndexError):
         return 0
 
 
@@ -340,29 +344,35 @@ def _wait_for_runs(path: Path, more_than: int, child: subprocess.Popen[str]) -> 
 
 
 def test_gc_in_another_process_while_referencing_steps_are_committed(small_config: Config, tmp_path: Path) -> None:
-    stop, runs = tmp_path / "stop", tmp_path / "runs"
+    """gc runs all along in another process: with a grace of 60 s while a save is in flight,
+    of 0 s (every folder no manifest names is an orphan: the removal path) while none is, as
+    referencing steps are committed and retention deletes the steps that first wrote them."""
+    stop, runs, no_save = tmp_path / "stop", tmp_path / "runs", tmp_path / "no-save"
     root = Path(small_config.storage.url)
     root.mkdir(parents=True)
     child = subprocess.Popen(
-        [sys.executable, "-c", _GC_LOOP, str(root), str(runs), str(stop)],
+        [sys.executable, "-c", _GC_LOOP, str(root), str(runs), str(stop), str(no_save)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     states: dict[int, Any] = {}
     try:
-        seen = _wait_for_runs(runs, 0, child)  # gc is running before the first save
+        _wait_for_runs(runs, 0, child)  # gc is running before the first save
         with SyncCheckpointer(_with(small_config, 2)) as ckpt:
             for step in range(1, 8):
+                no_save.unlink(missing_ok=True)
+                _wait_for_runs(runs, _runs(runs) + 1, child)  # a whole gc run began after the unlink
                 states[step] = fine_tune_state(step)
                 ckpt.save(states[step], step=step).wait()
+                no_save.touch()
                 if step > 1:  # as an incremental save would commit it: naming the latest step's bytes
                     reference(small_config, step, step - 1)
-                if step % 2:
-                    seen = _wait_for_runs(runs, seen, child)  # at least one gc between these commits
+                _wait_for_runs(runs, _runs(runs) + 1, child)  # at least one eager gc between these commits
             assert ckpt.steps() == [6, 7]
     finally:
         stop.touch()
         _, err = child.communicate(timeout=30)
     assert child.returncode == 0, err
+    assert _runs(runs, 1) > 0, "gc never met a folder holding only referenced objects"
     for step in (6, 7):
         assert_same(_load(small_config, step), states[step])
         manifest = _manifest(small_config, step)
@@ -419,3 +429,157 @@ def test_the_helper_makes_real_references(small_config: Config) -> None:
     assert second.references and len(second.objects) == 1
     assert second.total_bytes - second.own_bytes == sum(o.nbytes for o in second.references)
     assert time.monotonic() - start < 60
+
+
+def _dedup(root: Path, keep_last: int | None) -> Config:
+    return Config(
+        storage={"url": str(root)},
+        ram_budget="8MiB",
+        upload={"chunk_size": "1MiB", "concurrency": 2, "dedup": True},
+        retention={"keep_last": keep_last},
+    )
+
+
+_FROZEN = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # 1 MiB, never trained
+
+
+def _frozen_state(step: int) -> dict[str, torch.Tensor]:
+    return {"base": _FROZEN.clone(), "adapter": torch.full((4096,), float(step))}
+
+
+class _CommitsDuringTheMark(LocalStorage):
+    """gc's root, where a job commits a newer step while gc reads what to keep for ``folder``
+    (after it listed the committed steps, before it read the newest's manifest): the job's
+    retention deletes the manifest gc is about to read."""
+
+    def __init__(self, root: str, folder: str, commit: Any) -> None:
+        super().__init__(root)
+        self.folder, self.commit, self.armed, self.done = folder, commit, False, False
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        if prefix == self.folder and not self.done:
+            self.armed = True  # retire_attempt lists the folder, then asks what to keep
+        return await super().list_children(prefix)
+
+    async def read(self, name: str, *args: Any, **kwargs: Any) -> bytes:
+        if self.armed and not self.done and name == f"{step_dir(2)}/manifest.json":
+            self.done = True
+            self.commit()  # on the job's own loop thread; this loop waits meanwhile
+        return await super().read(name, *args, **kwargs)
+
+
+def test_gc_whose_listed_manifest_vanishes_marks_again_and_keeps_the_newest_steps_base(tmp_path: Path) -> None:
+    """The newest step's base stays when the step gc listed is deleted under it (retention of a
+    newer commit) between gc's listing and its read; the report lists the folder as kept, not
+    removed, and counts only the bytes it freed. Retention leaves nothing but what is named."""
+    config = _dedup(tmp_path / "root", keep_last=1)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(_frozen_state(1), step=1).wait()
+        ckpt.save(_frozen_state(2), step=2).wait()
+        (step2,) = {attempt_of_object(o.name) for o in ckpt.manifest(2).references or ()}
+        assert step2 is not None and step2[0] == 1
+        folder = attempt_prefix(*step2)
+        (tmp_path / "root" / folder / "rank-0" / "7.bin").write_bytes(b"x" * 1000)  # what a crash left in it
+        storage = _CommitsDuringTheMark(config.storage.url, folder, lambda: ckpt.save(_frozen_state(3), step=3).wait())
+        report = asyncio.run(collect_garbage(storage, keep_last=1, grace_s=0.0))
+        assert storage.done and ckpt.steps() == [3]
+        assert_same(ckpt.load(step=3), _frozen_state(3))
+    assert report.kept_referenced == [folder] and folder not in report.removed_incomplete
+    assert report.freed_bytes == 1000  # the object no manifest names, nothing else
+    _only_what_is_named(config)
+
+
+def test_retention_of_incremental_saves_leaves_only_what_the_kept_step_names(tmp_path: Path) -> None:
+    """``keep_last: 1`` with dedup: each save's retention deletes the step before it down to
+    the objects the new step references (a save's pins go once its manifest names them), so
+    the root never grows by a step's unreferenced objects between gc runs."""
+    config = _dedup(tmp_path / "root", keep_last=1)
+    with SyncCheckpointer(config) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(_frozen_state(step), step=step).wait()
+        assert ckpt.steps() == [4] and len(pins_for(config.storage.url)) == 0
+    assert len(_only_what_is_named(config)) == 3  # the manifest, step 4's adapter, step 1's base
+    assert_same(_load(config, 4), _frozen_state(4))
+
+
+class _FailsAfter(LocalStorage):
+    """A download's source whose objects of ``step`` fail to read once ``go`` is set (a
+    damaged object, a reset connection), and a target that tells when ``name`` is written."""
+
+    def __init__(self, root: str, step: int, go: asyncio.Event) -> None:
+        super().__init__(root)
+        self.step, self.go, self.wrote = step, go, asyncio.Event()
+
+    async def read_into(self, name: str, offset: int, dest: Any) -> int:
+        if name.startswith(step_dir(self.step) + "/"):
+            await self.go.wait()
+            raise OSError("connection reset by peer")
+        return await super().read_into(name, offset, dest)
+
+    async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+        await super().write(name, data, if_absent=if_absent)
+        if name.startswith(step_dir(1) + "/"):
+            self.wrote.set()
+
+
+def test_a_failed_download_never_removes_a_referenced_object_another_committed_copy_names(tmp_path: Path) -> None:
+    """Downloads of steps 2 and 3 (both naming step 1's base) into one target at once: the one
+    that fails after writing the base removes its own objects, not the base the committed copy
+    of step 2 names; that copy loads."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    with SyncCheckpointer(_dedup(source, keep_last=None)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_frozen_state(step), step=step).wait()
+
+    async def main() -> tuple[Any, Any]:
+        step2_done = asyncio.Event()
+        failing = _FailsAfter(str(source), 3, step2_done)
+        into = _FailsAfter(str(target), 0, asyncio.Event())
+        third = asyncio.ensure_future(copy_step(failing, into, await read_manifest(failing, 3)))
+        await asyncio.wait_for(into.wrote.wait(), 30)  # the failing copy wrote the base
+
+        async def second() -> bool:
+            try:
+                return await copy_step(
+                    LocalStorage(str(source)), LocalStorage(str(target)), await read_manifest(failing, 2)
+                )
+            finally:
+                step2_done.set()
+
+        return tuple(await asyncio.gather(second(), third, return_exceptions=True))  # type: ignore[return-value]
+
+    copied, failed = asyncio.run(main())
+    assert copied is True and isinstance(failed, OSError)
+    target_config = _dedup(target, keep_last=None)
+    assert_same(_load(target_config, 2), _frozen_state(2))
+    _only_what_is_named(target_config)
+
+
+class _ManifestAlwaysGone(LocalStorage):
+    """A root where step ``step``'s manifest is listed at every look and gone at every read
+    (as if other processes committed and deleted steps faster than a mark can read them)."""
+
+    def __init__(self, root: str, step: int) -> None:
+        super().__init__(root)
+        self.gone = f"{step_dir(step)}/manifest.json"
+
+    async def read(self, name: str, *args: Any, **kwargs: Any) -> bytes:
+        if name == self.gone:
+            raise FileNotFoundError(name)
+        return await super().read(name, *args, **kwargs)
+
+
+def test_a_mark_that_never_settles_deletes_nothing_and_says_so(tmp_path: Path) -> None:
+    config = _dedup(tmp_path / "root", keep_last=None)
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_frozen_state(step), step=step).wait()
+    before = _stored(config)
+    storage = _ManifestAlwaysGone(config.storage.url, 3)
+    with pytest.raises(StorageError, match="changed during each of 8 reads.*nothing was deleted"):
+        asyncio.run(collect_garbage(storage, keep_last=1, grace_s=0.0))
+    assert _stored(config) == before
+    with pytest.raises(StorageError, match="nothing was deleted"):  # the victim's manifest goes first
+        asyncio.run(apply_retention(storage, 1, 3, set()))
+    assert _stored(config) == before - {f"{step_dir(1)}/manifest.json"}
+    assert_same(_load(config, 3), _frozen_state(3))

@@ -230,12 +230,12 @@ async def collect_garbage(
     plan = await plan_gc(storage, keep_last=keep_last, grace_s=grace_s, now=now)
     report = GcReport(
         kept_recent=plan.kept_recent, kept_live=plan.kept_live, kept_undecided=plan.kept_undecided,
-        kept_unreadable=plan.kept_unreadable, kept_referenced=list(plan.kept_referenced), freed_bytes=plan.nbytes,
-        dry_run=dry_run,
+        kept_unreadable=plan.kept_unreadable, kept_referenced=list(plan.kept_referenced), dry_run=dry_run,
     )  # fmt: skip
     if dry_run:
+        report.freed_bytes = plan.nbytes
         report.deleted_steps = list(plan.steps)
-        report.removed_incomplete = plan.attempts + plan.temp_files
+        report.removed_incomplete = [p for p in plan.attempts if p not in plan.kept_referenced] + plan.temp_files
         report.aborted_uploads = len(plan.uploads)
         return report
     still_victims = set(await retention_victims(storage, keep_last, set())) if plan.steps else set()
@@ -256,16 +256,22 @@ async def collect_garbage(
         folder, save_id = prefix.split("/")
         owner = parse_step_dir(folder)
         assert owner is not None
+        sizes = {o.name: o.size for o in await storage.walk(prefix)}
         held = await retire_attempt(storage, owner, save_id, keep=lambda: objects_to_keep(storage))
         await storage.remove_empty_folder(folder)
-        if held and prefix not in report.kept_referenced:
+        report.freed_bytes += sum(size for name, size in sizes.items() if name not in held)
+        if not held:
+            report.removed_incomplete.append(prefix)
+            if prefix in report.kept_referenced:  # what named its objects went meanwhile
+                report.kept_referenced.remove(prefix)
+        elif prefix not in report.kept_referenced:  # what else it held went; the folder stays
             report.kept_referenced.append(prefix)
-        report.removed_incomplete.append(prefix)
     for name in plan.temp_files:
         await storage.delete(name)
         report.removed_incomplete.append(name)
+        report.freed_bytes += plan.sizes.get(name, 0)
     for name, upload_id in plan.uploads:
         await storage.abort_upload(name, upload_id)
         report.aborted_uploads += 1
-    report.freed_bytes -= sum(plan.sizes.get(item, 0) for item in report.skipped)
+    report.freed_bytes += sum(plan.sizes.get(step_dir(step), 0) for step in report.deleted_steps)
     return report

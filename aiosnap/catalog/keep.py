@@ -12,16 +12,19 @@ The rule under concurrency (other processes' retention or gc while saves run):
 - *Mark after list*: a deletion lists what it would delete first, then reads the pins, then
   the set of committed manifests (:func:`~aiosnap.catalog.steps.objects_to_keep`), then
   deletes what is listed and not kept. Pins are read before the manifests: a save that
-  commits and releases its pin in between is seen through its manifest.
-- A save references only objects that the newest committed step's manifest names, and checks
-  that they exist before it commits; retention and gc never delete the newest committed step
+  commits and releases its pin in between is seen through its manifest. A manifest gone by
+  its read, or a listing of the committed steps that changed by the end of the mark (a
+  newer step committed and its retention ran), makes the whole mark run again.
+- A save references only objects that the newest committed step's manifest names (a save
+  begun while an earlier one to its root is in flight waits for that one first), and checks
+  that they exist right before its manifest is written; retention and gc never delete the newest committed step
   (nor anything it names), so what a save references stays while it runs.
 - What remains: two writers committing to one root at once (a newer step of another writer
   may make this writer's base an old step that retention deletes between this writer's check
   and its commit), and ``rollback``/``purge`` run by another process during a save (stop the
-  job first, as their docs say). A crash between a commit and its retention, or in the middle
-  of a deletion, leaves only objects nothing names: the next retention or ``aiosnap gc``
-  removes them.
+  job first, as their docs say). A crash between a commit and its retention leaves old steps
+  committed (the next retention deletes them); a crash in the middle of a deletion leaves
+  objects no manifest names in folders without one, which only ``aiosnap gc`` removes.
 
 Names are read from a manifest's JSON (:func:`names_in_manifest`): what is kept may only be
 more than a reader would accept, never less. A manifest that a reader refuses (damaged,

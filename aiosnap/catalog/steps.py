@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence, Set
 
 from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
-from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
 from .keep import names_in_manifest
@@ -219,14 +219,30 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
     """What no deletion may remove now (see :mod:`.keep`): every object a save in flight in
     this process pins, then every object a committed manifest names, its own and its
     references, read in that order and *after* the caller listed what it would delete.
-    ``leaving``: steps whose manifests do not count (a plan that will remove them first)."""
-    keep = set(pins_for(storage.url).pinned())
-    steps = [s for s in await committed_steps(storage) if s not in leaving]
-    documents = await asyncio.gather(*(committed_document(storage, s) for s in steps))
-    for step, found in zip(steps, documents, strict=True):
-        if found is not None:  # None: removed since the listing
-            keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
-    return keep
+    ``leaving``: steps whose manifests do not count (a plan that will remove them first).
+
+    A manifest listed and gone by its read, or a listing of the committed steps that differs
+    once the manifests are read, means another process committed a newer step meanwhile (and
+    its retention may have deleted the one listed): the newer step's references would be in
+    no manifest read. The whole mark is then made again, until a mark reads every manifest
+    listed and the listing after it agrees; when that never happens in :data:`LISTINGS`
+    marks, StorageError: the caller deletes nothing."""
+    listed = await committed_steps(storage)
+    for _ in range(LISTINGS):
+        keep = set(pins_for(storage.url).pinned())
+        steps = [s for s in listed if s not in leaving]
+        documents = await asyncio.gather(*(committed_document(storage, s) for s in steps))
+        for step, found in zip(steps, documents, strict=True):
+            if found is not None:
+                keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
+        again = await committed_steps(storage)
+        if again == listed and all(found is not None for found in documents):
+            return keep
+        listed = again
+    raise StorageError(
+        f"what to keep in {storage.url} could not be read: its committed steps changed during each of "
+        f"{LISTINGS} reads (other processes commit and delete steps meanwhile); nothing was deleted, try again"
+    )
 
 
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..catalog.steps import committed_save_id
+from ..catalog.steps import committed_save_id, objects_to_keep
 from ..core.checksums import crc32c_of
 from ..core.names import attempt_prefix, step_dir
 from ..errors import AiosnapError, ChecksumMismatchError, CorruptCheckpointError, TruncatedObjectError, first_error
@@ -18,6 +18,7 @@ from ..format.manifest import Manifest, Span, manifest_name
 from ..storage.base import Storage
 from ..storage.registry import roots_overlap
 from .commit import commit_manifest
+from .references import check_references
 
 __all__ = ["copy_step"]
 
@@ -32,11 +33,13 @@ async def copy_step(
     read whole, every range's crc32c checked, then written; the manifest goes last, so the
     copy is committed only once complete. The objects of earlier saves the step references
     are copied too, under the same names, so the copy stands alone (one that ``dest`` holds
-    already, intact, from a copy of an earlier step, is left as it is). Returns False when ``dest`` already holds this
+    already, intact, from a copy of an earlier step, is left as it is); right before the
+    commit they are checked to be in ``dest`` still, with their sizes. Returns False when ``dest`` already holds this
     very save (nothing to do).
 
     A copy never removes anything it did not write in this run: a failure deletes the
-    objects this run wrote (nothing else) and raises
+    objects this run wrote in the step's own attempt folder, and those of earlier saves it
+    wrote that no committed manifest of ``dest`` names (another copy's step may), and raises
     (:class:`~aiosnap.errors.CorruptCheckpointError` for bad data). Refused: roots that
     overlap (the same root spelled twice, or one inside the other), and a ``dest`` holding
     the same step from another save. Holds at most ``concurrency`` objects in memory."""
@@ -91,6 +94,8 @@ async def copy_step(
         async with asyncio.TaskGroup() as group:
             for obj in manifest.stored_objects():  # referenced ones too, under the same names
                 group.create_task(copy(obj.name, obj.nbytes))
+        if manifest.references:  # another copy into dest that failed may have removed one it wrote
+            await check_references(dest, manifest.step, [(o.name, o.rank, o.nbytes) for o in manifest.references])
         await commit_manifest(dest, manifest, replace=False)
     except BaseException as failure:
         await asyncio.shield(_remove_written(dest, written, manifest.step, manifest.save_id))
@@ -116,14 +121,21 @@ async def _already_copied(dest: Storage, name: str, buffer: memoryview, ranges: 
 
 
 async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
-    """Undo a failed copy: the objects this run wrote, then their folders if empty -- unless
-    another run of the same copy committed meanwhile (the objects are then that copy's)."""
+    """Undo a failed copy: the objects this run wrote in the copied step's own attempt folder,
+    and those it wrote of earlier saves (references) that no committed manifest of ``dest``
+    names now (another copy into ``dest`` may have committed a step naming them), then their
+    folders if empty -- unless another run of the same copy committed meanwhile (the objects
+    are then that copy's)."""
     if await committed_save_id(dest, step) == save_id:
         return
+    own = attempt_prefix(step, save_id) + "/"
     folders = {name.rsplit("/", 1)[0] for name in names} | {attempt_prefix(step, save_id), step_dir(step)}
     try:
+        others = [name for name in names if not name.startswith(own)]
+        kept = await objects_to_keep(dest) if others else set()  # after the names are known: mark after list
         for name in names:
-            await dest.delete(name)
+            if name.startswith(own) or name not in kept:
+                await dest.delete(name)
         for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
             await dest.remove_empty_folder(folder)
     except Exception as exc:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..catalog.steps import apply_retention
+from ..catalog.steps import apply_retention, latest_committed
 from ..catalog.tombstones import Tombstones
 from ..config import Config
 from ..core.aio import finish_despite_cancel
@@ -155,6 +155,16 @@ class LocalTransfer:
     def busy_steps(self, storage: Storage) -> set[int]:
         """Steps with a save in flight to the root of ``storage``."""
         return {u.spec.step for u in self._saves.values() if u.storage.url == storage.url}
+
+    def earlier_saves(self, upload: _Upload) -> list[asyncio.Task[None]]:
+        """The saves to the root of ``upload`` begun before it and still in flight."""
+        earlier: list[asyncio.Task[None]] = []
+        for other in self._saves.values():
+            if other is upload:
+                break
+            if other.storage.url == upload.storage.url and other.task is not None and not other.task.done():
+                earlier.append(other.task)
+        return earlier
 
     def forget(self, upload: _Upload) -> None:
         self._saves.pop(upload.save_id, None)
@@ -321,7 +331,7 @@ class _Upload:
         clock = _StageClock()
         try:
             if self.incremental is not None and self.incremental.dedup:  # the base: before the first upload
-                await self.incremental.start((await look).latest)
+                await self.incremental.start(await self._newest_committed(look))
             if self.spec.also is not None:
                 self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
                 await self.live.start()
@@ -354,8 +364,8 @@ class _Upload:
             return TransferOutcome(committed=True, stage_seconds=dict(self._stages))
         if dist is not None:
             manifest, document = await self._gather(crcs)
-        else:
-            manifest = await self._manifest(crcs)  # an incremental save's references checked before the commit
+        else:  # an incremental save's references checked last before the commit
+            manifest, document = await self._manifest(crcs)
         self.commit_started = True
         self.reached = "committing"
         if dist is not None:  # the commit is checked to stand once its manifest landed: only then retention
@@ -363,24 +373,41 @@ class _Upload:
                 self.storage, self.spec, manifest, document, replace=decided.replaces, tombstones=self.owner.tombstones
             )
         else:
-            document = checked_document(self.storage, manifest)  # refused before the commit starts
             manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
         if self.incremental is not None:
             self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
+            self.incremental.release()  # the committed manifest names what it references: retention may go
         self._stages["commit"] = time.perf_counter() - started
         self.owner.listener.stage_ended(self.save_id, "commit", manifest_bytes, self._stages["commit"])
         deleted = await self._retention()
         return TransferOutcome(committed=True, deleted_steps=tuple(deleted), stage_seconds=dict(self._stages))
 
-    async def _manifest(self, crcs: Checksums) -> Manifest:
-        """The manifest of a one-rank save; of an incremental one, each piece where it
-        landed, once its references are checked to stand (else the save fails, nothing is
+    async def _manifest(self, crcs: Checksums) -> tuple[Manifest, bytes]:
+        """The manifest of a one-rank save and its document, checked by the readers' own
+        validator (refused before the commit starts); of an incremental one, each piece
+        where it landed, its references checked to stand after the document is made, so
+        that only the manifest's write follows the check (else the save fails, nothing is
         committed, and the next save to this root writes whole)."""
         if self.incremental is None:
-            return build_manifest(self.spec, crcs)
+            manifest = build_manifest(self.spec, crcs)
+            return manifest, checked_document(self.storage, manifest)
         manifest = self.incremental.manifest(crcs, self._landed())
+        document = checked_document(self.storage, manifest)
         await self._check(self.incremental.check(manifest))
-        return manifest
+        return manifest, document
+
+    async def _newest_committed(self, look: asyncio.Future[Preflight]) -> int | None:
+        """The step an incremental save takes its base from: the newest committed one. Saves
+        to this root begun earlier (``max_pending_saves`` above 1) are waited for first, to
+        commit or fail: a base older than the newest committed step is protected by nothing
+        from another process's retention or gc (see :mod:`aiosnap.catalog.keep`)."""
+        earlier = self.owner.earlier_saves(self)
+        if not earlier:
+            return (await look).latest
+        await asyncio.wait(earlier)
+        assert self.incremental is not None
+        self.incremental.known = self.owner.bases.get(self.storage.url)  # the base they committed
+        return await latest_committed(self.storage)
 
     def _landed(self) -> list[Landing]:
         return [self._landings[i] for i in range(len(self.spec.chunks))]

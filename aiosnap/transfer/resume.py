@@ -8,9 +8,11 @@ A save is resumed only when its journal says capture finished and every chunk ei
 landed in storage (checked: the object is there, with its size) or is on the spool disk
 with the crc32c it was written with; and only when its step is newer than the target's
 latest committed step (steps only move forward). Then its spooled chunks are uploaded, its
-manifest committed, retention applied. Anything else is discarded and reported; a save of
-another root is left alone and reported as skipped (resume it through a checkpointer of
-that root: ``ckpt.at(url).resume_spool()``). Saves of this process that are still running
+manifest committed. Leftovers are resumed oldest step first, the objects every leftover's
+journal references pinned until the last is done, and retention is applied once after them
+all. Anything else is discarded and reported; a save of another root is left alone and
+reported as skipped (resume it through a checkpointer of that root:
+``ckpt.at(url).resume_spool()``). Saves of this process that are still running
 are never touched.
 """
 
@@ -220,7 +222,8 @@ async def resume_spooled(
     landed(0)  # the total, before the first byte: a progress bar knows what to expect from the start
 
     owner = storage.url if owner_url is None else owner_url
-    for save_id, state in states.items():
+    mine: list[tuple[str, JournalState | _Discard]] = []
+    for save_id, state in sorted(states.items(), key=_in_step_order):
         if isinstance(state, JournalState):
             if state.begin.owner_url != owner:
                 report.skipped.append((save_id, f"belongs to the checkpointer of {state.begin.owner_url}"))
@@ -230,10 +233,33 @@ async def resume_spooled(
                 continue
         elif owner != storage.url:
             continue  # an unreadable leftover is judged by the checkpointer's own root only
-        step = state.manifest.step if isinstance(state, JournalState) else None
-        emit = None if events is None else events.scope("resume", step, storage.url, save_id)
-        await _resume_one(spool, storage, save_id, state, concurrency, keep_last, report, landed, emit)
+        mine.append((save_id, state))
+    pending = {r[0] for _, s in mine if isinstance(s, JournalState) for landing in s.landings.values()
+               for r in landing.references}  # fmt: skip
+    token = pins_for(storage.url).pin(pending)  # a later leftover's references outlive an earlier's commit
+    try:
+        for save_id, state in mine:
+            step = state.manifest.step if isinstance(state, JournalState) else None
+            emit = None if events is None else events.scope("resume", step, storage.url, save_id)
+            await _resume_one(spool, storage, save_id, state, concurrency, report, landed, emit)
+    finally:
+        pins_for(storage.url).release(token)
+    if report.resumed:  # once, after every leftover: the pins are gone, the newest step names what it uses
+        newest = max(report.resumed)
+        try:
+            await apply_retention(storage, keep_last, newest, set())  # keeps what kept steps name
+        except Exception as exc:
+            log.warning("aiosnap: retention after resuming step %d failed: %r", newest, exc)
     return report
+
+
+def _in_step_order(item: tuple[str, JournalState | _Discard]) -> tuple[int, int, str]:
+    """Leftovers resumed oldest step first (an unreadable one last): steps only move forward,
+    so a newer step resumed first would make every older one not newer than the latest."""
+    save_id, state = item
+    if isinstance(state, JournalState):
+        return 0, state.manifest.step, save_id
+    return 1, 0, save_id
 
 
 async def _resume_one(
@@ -242,7 +268,6 @@ async def _resume_one(
     save_id: str,
     state: JournalState | _Discard,
     concurrency: int,
-    keep_last: int | None,
     report: ResumeReport,
     landed: Callable[[int], None],
     emit: ScopeEmitter | None,
@@ -275,8 +300,4 @@ async def _resume_one(
     if committed:
         log.info("aiosnap: resumed and committed step %d of %s from spool %s", step, storage.url, Path(spool.root))
         report.resumed.append(step)
-        try:
-            await apply_retention(storage, keep_last, step, set())  # keeps what kept steps name
-        except Exception as exc:
-            log.warning("aiosnap: retention after resuming step %d failed: %r", step, exc)
     await spool.discard(save_id)
