@@ -234,14 +234,18 @@ class Engine:
         return await manifest_of(storage, step)
 
     async def purge(self, storage: Storage) -> list[int]:
-        """Wait for the saves to ``storage``, then delete every step under it."""
-        await self.drain(None, storage)
-        return await remove_everything(storage)
+        """Wait for the saves to ``storage``, then delete every step under it (no new save
+        to it is admitted meanwhile)."""
+        async with self.admission.hold(storage):
+            await self.drain(None, storage)
+            return await remove_everything(storage)
 
     async def rollback(self, storage: Storage, step: int) -> list[int]:
-        """Wait for the saves to ``storage``, then remove the committed steps after ``step``."""
-        await self.drain(None, storage)
-        return await remove_steps_after(storage, step)
+        """Wait for the saves to ``storage``, then remove the committed steps after ``step``
+        (no new save to it is admitted meanwhile)."""
+        async with self.admission.hold(storage):
+            await self.drain(None, storage)
+            return await remove_steps_after(storage, step)
 
     async def drain(self, timeout: float | None, storage: Storage | None = None) -> None:
         """Wait for saves in flight (to ``storage`` only, when given); after ``timeout``
@@ -252,20 +256,25 @@ class Engine:
         self, progress: ResumeProgress | None = None, storage: Storage | None = None, keep_last: int | None = None
     ) -> ResumeReport:
         """Finish the spooled saves an earlier process left behind for ``storage`` (this
-        engine's own root by default), with retention ``keep_last`` (see transfer.resume)."""
+        engine's own root by default), with retention ``keep_last`` (see transfer.resume).
+        The saves in flight to that root finish first, and no new one is admitted meanwhile:
+        a resumed step commits and runs retention, which must not delete what a save in
+        flight names (its base)."""
         if self.spool is None:
             return ResumeReport()
         target = self.storage if storage is None else storage
-        return await resume_spooled(
-            self.spool,
-            target,
-            concurrency=self.config.upload.concurrency,
-            keep_last=self.config.retention.keep_last if storage is None else keep_last,
-            owner_url=self.storage.url,
-            live=set(self.admission.jobs),
-            progress=progress,
-            events=self.events,
-        )
+        async with self.admission.hold(target):
+            await self.drain(None, target)
+            return await resume_spooled(
+                self.spool,
+                target,
+                concurrency=self.config.upload.concurrency,
+                keep_last=self.config.retention.keep_last if storage is None else keep_last,
+                owner_url=self.storage.url,
+                live=set(self.admission.jobs),
+                progress=progress,
+                events=self.events,
+            )
 
     async def shutdown(self) -> None:
         """Free the transfer side (removals of failed attempts get a bounded wait; the rest

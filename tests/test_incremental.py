@@ -7,12 +7,14 @@ spool with a resume, and S3 (moto). What each step owns is read from its manifes
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import json
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -675,3 +677,69 @@ def test_a_resume_recomputes_the_digests_its_journal_gives_for_spooled_chunks(tm
                 with open(root / r.object, "rb") as f:
                     f.seek(r.offset)
                     assert found[(r.object, r.offset)] == content_digest(memoryview(f.read(r.nbytes)))
+
+
+@pytest.mark.thread_only  # wraps a storage in the trainer's process
+def test_a_spool_resume_waits_for_the_saves_in_flight_to_its_root(tmp_path: Path) -> None:
+    """A resumed step commits and runs retention, which must not delete what an incremental
+    save in flight names: resume_spool() waits for the saves to its root, as rollback does
+    (found by the second review: the resumed step's retention deleted an in-flight base)."""
+    root = tmp_path / "ckpt"
+    config = Config(
+        storage={"url": str(root)}, upload={"dedup": True, "executor": "thread"},
+        spool={"dir": str(tmp_path / "spool"), "mode": "overflow"}, events={"log": False},
+    )  # fmt: skip
+    store = FaultyStorage(LocalStorage(root))
+    g = torch.Generator().manual_seed(9)
+    state = {"frozen": torch.randn(20_000, generator=g), "adapter": torch.zeros(10)}
+    with SyncCheckpointer(config, storage=store) as ckpt:
+        ckpt.save(state, step=1).wait()
+        store.hold_when = lambda name: name.startswith(step_dir(2))
+        state["adapter"].add_(1)
+        expected = {k: v.clone() for k, v in state.items()}
+        handle = ckpt.save(state, step=2)
+        reports: list[Any] = []
+        resume = threading.Thread(target=lambda: reports.append(ckpt.resume_spool()))
+        resume.start()
+        resume.join(0.5)
+        assert resume.is_alive() and not handle.done()  # the resume waits for the save in flight
+        store.release(ckpt._loop.loop)
+        resume.join(30)
+        assert not resume.is_alive() and handle.done() and reports
+        assert_same(ckpt.load(step=2), expected)
+        assert ckpt.manifest(2).references
+
+
+@pytest.mark.thread_only  # slows the trainer-process storage
+def test_a_pipelined_save_after_a_reference_went_missing_writes_whole(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With max_pending_saves 2 the next save is admitted before the one whose reference is
+    gone fails: it must still write whole once it learns of that failure (second review)."""
+    write = LocalStorage.write_checksummed
+
+    async def slow(self: LocalStorage, name: str, data: Any, checksums: Any) -> None:
+        if name.startswith(step_dir(2)):
+            await asyncio.sleep(0.5)  # step 3 is admitted while step 2 uploads
+        await write(self, name, data, checksums)
+
+    monkeypatch.setattr(LocalStorage, "write_checksummed", slow)
+    config = Config(
+        storage={"url": str(root)}, ram_budget="8MiB", max_pending_saves=2, events={"log": False},
+        upload={"chunk_size": "256KiB", "concurrency": 2, "dedup": True, "executor": "thread"},
+    )  # fmt: skip
+    base = torch.randn(256, 1024, generator=torch.Generator().manual_seed(3))
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        return {"base": base.clone(), "adapter": torch.full((4096,), float(step))}
+
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state(1), step=1).wait()
+        sorted(root.glob(f"{step_dir(1)}/*/rank-0/0.bin"))[0].unlink()  # taken by someone else
+        second = ckpt.save(state(2), step=2)
+        third = ckpt.save(state(3), step=3)
+        with pytest.raises(CorruptCheckpointError, match="is gone"):
+            second.wait(30)
+        third.wait(30)  # wrote whole: it names nothing of step 1
+        assert not ckpt.manifest(3).references
+        assert_same(ckpt.load(step=3), state(3))

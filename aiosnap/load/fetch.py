@@ -69,7 +69,9 @@ async def check_object_sizes(
 ) -> None:
     """Every data object (of ``names``, when given), its own and those of earlier saves it
     references, is there with the size the manifest gives, before anything is allocated for
-    it (a hostile manifest cannot make a load allocate more than is stored)."""
+    it (a hostile manifest cannot make a load allocate more than is stored, except through
+    compressed ranges: a zstd frame whose header states its raw size, checked before anything
+    is allocated, may still hold thousands of times its stored bytes)."""
     where = f"{storage.url} step {manifest.step}"
     limit = asyncio.Semaphore(concurrency)
     referenced = {o.name for o in manifest.references or ()}

@@ -12,7 +12,9 @@ for its slot, so that the other ranks do not take this rank for stopped. Loop th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from ..config import Config
 from ..core.aio import finish_despite_cancel
@@ -42,6 +44,27 @@ class Admission:
         """The progress of the saves in flight (a live display reads it)."""
         self._pending: asyncio.Semaphore | None = None
         self._told_over_budget = False
+        self._holds: dict[str, asyncio.Event] = {}  # root url -> set when its hold ends
+
+    @contextlib.asynccontextmanager
+    async def hold(self, storage: Storage) -> AsyncIterator[None]:
+        """Admit no new save to the root of ``storage`` meanwhile (one hold at a time per
+        root): what a rollback, a purge or a spool resume commits or deletes must not race a
+        save's base (an incremental save names only objects of the newest committed step)."""
+        url = storage.url
+        while (other := self._holds.get(url)) is not None:
+            await other.wait()
+        ended = asyncio.Event()
+        self._holds[url] = ended
+        try:
+            yield
+        finally:
+            del self._holds[url]
+            ended.set()
+
+    async def _unheld(self, storage: Storage) -> None:
+        while (held := self._holds.get(storage.url)) is not None:
+            await held.wait()
 
     def raise_unobserved(self) -> None:
         """Raise the oldest background failure nobody has been told about (once)."""
@@ -80,6 +103,7 @@ class Admission:
         which beats until its transfer side takes over (see :meth:`withdraw`)."""
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
+        await self._unheld(storage)  # a rollback, purge or spool resume of this root runs
         bridge = self._bridge(plan, storage)
         try:
             await self._pending.acquire()

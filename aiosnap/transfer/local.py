@@ -407,6 +407,9 @@ class _Upload:
         await asyncio.wait(earlier)
         assert self.incremental is not None
         self.incremental.known = self.owner.bases.get(self.storage.url)  # the base they committed
+        if self.storage.url in self.owner.whole_next:  # one of them found a reference gone
+            self.owner.whole_next.discard(self.storage.url)
+            self.incremental.whole = True
         return await latest_committed(self.storage)
 
     def _landed(self) -> list[Landing]:
