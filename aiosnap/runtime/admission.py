@@ -103,10 +103,14 @@ class Admission:
         which beats until its transfer side takes over (see :meth:`withdraw`)."""
         if self._pending is None:
             self._pending = asyncio.Semaphore(self.config.max_pending_saves)
-        await self._unheld(storage)  # a rollback, purge or spool resume of this root runs
         bridge = self._bridge(plan, storage)
         try:
-            await self._pending.acquire()
+            while True:  # a rollback, purge or spool resume of this root holds it: wait, slot or not
+                await self._unheld(storage)
+                await self._pending.acquire()
+                if storage.url not in self._holds:
+                    break
+                self._pending.release()  # held while we waited for the slot: let the hold finish
         except BaseException:
             await self.drop_bridge(bridge, storage, plan)
             raise
