@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,16 @@ def test_resume_never_touches_a_save_still_running(tmp_path: Path) -> None:
         while not any(name.endswith("/0.bin") for name in store.writes):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        report = ckpt.resume_spool()
-        assert (report.resumed, report.discarded, report.failed, report.skipped) == ([], [], [], [])
+        reports: list[Any] = []
+        resume = threading.Thread(target=lambda: reports.append(ckpt.resume_spool()))
+        resume.start()  # it waits for the save in flight to this root, never touches it
+        resume.join(0.3)
+        assert resume.is_alive() and not handle.done()
         store.release(ckpt._loop.loop)
         assert handle.wait(10).step == 1
+        resume.join(20)
+        report = reports[0]
+        assert (report.resumed, report.discarded, report.failed, report.skipped) == ([], [], [], [])
         assert_same(ckpt.load(), state)
     assert not [p for p in spool_dir.rglob("*") if p.is_file() and p.name != "LOCK"]
 
