@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
+from aiosnap.cli import main as cli_main
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.spec import SaveSpec
 from aiosnap.format.values import key_text
@@ -196,6 +198,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz-cases", type=int, default=2000, help="cases per fuzz test (make soak raises it)")
     parser.addoption("--soak-rounds", type=int, default=12, help="saves per in-process soak (make soak raises it)")
     parser.addoption("--soak-kills", type=int, default=1, help="child trainers killed per spool mode in the soak")
+
+
+CliRunner = Callable[..., subprocess.CompletedProcess[str]]
+"""The type of the ``aiosnap`` fixture: ``aiosnap("ls", root)`` returns exit code, stdout, stderr."""
+
+
+@pytest.fixture
+def aiosnap(capsys: pytest.CaptureFixture[str]) -> CliRunner:
+    """The CLI's entry point in this process (what the console script calls), captured."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        code = cli_main(list(args))
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+
+    return run
 
 
 @pytest.fixture

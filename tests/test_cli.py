@@ -9,15 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from aiosnap import Config, SyncCheckpointer
-from aiosnap.cli import main
-from tests.conftest import s3_config
+from tests.conftest import CliRunner, s3_config
 
 
 def aiosnap_process(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,22 +23,6 @@ def aiosnap_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "aiosnap", *args], capture_output=True, text=True, timeout=120, check=False
     )
-
-
-Runner = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def aiosnap(capsys: pytest.CaptureFixture[str]) -> Runner:
-    """The CLI's entry point in this process (what the console script calls), captured."""
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
-
-    return run
 
 
 def _fill(root: Path, steps: tuple[int, ...]) -> dict[int, int]:
@@ -71,7 +53,7 @@ def filled(tmp_path: Path) -> tuple[Path, dict[int, int]]:
 
 
 def test_ls_lists_committed_steps_and_with_all_incomplete_ones(
-    aiosnap: Runner, filled: tuple[Path, dict[int, int]]
+    aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]
 ) -> None:
     root, sizes = filled
     _crash_leftover(root, 40, 50, age_s=7200)
@@ -89,7 +71,7 @@ def test_ls_lists_committed_steps_and_with_all_incomplete_ones(
     assert "incomplete" in human.stdout and "40" in human.stdout and "committed" in human.stdout
 
 
-def test_info_shows_entries_dtypes_shapes_bytes(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+def test_info_shows_entries_dtypes_shapes_bytes(aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]) -> None:
     root, _ = filled
     shown = aiosnap("info", str(root), "--step", "20")
     assert shown.returncode == 0, shown.stderr
@@ -102,7 +84,7 @@ def test_info_shows_entries_dtypes_shapes_bytes(aiosnap: Runner, filled: tuple[P
     assert "top-level key" in shown.stdout
 
 
-def test_verify_passes_then_finds_a_flipped_byte(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+def test_verify_passes_then_finds_a_flipped_byte(aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]) -> None:
     root, _ = filled
     ok = aiosnap("verify", str(root), "--step", "30")
     assert ok.returncode == 0 and "ok" in ok.stdout
@@ -123,7 +105,7 @@ def test_verify_passes_then_finds_a_flipped_byte(aiosnap: Runner, filled: tuple[
 
 
 def test_gc_applies_retention_and_cleans_only_old_incomplete_saves(
-    aiosnap: Runner, filled: tuple[Path, dict[int, int]]
+    aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]
 ) -> None:
     root, sizes = filled
     old = _crash_leftover(root, 40, 50, age_s=7200)
@@ -145,7 +127,7 @@ def test_gc_applies_retention_and_cleans_only_old_incomplete_saves(
 
 
 def test_gc_on_s3_aborts_stale_multipart_uploads(
-    aiosnap: Runner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
+    aiosnap: CliRunner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:
     config = s3_config(s3_endpoint, s3_bucket)
     with SyncCheckpointer(config) as ckpt:
@@ -199,7 +181,7 @@ def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stderr == "" and "\x1b" not in piped.stdout
 
 
-def test_errors_are_one_line_and_non_zero(aiosnap: Runner, tmp_path: Path) -> None:
+def test_errors_are_one_line_and_non_zero(aiosnap: CliRunner, tmp_path: Path) -> None:
     missing = aiosnap_process("info", str(tmp_path / "nothing"))
     assert missing.returncode == 1
     assert missing.stderr.strip().count("\n") == 0 and "no committed checkpoint" in missing.stderr
@@ -231,7 +213,7 @@ def test_the_many_tensor_benchmark_saves_what_it_measures(tmp_path: Path) -> Non
 
 
 def test_download_copies_a_verified_step_and_refuses_corrupt_data(
-    aiosnap: Runner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
+    aiosnap: CliRunner, s3_endpoint: str, s3_bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:
     config = s3_config(s3_endpoint, s3_bucket)
     state = {"w": torch.randn(4_000_000), "step": 7}  # 16 MB: several objects, multipart
@@ -258,7 +240,7 @@ def test_download_copies_a_verified_step_and_refuses_corrupt_data(
     assert not list(other.rglob("manifest.json")) and not list(other.rglob("*.bin"))
 
 
-def test_rollback_makes_an_earlier_step_the_latest(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+def test_rollback_makes_an_earlier_step_the_latest(aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]) -> None:
     root, _ = filled
     dry = json.loads(aiosnap("rollback", str(root), "--to", "20", "--dry-run", "--json").stdout)
     assert dry == {"to": 20, "removed": [30, 40], "dry_run": True}
@@ -289,7 +271,7 @@ def test_commands_that_read_a_root_never_import_torch(command: list[str], filled
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:]
 
 
-def test_version_names_aiosnap_python_and_torch(aiosnap: Runner) -> None:
+def test_version_names_aiosnap_python_and_torch(aiosnap: CliRunner) -> None:
     import aiosnap as package
 
     done = aiosnap("--version")
@@ -297,7 +279,7 @@ def test_version_names_aiosnap_python_and_torch(aiosnap: Runner) -> None:
     assert f"torch {torch.__version__}" in done.stdout
 
 
-def test_bench_help_lists_every_benchmark_and_each_benchmarks_own_options(aiosnap: Runner) -> None:
+def test_bench_help_lists_every_benchmark_and_each_benchmarks_own_options(aiosnap: CliRunner) -> None:
     from aiosnap.bench import BENCHMARKS
 
     for listing in (aiosnap("bench", "--help"), aiosnap("bench")):
@@ -309,7 +291,7 @@ def test_bench_help_lists_every_benchmark_and_each_benchmarks_own_options(aiosna
     assert aiosnap("bench", "many", "--no-such-option").returncode == 2
 
 
-def test_usage_errors_with_json_print_a_json_document(aiosnap: Runner, tmp_path: Path) -> None:
+def test_usage_errors_with_json_print_a_json_document(aiosnap: CliRunner, tmp_path: Path) -> None:
     for args, where in (
         (["gc", str(tmp_path), "--keep-last", "0", "--json"], "--keep-last"),
         (["ls", str(tmp_path), "--json", "--bogus"], "--bogus"),
@@ -323,7 +305,7 @@ def test_usage_errors_with_json_print_a_json_document(aiosnap: Runner, tmp_path:
     assert aiosnap("gc", str(tmp_path), "--keep-last", "0").stdout == ""  # no JSON unless asked
 
 
-def test_a_wrong_step_lists_the_committed_ones(aiosnap: Runner, filled: tuple[Path, dict[int, int]]) -> None:
+def test_a_wrong_step_lists_the_committed_ones(aiosnap: CliRunner, filled: tuple[Path, dict[int, int]]) -> None:
     root, _ = filled
     missing = aiosnap("info", str(root), "--step", "25")
     assert missing.returncode == 1
@@ -372,13 +354,13 @@ def test_keys_and_metadata_print_as_they_are_even_with_force_color(tmp_path: Pat
     assert words.count(long_key) == 2  # whole, on one line each time
 
 
-def test_help_texts_keep_their_brackets(aiosnap: Runner) -> None:
+def test_help_texts_keep_their_brackets(aiosnap: CliRunner) -> None:
     shown = aiosnap("--help")
     assert shown.returncode == 0
     assert "aiosnap bench NAME [options]" in " ".join(shown.stdout.split())
 
 
-def test_a_benchmarks_usage_error_with_json_prints_a_json_document(aiosnap: Runner) -> None:
+def test_a_benchmarks_usage_error_with_json_prints_a_json_document(aiosnap: CliRunner) -> None:
     failed = aiosnap("bench", "gpu", "--json", "--tensors", "x")
     assert failed.returncode == 2
     doc = json.loads(failed.stdout)
@@ -416,7 +398,7 @@ def test_ctrl_c_says_so_and_with_json_prints_a_json_document(tmp_path: Path) -> 
             assert out == ""
 
 
-def test_verify_and_info_count_what_a_multi_rank_step_references(aiosnap: Runner, tmp_path: Path) -> None:
+def test_verify_and_info_count_what_a_multi_rank_step_references(aiosnap: CliRunner, tmp_path: Path) -> None:
     """Two writer groups hold one value, so each wrote a copy; one is referenced. verify
     reads and counts the referenced bytes (its progress reaches its total); info and ls say
     both what is referenced and what is stored."""

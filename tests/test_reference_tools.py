@@ -7,31 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiosnap import ChecksumMismatchError, Config, CorruptCheckpointError, SyncCheckpointer
-from aiosnap.cli import main
 from aiosnap.core.names import step_dir
-from tests.conftest import assert_same, s3_config
+from tests.conftest import CliRunner, assert_same, s3_config
 from tests.fuzzing import sign_manifest
 from tests.referencing import frozen_chain, on_root
-
-Runner = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def aiosnap(capsys: pytest.CaptureFixture[str]) -> Runner:
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
-
-    return run
 
 
 def _doc(root: Path, step: int) -> dict[str, Any]:
@@ -43,7 +28,7 @@ def _load(config: Config, step: int) -> Any:
         return ckpt.load(step=step)
 
 
-def test_info_verify_and_ls_show_own_and_referenced_bytes(aiosnap: Runner, small_config: Config) -> None:
+def test_info_verify_and_ls_show_own_and_referenced_bytes(aiosnap: CliRunner, small_config: Config) -> None:
     frozen_chain(small_config, [1, 2])
     root = small_config.storage.url
     first, second = _doc(Path(root), 1), _doc(Path(root), 2)
@@ -134,7 +119,7 @@ def _first_reference(root: Path) -> Path:
     ids=["step-folder-never-existed", "attempt-never-existed", "object-missing", "wrong-size", "crc-mismatch"],
 )
 def test_hand_edited_references_are_refused_at_load_and_reported_by_verify(
-    aiosnap: Runner, small_config: Config, damage: Any, error: type[Exception], load_says: str, verify_says: str
+    aiosnap: CliRunner, small_config: Config, damage: Any, error: type[Exception], load_says: str, verify_says: str
 ) -> None:
     frozen_chain(small_config, [1, 2])
     root = Path(small_config.storage.url)
@@ -150,7 +135,7 @@ def test_hand_edited_references_are_refused_at_load_and_reported_by_verify(
 
 
 def test_download_copies_referenced_bytes_so_the_copy_stands_alone(
-    aiosnap: Runner, small_config: Config, tmp_path: Path, moto_endpoint: str, s3_bucket: str
+    aiosnap: CliRunner, small_config: Config, tmp_path: Path, moto_endpoint: str, s3_bucket: str
 ) -> None:
     states = frozen_chain(small_config, [1, 2, 3])
     source = small_config.storage.url
