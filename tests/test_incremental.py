@@ -743,3 +743,36 @@ def test_a_pipelined_save_after_a_reference_went_missing_writes_whole(
         third.wait(30)  # wrote whole: it names nothing of step 1
         assert not ckpt.manifest(3).references
         assert_same(ckpt.load(step=3), state(3))
+
+
+@pytest.mark.thread_only  # the storage is this process's
+def test_the_base_is_read_once_capture_is_over_not_while_save_blocks(root: Path) -> None:
+    """Reading and parsing the base manifest runs on aiosnap's loop, which also drives the
+    capture: an incremental save reads it only once the uploads may start (here: capture is
+    over), so dedup adds nothing to the time save() blocks."""
+    reads: list[tuple[float, str]] = []
+    ended: list[float] = []
+
+    class Recording(FaultyStorage):
+        async def read(self, name: str, *, limit: int | None = None) -> bytes:
+            reads.append((time.time(), name))
+            return await super().read(name, limit=limit)
+
+    def on_event(event: Any) -> None:
+        if event.op == "save" and event.stage == "capture" and event.kind == "end":
+            ended.append(event.time)
+
+    g = torch.Generator().manual_seed(4)
+    state = {f"frozen{i}": torch.randn(200_000, generator=g) for i in range(4)}  # 4 chunks: no RAM wait
+    state["adapter"] = torch.randn(64, generator=g)
+    store = Recording(LocalStorage(root))
+    with SyncCheckpointer(_config(root), storage=store, event_handlers=[on_event]) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["adapter"].add_(1)
+        reads.clear()
+        ckpt.save(state, step=2).wait()
+        ckpt.flush_events()
+        assert ckpt.manifest(2).references  # it did reference step 1
+    base_reads = [at for at, name in reads if name == f"{step_dir(1)}/manifest.json"]
+    assert base_reads and len(ended) == 2, (reads, ended)
+    assert min(base_reads) >= ended[1], f"the base was read {ended[1] - min(base_reads):.4f} s before capture ended"

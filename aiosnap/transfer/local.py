@@ -331,6 +331,10 @@ class _Upload:
         clock = _StageClock()
         try:
             if self.incremental is not None and self.incremental.dedup:  # the base: before the first upload
+                # not before the uploads may start (capture is over, or it waits for RAM): read
+                # and parsed on this loop, the base manifest would delay the capture (~10 ms a
+                # 320-entry manifest), and save() with it
+                await self.may_start.wait()
                 await self.incremental.start(await self._newest_committed(look))
             if self.spec.also is not None:
                 self.live = LiveExport(self.storage, self.spec, memory=self.owner.config.ram_budget_bytes() // 4)
