@@ -315,7 +315,7 @@ def test_a_safetensors_export_of_a_compressed_range_larger_than_half_its_budget(
     """The export's range cache streams a range above half its budget in raw windows: a
     compressed range's raw bytes are not at those offsets (it once exported frame bytes as
     the tensor). A compressed range is read whole through the decompressing reader, its
-    frame, raw bytes and unshuffle scratch charged: the export is bit-exact when they fit,
+    frame and raw bytes charged: the export is bit-exact when they fit,
     and refused naming ram_budget when they do not, never wrong."""
     import aiosnap
     from aiosnap import AiosnapError
@@ -328,7 +328,7 @@ def test_a_safetensors_export_of_a_compressed_range_larger_than_half_its_budget(
         ckpt.save({"model": {"w": w}}, step=1).wait()
         assert all(r.codec == "zstd" for e in ckpt.manifest(1).entries for r in e.ranges)
     out = tmp_path / "hf"
-    if not fits:  # 4 MiB for source ranges: 2.8 MB raw + its frame + unshuffle scratch do not fit
+    if not fits:  # 4 MiB for source ranges: 2.8 MB raw + its ~2 MB frame do not fit
         with pytest.raises(AiosnapError, match="ram_budget"):
             aiosnap.export(str(root), str(out), to="safetensors", config={"ram_budget": ram_budget})
         return
@@ -337,3 +337,25 @@ def test_a_safetensors_export_of_a_compressed_range_larger_than_half_its_budget(
     for shard in out.glob("*.safetensors"):
         found.update(load_file(str(shard)))
     assert torch.equal(found["w"].view(torch.uint8), w.view(torch.uint8))
+
+
+@pytest.mark.thread_only  # tracemalloc sees this process's allocations
+def test_a_compressed_range_is_decompressed_into_its_tensor_without_a_second_copy(root: Path) -> None:
+    """A load holds the stored frame and a 64 KiB unshuffle scratch, never a second buffer
+    of the range's raw size (Python's allocator is traced; the tensors are torch's)."""
+    import tracemalloc
+
+    w = _trained_like(4_000_000, torch.bfloat16, 6)  # 8 MB in one compressed range
+    config = Config(storage={"url": str(root)}, ram_budget="64MiB", upload={"compression": "zstd"})
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save({"w": w}, step=1).wait()
+        (stored,) = ckpt.manifest(1).entries[0].ranges
+        assert stored.codec == "zstd" and stored.extent < 0.9 * stored.nbytes
+        tracemalloc.start()
+        try:
+            loaded = ckpt.load(step=1)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert torch.equal(loaded["w"].view(torch.uint8), w.view(torch.uint8))
+    assert peak < stored.extent + stored.nbytes // 4, (peak, stored.extent, stored.nbytes)

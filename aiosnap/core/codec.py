@@ -10,47 +10,19 @@ is corrupt, too short or too long.
 
 from __future__ import annotations
 
+from typing import Any
+
 import zstandard
 
-__all__ = [
-    "LEVEL", "MAX_WINDOW", "SCRATCH_BYTES", "check_frame", "compress_into", "compress_range", "decompress_into",
-    "shuffle_into", "unshuffle_into",
-]  # fmt: skip
+__all__ = ["LEVEL", "MAX_WINDOW", "SCRATCH_BYTES", "check_frame", "compress_into", "decompress_into"]
 
 LEVEL = 3
 MAX_WINDOW = 1 << 27
 """The largest zstd window a stored frame may ask for (what we write uses far less)."""
 _BLOCK = 1 << 20
 SCRATCH_BYTES = 1 << 16
-"""The scratch :func:`compress_into` shuffles through (whatever the range's size)."""
-
-
-def shuffle_into(data: memoryview, out: memoryview, itemsize: int) -> None:
-    """``out`` = byte 0 of every ``itemsize``-byte element of ``data``, then byte 1, ..."""
-    import numpy as np  # a transposing copy at memory speed (numpy comes with torch)
-
-    source = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
-    np.copyto(np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1), source.T)
-
-
-def unshuffle_into(data: memoryview, out: memoryview, itemsize: int) -> None:
-    """The inverse of :func:`shuffle_into`."""
-    import numpy as np
-
-    source = np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1)
-    np.copyto(np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize), source.T)
-
-
-def compress_range(data: memoryview, itemsize: int, level: int = LEVEL) -> bytes | None:
-    """``data`` shuffled by ``itemsize`` (1: not shuffled) and zstd-compressed; None when
-    that is not smaller than ``data`` (the range is stored raw)."""
-    source = data
-    if itemsize > 1:
-        shuffled = memoryview(bytearray(data.nbytes))
-        shuffle_into(data, shuffled, itemsize)
-        source = shuffled
-    frame = zstandard.ZstdCompressor(level=level).compress(source)
-    return frame if len(frame) < data.nbytes else None
+"""The scratch :func:`compress_into` shuffles and :func:`decompress_into` unshuffles through
+(whatever the range's size)."""
 
 
 def compress_into(data: memoryview, out: memoryview, itemsize: int, level: int = LEVEL) -> int | None:
@@ -88,21 +60,48 @@ def compress_into(data: memoryview, out: memoryview, itemsize: int, level: int =
     return written if put(compressor.flush()) else None
 
 
-def _inflate(frame: memoryview, dest: memoryview) -> None:
-    reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(frame, read_across_frames=False)
-    filled = 0
+def _reader(frame: memoryview) -> Any:
+    return zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(frame, read_across_frames=False)
+
+
+def _fill(reader: Any, dest: memoryview, filled: int, total: int) -> None:
+    """Read exactly ``dest``'s size from ``reader``; ``filled`` of the ``total`` bytes the
+    range holds came before (for the error)."""
+    got = 0
+    while got < dest.nbytes:
+        n = reader.readinto(dest[got : got + _BLOCK])
+        if not n:
+            raise ValueError(f"the frame holds {filled + got} bytes, the range {total}")
+        got += n
+
+
+def _inflate(frame: memoryview, dest: memoryview, itemsize: int) -> None:
+    """Decompress into ``dest``; with ``itemsize`` above 1, unshuffle as the stream comes
+    (plane by plane, :data:`SCRATCH_BYTES` at a time), so no second copy of the range is made."""
+    import numpy as np
+
+    reader = _reader(frame)
+    nbytes = dest.nbytes
     try:
-        while filled < dest.nbytes:
-            got = reader.readinto(dest[filled : filled + _BLOCK])
-            if not got:
-                raise ValueError(f"the frame holds {filled} bytes, the range {dest.nbytes}")
-            filled += got
+        if itemsize <= 1:
+            _fill(reader, dest, 0, nbytes)
+        else:
+            if nbytes % itemsize:
+                raise ValueError(f"the range's {nbytes} bytes are not whole {itemsize}-byte elements")
+            target = np.frombuffer(dest, dtype=np.uint8).reshape(-1, itemsize)
+            count = len(target)
+            scratch = np.empty(min(SCRATCH_BYTES, count), dtype=np.uint8)
+            for byte in range(itemsize):  # plane ``byte`` of the shuffled stream, a block at a time
+                for start in range(0, count, len(scratch)):
+                    block = scratch[: min(len(scratch), count - start)]
+                    _fill(reader, block.data, byte * count + start, nbytes)
+                    np.copyto(target[start : start + len(block), byte], block)
         if reader.read(1):
-            raise ValueError(f"the frame holds more than the range's {dest.nbytes} bytes")
+            raise ValueError(f"the frame holds more than the range's {nbytes} bytes")
     except zstandard.ZstdError as exc:
         raise ValueError(f"not a valid zstd frame: {exc}") from None
     finally:
-        reader.close()  # type: ignore[no-untyped-call]
+        reader.close()
 
 
 def check_frame(frame: memoryview | bytes, nbytes: int) -> None:
@@ -119,12 +118,8 @@ def check_frame(frame: memoryview | bytes, nbytes: int) -> None:
 
 def decompress_into(frame: memoryview, dest: memoryview, itemsize: int) -> None:
     """Decompress ``frame`` into ``dest`` (exactly its size), unshuffling by ``itemsize``
-    through one scratch buffer of its size; ValueError if the frame's header or its content
-    does not hold exactly that many bytes (the header is checked first)."""
+    as it streams, through :data:`SCRATCH_BYTES` of scratch (whatever the range's size);
+    ValueError if the frame's header or its content does not hold exactly that many bytes
+    (the header is checked first)."""
     check_frame(frame, dest.nbytes)
-    if itemsize <= 1:
-        _inflate(frame, dest)
-        return
-    scratch = memoryview(bytearray(dest.nbytes))
-    _inflate(frame, scratch)
-    unshuffle_into(scratch, dest, itemsize)
+    _inflate(frame, dest, itemsize)

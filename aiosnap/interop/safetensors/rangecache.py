@@ -76,11 +76,11 @@ class Held:
 
 
 def _inflating(r: ByteRange) -> int:
-    """What reading compressed range ``r`` holds at once: its raw bytes, its frame, and
-    the unshuffle scratch (:func:`~aiosnap.core.codec.decompress_into`). A compressed
-    range is always read whole through :func:`~aiosnap.load.fetch_runs.read_run`: its raw
-    bytes are not at offsets of its object that windows could read."""
-    return r.nbytes + r.extent + (r.nbytes if (r.shuffle or 1) > 1 else 0)
+    """What reading compressed range ``r`` holds at once: its raw bytes and its frame
+    (:func:`~aiosnap.core.codec.decompress_into` unshuffles through a small fixed scratch).
+    A compressed range is always read whole through :func:`~aiosnap.load.fetch_runs.read_run`:
+    its raw bytes are not at offsets of its object that windows could read."""
+    return r.nbytes + r.extent
 
 
 class RangeCache:
