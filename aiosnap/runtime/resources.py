@@ -37,12 +37,16 @@ def slab_bytes_for(config: Config, ram_budget: int) -> int:
 def scratch_slabs_for(config: Config, count: int) -> int:
     """Slabs of the RAM budget (``count`` in all) set aside for the transfer side to pack
     incremental or compressed chunks into (it never writes a slab: see
-    :mod:`aiosnap.transfer.dedup`): room for ``upload.concurrency`` chunks packed at once
-    with their codec scratch, at most half the budget, none with fewer than four slabs
-    (chunks then land whole)."""
-    if not (config.upload.dedup or config.upload.compression != "none") or count < 4:
+    :mod:`aiosnap.transfer.dedup`), none with fewer than four slabs (chunks then land
+    whole). With compression every chunk is packed: room for ``upload.concurrency`` chunks
+    at once with their codec scratch, at most half the budget. With dedup alone only the
+    new pieces of a chunk that also reuses some are packed (a chunk with nothing reused
+    uploads from its slab; one with nothing new writes no object): an eighth of the budget
+    (at least one slab), so that the capture keeps most of it."""
+    compress = config.upload.compression != "none"
+    if not (config.upload.dedup or compress) or count < 4:
         return 0
-    return min(config.upload.concurrency + 1, count // 2)
+    return min(config.upload.concurrency + 1, count // 2 if compress else max(1, count // 8))
 
 
 class Resources:
