@@ -24,6 +24,7 @@ import pytest
 import torch
 from aiosnap import Config, CorruptCheckpointError, SyncCheckpointer
 from aiosnap.catalog.pins import pins_for
+from aiosnap.config import RetentionConfig
 from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.names import attempt_of_object, step_dir
 from aiosnap.format.journal import JOURNAL
@@ -776,3 +777,41 @@ def test_the_base_is_read_once_capture_is_over_not_while_save_blocks(root: Path)
     base_reads = [at for at, name in reads if name == f"{step_dir(1)}/manifest.json"]
     assert base_reads and len(ended) == 2, (reads, ended)
     assert min(base_reads) >= ended[1], f"the base was read {ended[1] - min(base_reads):.4f} s before capture ended"
+
+
+@pytest.mark.thread_only  # the storage is this process's
+def test_a_reference_deleted_while_the_manifest_is_written_takes_the_commit_back_and_skips_retention(
+    root: Path,
+) -> None:
+    """A second job saving to the same root (unsupported: pins are per process) deletes an
+    object between this save's reference check and its manifest write: the step would not
+    load, so its commit is taken back, retention does not run (it would count that step and
+    delete good ones), the save fails typed, and the next save writes whole."""
+    store = FaultyStorage(LocalStorage(root))
+    config = _config(root).model_copy(update={"retention": RetentionConfig(keep_last=2)})
+    g = torch.Generator().manual_seed(5)
+    state = {"frozen": torch.randn(300_000, generator=g), "adapter": torch.randn(64, generator=g)}
+    with SyncCheckpointer(config, storage=store) as ckpt:
+        ckpt.save(state, step=1).wait()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=2).wait()
+        referenced = [r.name for r in ckpt.manifest(2).references or ()]
+        assert referenced
+        store.hold_when = lambda name: name == f"{step_dir(3)}/manifest.json"
+        state["adapter"].add_(1)
+        third = ckpt.save(state, step=3)
+        deadline = time.monotonic() + 30
+        while store._gate is None:  # the manifest write waits: its references were checked
+            assert time.monotonic() < deadline, "the manifest write was never reached"
+            time.sleep(0.01)
+        for name in referenced:
+            (root / name).unlink()  # the other job's retention
+        store.release(ckpt._loop.loop)  # type: ignore[attr-defined]
+        with pytest.raises(CorruptCheckpointError, match="step 3.*taken back"):
+            third.wait()
+        assert ckpt.steps() == [1, 2]  # no retention ran; step 3 is not committed
+        assert not (root / step_dir(3) / "manifest.json").exists()
+        state["adapter"].add_(1)
+        ckpt.save(state, step=4).wait()
+        assert ckpt.manifest(4).references is None  # whole
+        assert_same(ckpt.load(step=4), state)

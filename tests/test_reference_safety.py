@@ -363,9 +363,9 @@ def test_gc_in_another_process_while_referencing_steps_are_committed(small_confi
                 _wait_for_runs(runs, _runs(runs) + 1, child)  # a whole gc run began after the unlink
                 states[step] = fine_tune_state(step)
                 ckpt.save(states[step], step=step).wait()
-                no_save.touch()
                 if step > 1:  # as an incremental save would commit it: naming the latest step's bytes
-                    reference(small_config, step, step - 1)
+                    reference(small_config, step, step - 1)  # (still "in flight": its temporary file is young)
+                no_save.touch()
                 _wait_for_runs(runs, _runs(runs) + 1, child)  # at least one eager gc between these commits
             assert ckpt.steps() == [6, 7]
     finally:

@@ -40,7 +40,7 @@ from .heartbeat import Heartbeat
 from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
 from .rank_wait import wait_for_commit
-from .references import IncrementalSave, check_references
+from .references import IncrementalSave, check_references, take_back
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
 
@@ -378,6 +378,13 @@ class _Upload:
             )
         else:
             manifest_bytes = await commit_manifest(self.storage, manifest, replace=decided.replaces, document=document)
+            if self.incremental is not None and manifest.references:  # checked again before retention
+                try:
+                    await self.incremental.check(manifest)
+                except CorruptCheckpointError as gone:
+                    self.commit_started = False  # taken back: the step is not committed
+                    self.owner.whole_next.add(self.storage.url)
+                    raise await take_back(self.storage, manifest, gone) from None
         if self.incremental is not None:
             self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
             self.incremental.release()  # the committed manifest names what it references: retention may go

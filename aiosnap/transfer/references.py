@@ -16,10 +16,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from ..catalog.commit import whose_commit
 from ..catalog.pins import pins_for
 from ..catalog.steps import read_manifest
 from ..core.aio import run_all
 from ..core.checksums import crc32c_of
+from ..core.names import manifest_name
 from ..errors import AiosnapError, CorruptCheckpointError
 from ..format.manifest import Checksums, Manifest, build_manifest
 from ..format.placement import BaseRanges, Landing, Reference, Reuse, landed_manifest
@@ -31,6 +33,7 @@ __all__ = [
     "IncrementalSave",
     "check_references",
     "read_base",
+    "take_back",
     "verify_ranges",
 ]
 
@@ -77,6 +80,30 @@ async def check_references(storage: Storage, step: int, references: Sequence[Ref
             )
 
     await run_all(check(name, nbytes) for name, _, nbytes in references)
+
+
+async def take_back(storage: Storage, manifest: Manifest, gone: CorruptCheckpointError) -> CorruptCheckpointError:
+    """The one-rank incremental save of ``manifest`` committed, but checked once more (before
+    its retention), an object it references is ``gone``: deleted between its check and its
+    manifest's write, by a second job saving to this root (unsupported: pins and holds are
+    per process). The step does not load, so its commit is taken back (its manifest deleted
+    while it is still this save's) and retention does not run: it would count the step and
+    delete the other writer's good ones. Returns the error the save fails with."""
+    step = manifest.step
+    try:
+        if await whose_commit(storage, step, manifest.save_id) == "ours":
+            await storage.delete(manifest_name(step))
+            what = "its commit was taken back"
+        else:
+            what = "another writer's manifest stands for it now"
+    except Exception as exc:  # the step stays committed and unloadable: say so loudly
+        log.error("aiosnap: %s step %d references a deleted object; taking its commit back failed: %r",
+                  storage.url, step, exc)  # fmt: skip
+        what = f"taking its commit back failed ({exc!r}), so it does not load"
+    return CorruptCheckpointError(
+        f"{storage.url} step {step}: an object it references was deleted while it committed (a second job saving "
+        f"to this root?): {what}; retention did not run, and the next save writes whole ({gone})"
+    )
 
 
 async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], concurrency: int) -> None:
