@@ -201,3 +201,23 @@ def test_slow_handlers_do_not_hold_save_back(small_config: Config) -> None:
         handle.wait(30)
     assert returned < 10, f"save() waited {returned:.1f} s for an event handler"
     assert [e.stage for e in seen] == ["capture", "upload", "commit"]  # all delivered, in order
+
+
+def test_a_leftover_discarded_before_its_resume_began_is_logged_once_not_an_event(
+    small_config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spool folder without a journal (the process stopped before anything was spooled)
+    is discarded with one warning: no ``resume`` scope (it had no step, and no failure to
+    report twice), no private exception name anywhere."""
+    seen = Recorder()
+    spool_dir = tmp_path / "spool"
+    (spool_dir / "0123456789abcdef").mkdir(parents=True)  # a leftover save folder, no journal
+    spool = {"dir": str(spool_dir), "mode": "always", "budget": "8MiB", "resume": True}
+    config = Config(**{**small_config.model_dump(), "spool": spool})
+    with caplog.at_level(logging.INFO, logger="aiosnap"), SyncCheckpointer(config, event_handlers=[seen]) as ckpt:
+        ckpt.save({"w": torch.randn(1000)}, step=1).wait()
+    assert not (spool_dir / "0123456789abcdef").exists()
+    assert [e for e in seen.events if e.op == "resume"] == []
+    discards = [r.getMessage() for r in caplog.records if "discarding spooled save" in r.getMessage()]
+    assert len(discards) == 1 and "no journal" in discards[0], discards
+    assert "_Discard" not in caplog.text and "step None" not in caplog.text

@@ -30,14 +30,14 @@ from ..catalog.steps import apply_retention, latest_committed
 from ..core.checksums import file_crc32c_with_pieces
 from ..core.events import EventBus, ScopeEmitter
 from ..core.progress import counting_sent
-from ..errors import CorruptCheckpointError
+from ..errors import AiosnapError, CorruptCheckpointError
 from ..format.journal import JOURNAL, JournalError, JournalState, RankPartJournal, read_journal
 from ..handoff.spooldir import Spool
 from ..storage.base import Storage
 from .commit import commit_manifest, whose_commit
 from .references import check_references, verify_ranges
 
-__all__ = ["Progress", "ResumeReport", "resume_spooled"]
+__all__ = ["DiscardedLeftover", "Progress", "ResumeReport", "resume_spooled"]
 
 log = logging.getLogger("aiosnap")
 
@@ -59,6 +59,11 @@ upload, then as the requests of the spooled chunks' uploads complete (S3 parts).
 
 class _Discard(Exception):
     """This leftover save cannot be resumed; the message says why."""
+
+
+class DiscardedLeftover(AiosnapError):
+    """What a ``resume`` event scope ends with when its leftover save was discarded after
+    its resume began (a chunk that landed before the crash is gone from storage)."""
 
 
 def _journal_of(spool: Spool, save_id: str) -> JournalState:
@@ -274,24 +279,28 @@ async def _resume_one(
 ) -> None:
     """Resume or discard one leftover save (see the module docstring)."""
     started = time.perf_counter()
-    if emit is not None:
-        emit("start")
+    scope = None  # a leftover discarded before anything of it is resumed gets no scope: only its log line
     try:
         if isinstance(state, _Discard):
             raise state
         await asyncio.to_thread(_check_spool_files, spool, save_id, state)
+        scope = emit
+        if scope is not None:
+            scope("start")
         committed = await _finish(spool, storage, state, concurrency, landed)
     except _Discard as why:
         log.warning("aiosnap: discarding spooled save %s: %s", save_id, why)
         report.discarded.append((save_id, str(why)))
-        if emit is not None:
-            emit("exception", exception=why)
+        if scope is not None:
+            scope("exception", exception=DiscardedLeftover(str(why)))
         await spool.discard(save_id)
         return
     except Exception as exc:  # kept for the next attempt; the caller reports it
         log.error("aiosnap: resuming spooled save %s failed (kept for later): %r", save_id, exc)
         report.failed.append((save_id, f"{type(exc).__name__}: {exc}"))
         if emit is not None:
+            if scope is None:
+                emit("start")
             emit("exception", exception=exc)
         return
     step = state.manifest.step
