@@ -459,7 +459,16 @@ def test_incremental_compressed_saves_to_s3_reference_the_earlier_steps_objects(
     assert any(r.codec == "zstd" for e in second.entries for r in e.ranges)
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.int8,
+    torch.float64,
+    torch.int16,
+    torch.float16,
+    torch.complex64,
+    torch.uint8,
+]
 
 
 @st.composite
@@ -488,15 +497,27 @@ def _histories(draw: st.DrawFn) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.thread_only
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(history=_histories(), chunk=st.sampled_from(["64KiB", "1MiB"]))
+@given(
+    history=_histories(),
+    chunk=st.sampled_from(["64KiB", "1MiB"]),
+    compression=st.sampled_from(["none", "zstd"]),
+    keep_last=st.sampled_from([None, 1, 2]),
+)
 def test_random_histories_saved_with_dedup_load_back_as_saved(
-    tmp_path: Path, history: list[dict[str, torch.Tensor]], chunk: str
+    tmp_path: Path, history: list[dict[str, torch.Tensor]], chunk: str, compression: str, keep_last: int | None
 ) -> None:
+    """What save() accepts loads back exactly: every kept step, with dedup, with or without
+    compression, after retention deleted the steps that first wrote what later ones reference."""
     root = Path(tempfile.mkdtemp(dir=tmp_path))
-    with SyncCheckpointer(_config(root, chunk_size=chunk)) as ckpt:
+    config = _config(root, chunk_size=chunk, compression=compression)
+    config = config.model_copy(update={"retention": RetentionConfig(keep_last=keep_last)})
+    with SyncCheckpointer(config) as ckpt:
         for step, state in enumerate(history, start=1):
             ckpt.save(state, step=step).wait()
-        for step, state in enumerate(history, start=1):
+        kept = ckpt.steps()
+        assert kept == list(range(1, len(history) + 1))[-keep_last if keep_last else 0 :]
+        for step in kept:
+            state = history[step - 1]
             assert_same(ckpt.load(step=step), state)
             manifest = ckpt.manifest(step)
             assert manifest.total_bytes >= sum(t.nbytes for t in state.values())
