@@ -11,6 +11,7 @@ import asyncio
 import copy
 import functools
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -29,9 +30,10 @@ from aiosnap.core.names import attempt_of_object, step_dir
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.manifest import Manifest
 from aiosnap.storage.local import LocalStorage
+from aiosnap.transfer.readback import READ_BUFFER_BYTES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage, assert_same, s3_config
+from tests.conftest import FaultyStorage, assert_same, damage_entry, s3_config
 from tests.dist_launch import run_ranks
 from tests.fuzzing import mutate_document
 
@@ -776,3 +778,89 @@ def test_the_base_is_read_once_capture_is_over_not_while_save_blocks(root: Path)
     base_reads = [at for at, name in reads if name == f"{step_dir(1)}/manifest.json"]
     assert base_reads and len(ended) == 2, (reads, ended)
     assert min(base_reads) >= ended[1], f"the base was read {ended[1] - min(base_reads):.4f} s before capture ended"
+
+
+def _frozen_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": torch.randn(400_000, generator=g), "adapter": torch.zeros(300), "n": 0}
+
+
+def _trained(state: dict[str, Any], step: int) -> dict[str, Any]:
+    state["adapter"].fill_(float(step))
+    state["n"] = step
+    return copy.deepcopy(state)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_base_range_that_rotted_in_storage_is_written_again_and_every_later_step_loads(
+    root: Path, compression: str, upload_executor: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One flipped bit in the frozen tensor's object of a step an earlier process wrote: the
+    first save after the restart reads the base ranges it would name back (the stored
+    frame's crc32c when compressed), names none that fails, writes those bytes again, and
+    warns once; retention deletes the rotted step and every kept step loads."""
+    config = _config(root, compression=compression)
+    config = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 2})})
+    state = _frozen_state(11)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        rotted = next(e for e in ckpt.manifest(1).entries if e.path == "frozen").ranges[0]
+    assert (rotted.codec == "zstd") == (compression == "zstd")
+    damage_entry(config, "frozen", at=7, mask=0x01)
+    kept: dict[int, dict[str, Any]] = {}
+    with caplog.at_level(logging.WARNING, logger="aiosnap"), SyncCheckpointer(config) as ckpt:
+        for step in range(2, 6):
+            kept[step] = _trained(state, step)
+            ckpt.save(state, step=step).wait()
+            if step == 2:
+                frozen = next(e for e in ckpt.manifest(2).entries if e.path == "frozen")
+                assert rotted.object not in {r.object for r in frozen.ranges}
+                assert frozen.ranges[0].object.startswith(step_dir(2) + "/")  # written again, as step 2's own
+                assert ckpt.manifest(2).references  # the ranges that still hold their bytes are named
+            elif step == 3:
+                assert ckpt.manifest(3).own_bytes < 0.1 * ckpt.manifest(3).total_bytes  # dedup goes on
+        assert ckpt.steps() == [4, 5]
+        for step in (4, 5):
+            assert_same(ckpt.load(step=step), kept[step])
+    if upload_executor == "thread":  # the upload process logs in its own process
+        warned = [r for r in caplog.records if "do not match the crc32c" in r.getMessage()]
+        assert len(warned) == 1 and rotted.object in warned[0].getMessage() and "step 2" in warned[0].getMessage()
+
+
+@pytest.mark.thread_only  # the storage that counts reads is this process's
+def test_the_base_ranges_are_read_back_once_after_a_restart_and_never_what_this_side_wrote(root: Path) -> None:
+    """A long-running job reads nothing back: the ranges it names are those it wrote (or read
+    back) itself. The first save after a restart reads each range it names once, through a
+    bounded buffer; the saves after it read nothing."""
+    sizes: list[int] = []
+
+    class Counting(FaultyStorage):
+        async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+            sizes.append(len(dest))
+            return await super().read_into(name, offset, dest)
+
+    def referenced_bytes(manifest: Manifest) -> int:
+        own = {o.name for o in manifest.objects}
+        return sum(r.nbytes for e in manifest.entries for r in e.ranges if r.object not in own)
+
+    state = _frozen_state(12)
+    config = _config(root)
+    with SyncCheckpointer(config, storage=Counting(LocalStorage(root))) as ckpt:
+        for step in range(1, 4):
+            _trained(state, step)
+            ckpt.save(state, step=step).wait()
+        assert ckpt.manifest(3).references and not sizes  # steps 2 and 3 named step 1's bytes, read none
+    with SyncCheckpointer(config, storage=Counting(LocalStorage(root))) as ckpt:
+        _trained(state, 4)
+        ckpt.save(state, step=4).wait()
+        named = referenced_bytes(ckpt.manifest(4))
+        assert named >= state["frozen"].nbytes
+        assert sum(sizes) == named and max(sizes, default=0) <= READ_BUFFER_BYTES, (
+            sum(sizes),
+            named,
+            max(sizes, default=0),
+        )
+        sizes.clear()
+        _trained(state, 5)
+        ckpt.save(state, step=5).wait()
+        assert ckpt.manifest(5).references and not sizes
