@@ -383,6 +383,8 @@ def test_reports_sent_before_the_helper_died_are_heard_before_its_death(
         deliver(self, callback, *args)
 
     monkeypatch.setattr(process.ProcessTransfer, "_deliver", slow_reader)
+    # its death is not seen before the send (it dies right after the check that it is alive)
+    monkeypatch.setattr(process.ProcessTransfer, "alive", lambda self: self.dead is None)
     config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB", max_pending_saves=2))
     with SyncCheckpointer(config) as ckpt:
         first = ckpt.save({"w": torch.arange(10)}, step=1)
