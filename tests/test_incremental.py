@@ -11,6 +11,7 @@ import asyncio
 import copy
 import functools
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -29,12 +30,15 @@ from aiosnap.core.checksums import crc32c_of
 from aiosnap.core.names import attempt_of_object, step_dir
 from aiosnap.format.journal import JOURNAL
 from aiosnap.format.manifest import Manifest
+from aiosnap.storage.base import Storage
 from aiosnap.storage.local import LocalStorage
+from aiosnap.transfer.readback import READ_BUFFER_BYTES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage, assert_same, s3_config
+from tests.conftest import FaultyStorage, assert_same, damage_entry, s3_config
 from tests.dist_launch import run_ranks
 from tests.fuzzing import mutate_document
+from tests.referencing import on_root
 
 pytestmark = pytest.mark.both_executors
 
@@ -836,3 +840,116 @@ def test_a_reference_deleted_while_the_manifest_is_written_takes_the_commit_back
         ckpt.save(state, step=4).wait()
         assert ckpt.manifest(4).references is None  # whole
         assert_same(ckpt.load(step=4), state)
+
+
+def _frozen_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": torch.randn(400_000, generator=g), "adapter": torch.zeros(300), "n": 0}
+
+
+def _trained(state: dict[str, Any], step: int) -> dict[str, Any]:
+    state["adapter"].fill_(float(step))
+    state["n"] = step
+    return copy.deepcopy(state)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_base_range_that_rotted_in_storage_is_written_again_and_every_later_step_loads(
+    root: Path, compression: str, upload_executor: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One flipped bit in the frozen tensor's object of a step an earlier process wrote: the
+    first save after the restart reads the base ranges it would name back (the stored
+    frame's crc32c when compressed), names none that fails, writes those bytes again, and
+    warns once; retention deletes the rotted step and every kept step loads."""
+    config = _config(root, compression=compression)
+    config = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 2})})
+    state = _frozen_state(11)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        rotted = next(e for e in ckpt.manifest(1).entries if e.path == "frozen").ranges[0]
+    assert (rotted.codec == "zstd") == (compression == "zstd")
+    damage_entry(config, "frozen", at=7, mask=0x01)
+    kept: dict[int, dict[str, Any]] = {}
+    with caplog.at_level(logging.WARNING, logger="aiosnap"), SyncCheckpointer(config) as ckpt:
+        for step in range(2, 6):
+            kept[step] = _trained(state, step)
+            ckpt.save(state, step=step).wait()
+            if step == 2:
+                frozen = next(e for e in ckpt.manifest(2).entries if e.path == "frozen")
+                assert rotted.object not in {r.object for r in frozen.ranges}
+                assert frozen.ranges[0].object.startswith(step_dir(2) + "/")  # written again, as step 2's own
+                assert ckpt.manifest(2).references  # the ranges that still hold their bytes are named
+            elif step == 3:
+                assert ckpt.manifest(3).own_bytes < 0.1 * ckpt.manifest(3).total_bytes  # dedup goes on
+        assert ckpt.steps() == [4, 5]
+        for step in (4, 5):
+            assert_same(ckpt.load(step=step), kept[step])
+    if upload_executor == "thread":  # the upload process logs in its own process
+        warned = [r for r in caplog.records if "do not match the crc32c" in r.getMessage()]
+        assert len(warned) == 1 and rotted.object in warned[0].getMessage() and "step 2" in warned[0].getMessage()
+
+
+@pytest.mark.thread_only  # the storage that counts reads is this process's
+def test_the_base_ranges_are_read_back_once_after_a_restart_and_never_what_this_side_wrote(root: Path) -> None:
+    """A long-running job reads nothing back: the ranges it names are those it wrote (or read
+    back) itself. The first save after a restart reads each range it names once, through a
+    bounded buffer; the saves after it read nothing."""
+    sizes: list[int] = []
+
+    class Counting(FaultyStorage):
+        async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+            sizes.append(len(dest))
+            return await super().read_into(name, offset, dest)
+
+    def referenced_bytes(manifest: Manifest) -> int:
+        own = {o.name for o in manifest.objects}
+        return sum(r.nbytes for e in manifest.entries for r in e.ranges if r.object not in own)
+
+    state = _frozen_state(12)
+    config = _config(root)
+    with SyncCheckpointer(config, storage=Counting(LocalStorage(root))) as ckpt:
+        for step in range(1, 4):
+            _trained(state, step)
+            ckpt.save(state, step=step).wait()
+        assert ckpt.manifest(3).references and not sizes  # steps 2 and 3 named step 1's bytes, read none
+    with SyncCheckpointer(config, storage=Counting(LocalStorage(root))) as ckpt:
+        _trained(state, 4)
+        ckpt.save(state, step=4).wait()
+        named = referenced_bytes(ckpt.manifest(4))
+        assert named >= state["frozen"].nbytes
+        assert sum(sizes) == named and max(sizes, default=0) <= READ_BUFFER_BYTES, (
+            sum(sizes),
+            named,
+            max(sizes, default=0),
+        )
+        sizes.clear()
+        _trained(state, 5)
+        ckpt.save(state, step=5).wait()
+        assert ckpt.manifest(5).references and not sizes
+
+
+def test_a_rotted_base_range_on_s3_is_read_back_and_written_again(s3_endpoint: str, s3_bucket: str) -> None:
+    """The read-back runs on S3 too (ranged GETs through the bounded buffer): the bytes of a
+    frozen tensor overwritten with one bit flipped after an earlier process committed them
+    are written again; the other ranges are still named."""
+    config = s3_config(s3_endpoint, s3_bucket, prefix="rot")
+    upload = config.upload.model_copy(update={"dedup": True, "chunk_size": 1 << 20})
+    config = config.model_copy(update={"upload": upload})
+    state = _frozen_state(13)
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        rotted = next(e for e in ckpt.manifest(1).entries if e.path == "frozen").ranges[0]
+
+    async def flip(storage: Storage) -> None:
+        data = bytearray(await storage.read(rotted.object))
+        data[rotted.offset + 3] ^= 0x10
+        await storage.write(rotted.object, bytes(data))
+
+    on_root(config, flip)
+    with SyncCheckpointer(config) as ckpt:
+        expected = _trained(state, 2)
+        ckpt.save(state, step=2).wait()
+        second = ckpt.manifest(2)
+        frozen = next(e for e in second.entries if e.path == "frozen")
+        assert rotted.object not in {r.object for r in frozen.ranges} and second.references
+        assert_same(ckpt.load(step=2), expected)

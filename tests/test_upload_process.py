@@ -256,6 +256,8 @@ def test_a_save_into_a_socket_already_broken_fails_at_once_and_frees_its_slot(
         deliver(self, callback, *args)
 
     monkeypatch.setattr(process.ProcessTransfer, "_deliver", death_noticed_late)
+    # and it dies right after save() checked it was alive: the begin goes into a broken socket
+    monkeypatch.setattr(process.ProcessTransfer, "alive", lambda self: self.dead is None)
     ckpt = SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="1MiB")))
     try:
         ckpt.save({"w": torch.randn(1000)}, step=1).wait(30)
@@ -270,6 +272,39 @@ def test_a_save_into_a_socket_already_broken_fails_at_once_and_frees_its_slot(
         assert ckpt.save({"w": torch.randn(1000)}, step=3).wait(30).step == 3  # a new helper, a free slot
     finally:
         ckpt.close()
+
+
+def test_a_save_right_after_the_idle_helper_was_killed_goes_to_a_new_helper(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log promises that the next save starts a new upload process: also a save submitted
+    in the moment after the death (the process still dying, or dead while its end of file is
+    not reported yet), not only once the death was reported."""
+    from aiosnap.transfer import process
+
+    deliver = process.ProcessTransfer._deliver
+
+    def death_noticed_late(self: Any, callback: Any, *args: Any) -> None:
+        if callback == self._lost:
+            time.sleep(0.3)
+        deliver(self, callback, *args)
+
+    with SyncCheckpointer(_process(Config(storage={"url": str(root)}, ram_budget="4MiB"))) as ckpt:
+        ckpt.save({"w": torch.zeros(1000)}, step=1).wait(30)
+        first = _helper_pid(ckpt)
+        os.kill(first, signal.SIGKILL)
+        ckpt.save({"w": torch.ones(1000)}, step=2).wait(30)  # submitted while it dies
+        second = _helper_pid(ckpt)
+        assert second != first
+        monkeypatch.setattr(process.ProcessTransfer, "_deliver", death_noticed_late)
+        os.kill(second, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(second) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ckpt.save({"w": torch.full((1000,), 3.0)}, step=3).wait(30)  # dead, not reported yet
+        assert _helper_pid(ckpt) not in (first, second)
+        assert ckpt.steps() == [1, 2, 3]
+        assert torch.equal(ckpt.load()["w"], torch.full((1000,), 3.0))
 
 
 def test_a_child_forked_from_the_trainer_does_not_keep_the_helper_alive(root: Path) -> None:
@@ -348,6 +383,8 @@ def test_reports_sent_before_the_helper_died_are_heard_before_its_death(
         deliver(self, callback, *args)
 
     monkeypatch.setattr(process.ProcessTransfer, "_deliver", slow_reader)
+    # its death is not seen before the send (it dies right after the check that it is alive)
+    monkeypatch.setattr(process.ProcessTransfer, "alive", lambda self: self.dead is None)
     config = _process(Config(storage={"url": str(root)}, ram_budget="16MiB", max_pending_saves=2))
     with SyncCheckpointer(config) as ckpt:
         first = ckpt.save({"w": torch.arange(10)}, step=1)

@@ -132,16 +132,26 @@ class Reuse:
         shards cannot say so)."""
         self._used: set[tuple[str, int]] = set()
 
-    def take(self, nbytes: int, digest: str, crc32c: int) -> tuple[Placed, Reference] | None:
-        """A base range of ``nbytes`` bytes with ``digest`` and ``crc32c`` not named yet by
-        this save, and the object it lies in."""
-        for placed in self.base.by_content.get((nbytes, digest), ()):
-            key = (placed.object, placed.offset)
-            if key not in self._used and placed.crc32c == crc32c and (self.compressed or placed.stored is None):
-                self._used.add(key)
-                obj = self.base.objects[placed.object]
-                return placed, (obj.name, obj.rank, obj.nbytes)
-        return None
+    def candidates(self, nbytes: int, digest: str, crc32c: int) -> list[Placed]:
+        """The base ranges of ``nbytes`` bytes with ``digest`` and ``crc32c`` this save has
+        not named yet (whether their stored bytes still hold them is the caller's to check)."""
+        return [
+            placed
+            for placed in self.base.by_content.get((nbytes, digest), ())
+            if (placed.object, placed.offset) not in self._used
+            and placed.crc32c == crc32c
+            and (self.compressed or placed.stored is None)
+        ]
+
+    def claim(self, placed: Placed) -> tuple[Placed, Reference] | None:
+        """Name ``placed`` (one of :meth:`candidates`), and the object it lies in; None when
+        this save named it meanwhile."""
+        key = (placed.object, placed.offset)
+        if key in self._used:
+            return None
+        self._used.add(key)
+        obj = self.base.objects[placed.object]
+        return placed, (obj.name, obj.rank, obj.nbytes)
 
 
 def landed_manifest(

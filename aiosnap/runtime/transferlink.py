@@ -34,6 +34,13 @@ CLOSE_LOOK_S = 1.0
 be killed, still looks for its verdict (its part delivered) before it is left undecided."""
 
 
+def _alive(transfer: Transfer) -> bool:
+    """Whether ``transfer`` still serves (an upload process may have died: see
+    :meth:`~aiosnap.transfer.process.ProcessTransfer.alive`; one on this loop always does)."""
+    alive = getattr(transfer, "alive", None)
+    return alive is None or bool(alive())
+
+
 class TransferLink:
     """The transfer side of one engine and the chunks lent to it (loop thread). ``jobs``
     is the engine's table of saves in flight, by save id (shared, not copied)."""
@@ -53,7 +60,7 @@ class TransferLink:
 
     def ready(self) -> Transfer:
         """The transfer side (a new upload process if the last one died)."""
-        if self.transfer is None or getattr(self.transfer, "dead", None) is not None:
+        if self.transfer is None or not _alive(self.transfer):
             if self.config.upload.executor == "process":
                 from ..transfer.process import ProcessTransfer
 

@@ -1,9 +1,10 @@
 """Incremental saves on the transfer side: land each chunk writing only its new pieces.
 
 A piece whose captured bytes (xxh3-128 digest, size and crc32c) equal a range of the base
-step (see :class:`~aiosnap.format.placement.Reuse`) is not uploaded: the manifest names the
-base's range. The chunk's object then holds only the new pieces, packed in plan order at
-:data:`PIECE_ALIGN`; a chunk with nothing new writes no object. Decided per piece, never
+step (see :class:`~aiosnap.format.placement.Reuse`), and whose stored bytes are known to
+hold them (:mod:`.readback`), is not uploaded: the manifest names the base's range. The
+chunk's object then holds only the new pieces, packed in plan order at :data:`PIECE_ALIGN`;
+a chunk with nothing new writes no object. Decided per piece, never
 per chunk, and never on tensor version counters or addresses: on the bytes as captured.
 
 Runs on the transfer side's loop; hashing and packing run on worker threads (crc32c and
@@ -27,9 +28,10 @@ from ..core.budget import ByteBudget
 from ..core.checksums import RangeChecksums, content_digest, crc32c_of
 from ..core.codec import SCRATCH_BYTES, compress_into
 from ..errors import ChecksumMismatchError
-from ..format.placement import Landing, Placed, Reference, Reuse
+from ..format.placement import Landing, Placed, Reference
 from ..format.spec import ChunkSpec
 from ..storage.base import Storage
+from .readback import CheckedReuse
 
 __all__ = ["PIECE_ALIGN", "hash_slab", "land_file", "land_slab", "whole_landing"]
 
@@ -62,14 +64,14 @@ def whole_landing(
     return Landing(chunk.nbytes, pieces, incremental=incremental)
 
 
-def _decide(
-    chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None], reuse: Reuse
+async def _decide(
+    chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None], reuse: CheckedReuse
 ) -> tuple[list[Placed | None], list[Reference]]:
-    """Per piece, the base range that holds its bytes (None: a new piece)."""
+    """Per piece, the base range that holds its bytes, known good (None: a new piece)."""
     reused: list[Placed | None] = []
     references: list[Reference] = []
     for piece, crc, digest in zip(chunk.pieces, crcs, digests, strict=True):
-        found = None if digest is None else reuse.take(piece.nbytes, digest, crc)
+        found = None if digest is None else await reuse.take(piece.nbytes, digest, crc)
         if found is None:
             reused.append(None)
             continue
@@ -100,6 +102,13 @@ def _landing(
             assert place is not None
             pieces.append(Placed(chunk.object_name, place[0], crc, digest, *place[1:]))
     return Landing(stored, tuple(pieces), tuple(dict.fromkeys(references)), incremental=True)
+
+
+def _written(reuse: CheckedReuse | None, chunk: ChunkSpec, landing: Landing) -> Landing:
+    """``landing``, its own pieces (written and checksummed here) recorded as known good."""
+    if reuse is not None:
+        reuse.wrote(chunk, landing)
+    return landing
 
 
 def _packed_size(new: Sequence[tuple[int, int, int | None]]) -> int:
@@ -190,7 +199,7 @@ async def _write_packed(
 
 
 async def land_slab(
-    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: Reuse | None,
+    storage: Storage, data: memoryview, chunk: ChunkSpec, reuse: CheckedReuse | None,
     itemsizes: Sequence[int] | None = None, scratch: ByteBudget | None = None,
 ) -> Landing:  # fmt: skip
     """Upload the staged slab bytes ``data`` of ``chunk`` (never written to): all of it as
@@ -200,18 +209,18 @@ async def land_slab(
     checksums, digests = await asyncio.to_thread(hash_slab, data, chunk, reuse is not None)
     try:
         crcs = [checksums.of(p.dst_offset, p.dst_offset + p.nbytes) for p in chunk.pieces]
-        reused, references = ([None] * len(crcs), []) if reuse is None else _decide(chunk, crcs, digests, reuse)
+        reused, references = ([None] * len(crcs), []) if reuse is None else await _decide(chunk, crcs, digests, reuse)
         new = _new_pieces(chunk, reused, itemsizes)
         packs = bool(references) or itemsizes is not None
         async with _reserved(scratch, _scratch_size(new) if packs else 0, chunk.object_name) as room:
             if not (packs and room):
                 await storage.write_checksummed(chunk.object_name, data, checksums)
-                return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+                return _written(reuse, chunk, whole_landing(chunk, crcs, digests, incremental=reuse is not None))
             checksums.release()
             packed, stored = await _write_packed(storage, chunk, data, [p.dst_offset for p in chunk.pieces], new)
     finally:
         checksums.release()
-    return _landing(chunk, crcs, digests, reused, packed, stored, references)
+    return _written(reuse, chunk, _landing(chunk, crcs, digests, reused, packed, stored, references))
 
 
 def _read_pieces(
@@ -241,7 +250,7 @@ def _read_pieces(
 
 async def land_file(
     storage: Storage, path: str, crc: int, chunk: ChunkSpec, crcs: Sequence[int], digests: Sequence[str | None],
-    reuse: Reuse | None, itemsizes: Sequence[int] | None = None, scratch: ByteBudget | None = None,
+    reuse: CheckedReuse | None, itemsizes: Sequence[int] | None = None, scratch: ByteBudget | None = None,
 ) -> Landing:  # fmt: skip
     """Upload the spooled chunk in ``path`` (crc32c ``crc``; its pieces' ``crcs`` and
     ``digests`` as spooled): the whole file, or (with ``reuse``) its new pieces, and (with
@@ -252,14 +261,14 @@ async def land_file(
     reused: list[Placed | None] = [None] * len(crcs)
     references: list[Reference] = []
     if reuse is not None and known:
-        reused, references = _decide(chunk, crcs, digests, reuse)
+        reused, references = await _decide(chunk, crcs, digests, reuse)
     new = _new_pieces(chunk, reused, itemsizes)
     packs = bool(references) or itemsizes is not None
     need = _packed_size(new) + _scratch_size(new) if packs else 0  # the pieces read, and packed
     async with _reserved(scratch, need, chunk.object_name) as room:
         if not (packs and room):
             await storage.write_file_verified(chunk.object_name, path, crc)
-            return whole_landing(chunk, crcs, digests, incremental=reuse is not None)
+            return _written(reuse, chunk, whole_landing(chunk, crcs, digests, incremental=reuse is not None))
         buffer, offsets = await asyncio.to_thread(_read_pieces, path, chunk, new, crcs)
         packed, stored = await _write_packed(storage, chunk, memoryview(buffer), offsets, new)
-    return _landing(chunk, crcs, digests, reused, packed, stored, references)
+    return _written(reuse, chunk, _landing(chunk, crcs, digests, reused, packed, stored, references))

@@ -40,6 +40,7 @@ from .heartbeat import Heartbeat
 from .rank_commit import Reached, check_objects, commit_claimed, deliver_part, gather_manifest
 from .rank_settle import settle_rank
 from .rank_wait import wait_for_commit
+from .readback import CheckedRanges
 from .references import IncrementalSave, check_references, take_back
 from .upload import upload_chunk
 from .verdict import claim_verdict, given_up
@@ -87,6 +88,8 @@ class LocalTransfer:
         """Per root: the ranges of the last step an incremental save committed there."""
         self.whole_next: set[str] = set()
         """Roots whose next save writes every byte (a reference of the last one was gone)."""
+        self.checked = CheckedRanges()
+        """Per root: the stored ranges this side wrote or read back (a save names only those)."""
 
     def open_root(self, url: str, storage: Storage | None = None) -> None:
         """Saves to ``url`` go through ``storage`` (made from the URL when None)."""
@@ -261,7 +264,7 @@ class _Upload:
         if dedup or self.compress:
             url = storage.url
             known, whole = owner.bases.get(url), url in owner.whole_next
-            self.incremental = IncrementalSave(storage, spec, known, whole=whole, dedup=dedup)
+            self.incremental = IncrementalSave(storage, spec, known, whole=whole, dedup=dedup, checked=owner.checked)
             owner.whole_next.discard(url)
         self._landings: dict[int, Landing] = {}
 

@@ -63,6 +63,24 @@ def _forget_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
+_PF_EXITING = 0x4
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _dying(pid: int) -> bool:
+    """Whether process ``pid`` (a child not reaped yet) is on its way out although it has
+    not exited: killed (SIGKILL pending), exiting, or a zombie whose other threads still
+    end (a process with torch's address space takes ~10 ms to die). Linux's
+    ``/proc/<pid>/stat``; elsewhere (or unreadable) False: its exit status tells."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        state, flags, pending = fields[0], int(fields[6]), int(fields[28])
+    except (OSError, IndexError, ValueError):
+        return False
+    return state in (b"Z", b"X", b"x") or bool(flags & _PF_EXITING) or bool(pending & _SIGKILL_BIT)
+
+
 def _storage_blob(storage: Storage | None, config: Config) -> bytes | None:
     """How the upload process gets a root's backend: by URL when it would build the same
     one from the URL and ``config``, else the backend itself, pickled (it must pickle: it
@@ -140,6 +158,15 @@ class ProcessTransfer:
         the failure of every save it had. Loop thread."""
         if self._process.poll() is None:
             self._process.kill()
+
+    def alive(self) -> bool:
+        """Whether the upload process still serves: False once it is known gone, also when it
+        died while idle and the reader thread's end of file has not reached this loop yet (a
+        save submitted in that moment goes to a new process, as the log promises). Loop thread."""
+        if self.dead is None and (self._process.poll() is not None or _dying(self._process.pid)):
+            self._process.kill()  # (dying already: this only makes sure)
+            self.dead = UploadProcessError(f"the upload process (pid {self._process.pid}) died while idle")
+        return self.dead is None
 
     @property
     def pid(self) -> int:

@@ -27,6 +27,7 @@ from ..format.manifest import Checksums, Manifest, build_manifest
 from ..format.placement import BaseRanges, Landing, Reference, Reuse, landed_manifest
 from ..format.spec import SaveSpec
 from ..storage.base import Storage
+from .readback import CheckedRanges, CheckedReuse
 
 __all__ = [
     "CHECK_CONCURRENCY",
@@ -137,18 +138,21 @@ class IncrementalSave:
     """One incremental save's base, the pins that keep its objects, and the check of its
     references before the commit (transfer loop). ``known``: the base this transfer side
     committed last on the root (None: read one); ``whole``: write every byte (the last
-    save found a reference gone)."""
+    save found a reference gone); ``checked``: the stored ranges this transfer side knows
+    to be good (a base range is named only once it is: :mod:`.readback`)."""
 
     def __init__(
-        self, storage: Storage, spec: SaveSpec, known: BaseRanges | None, *, whole: bool, dedup: bool = True
-    ) -> None:
+        self, storage: Storage, spec: SaveSpec, known: BaseRanges | None, *, whole: bool, dedup: bool = True,
+        checked: CheckedRanges | None = None,
+    ) -> None:  # fmt: skip
         self.storage = storage
         self.spec = spec
         self.known = known
         self.whole = whole
         self.dedup = dedup
         """False: only compressed (every piece written, no digests, no base)."""
-        self.reuse = Reuse(BaseRanges(-1, "", {}))
+        self.checked = checked if checked is not None else CheckedRanges()
+        self.reuse = CheckedReuse(storage, Reuse(BaseRanges(-1, "", {})), self.checked, spec.step)
         """Nothing to reuse until :meth:`start` found a base (digests are taken anyway:
         the next save compares with them)."""
         self._token: int | None = None
@@ -162,7 +166,9 @@ class IncrementalSave:
         if base is None:
             return
         self._token = pins_for(self.storage.url).pin(base.names)
-        self.reuse = Reuse(base, compressed=self.spec.distributed is None)
+        self.checked.adopt(self.storage.url, base)
+        reuse = Reuse(base, compressed=self.spec.distributed is None)
+        self.reuse = CheckedReuse(self.storage, reuse, self.checked, self.spec.step)
 
     def manifest(self, crcs: Checksums, landings: Sequence[Landing]) -> Manifest:
         """The manifest to commit: each piece where it landed."""

@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from ..core.aio import drop_frame_locals, finish_despite_cancel
 from ..core.arena import Arena, SlabLease
 from ..core.budget import ByteBudget
-from ..format.placement import Landing, Reuse
+from ..format.placement import Landing
 from ..format.spec import ChunkSpec
 from ..handoff.contract import FileChunk, SlabChunk, Staged
 from ..storage.base import Storage
 from .dedup import land_file, land_slab
+from .readback import CheckedReuse
 
 __all__ = ["LEASE_WAIT_S", "upload_chunk"]
 
@@ -60,7 +61,7 @@ async def upload_chunk(
     arena: Arena,
     staged: Staged,
     chunk: ChunkSpec,
-    reuse: Reuse | None = None,
+    reuse: CheckedReuse | None = None,
     itemsizes: Sequence[int] | None = None,
     scratch: ByteBudget | None = None,
 ) -> Landing:
