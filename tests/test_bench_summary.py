@@ -248,7 +248,7 @@ def test_the_spool_benchmark_records_blocked_over_its_measured_disk_floor(s3_end
     results = tmp_path / "results.jsonl"
     run = bench(
         "spool", "--size-mb", "40", "--ram-budget-mib", "8", "--chunk-mib", "2", "--executors", "thread",
-        "--modes", "overflow", "--floor-runs", "2", "--endpoint", s3_endpoint, "--cap-mb-s", "0",
+        "--modes", "overflow", "--rounds", "2", "--endpoint", s3_endpoint, "--cap-mb-s", "0",
         "--results", str(results),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -260,6 +260,9 @@ def test_the_spool_benchmark_records_blocked_over_its_measured_disk_floor(s3_end
     assert figure.ratio == pytest.approx(figure.value / report["disk_floor_s"], rel=2e-2)
     assert "fsynced 2 MiB files" in figure.anchor and figure.goal == 1.5
     assert report["over_budget_bytes"] == report["state_bytes"] - 8 * 1024 * 1024
+    rounds = report["rounds"]  # the floor and the save alternate: each round has both
+    assert len(rounds) == 2 and all(r["disk_floor_s"] > 0 and r["thread"] > 0 for r in rounds)
+    assert sorted(overflow["blocked_s_each"]) == sorted(r["thread"] for r in rounds)
 
 
 def test_the_interference_benchmark_runs_at_two_rates_and_measures_the_trainers_other_cpu(tmp_path: Path) -> None:

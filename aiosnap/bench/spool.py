@@ -3,12 +3,15 @@
 The headline scenario: a ~512 MB model + Adam state, a 64 MiB RAM budget, an S3 target
 (local moto server) throttled to 100 MB/s by a proxy, the spool on local disk. For spool
 ``off``, ``overflow`` and ``always`` it measures blocked time, time to durable, and the RAM
-and disk high-water marks. In the same run it measures the disk floor itself, in the spill's
-own write pattern: the bytes over the RAM budget written to the same disk as new files of the
-spill's chunk size (``--chunk-mib``), each fsynced, the median of ``--floor-runs`` runs; and
-reports blocked(overflow) over that floor (the goal: at most 1.5x). Each ``--executors``
-(default: thread and process) gets its own set of figures; ``--results PATH`` appends the
-overflow rows for the closing table (:mod:`.results`).
+and disk high-water marks. It measures the disk floor itself, in the spill's own write
+pattern: the bytes over the RAM budget written to the same disk as new files of the spill's
+chunk size (``--chunk-mib``), each fsynced. A disk's speed drifts by 3x and more between
+bursts (host caches filling and draining), so the floor and the ``overflow`` save alternate:
+``--rounds`` rounds, each one floor run then one overflow save per executor, and the figure
+is the median of the rounds' blocked times over the median of their floors (the goal: at
+most 1.5x); ``off`` and ``always`` run once, after the rounds. Each ``--executors`` (default:
+thread and process) gets its own set of figures; ``--results PATH`` appends the overflow
+rows for the closing table (:mod:`.results`).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def run_mode(
     url: str, bucket: str, mode: str, spool_dir: Path, state: dict[str, Any], budget: int, executor: str, chunk: int
 ) -> dict[str, Any]:
     config = Config(
-        storage={"url": f"s3://{bucket}/{executor}-{mode}"},
+        storage={"url": f"s3://{bucket}/{executor}-{mode}-{uuid.uuid4().hex[:8]}"},
         ram_budget=budget,
         retention={"keep_last": 1},
         upload={"chunk_size": chunk, "executor": executor},
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ram-budget-mib", type=int, default=64)
     parser.add_argument("--chunk-mib", type=int, default=16, help="upload.chunk_size: the spill's file size (16)")
     parser.add_argument("--cap-mb-s", type=float, default=100.0)
-    parser.add_argument("--floor-runs", type=int, default=5, help="runs of the disk floor (median; default 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of a disk floor run then an overflow save (median; default 3)"
+    )
     parser.add_argument("--spool-dir", help="spool directory (default: a temporary one)")
     parser.add_argument("--endpoint", help="an S3 endpoint URL (default: start a local moto server)")
     parser.add_argument("--executors", default="thread,process", help="upload.executor values (default both)")
@@ -108,22 +113,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     over_budget = max(nbytes - budget, chunk)
     spool_root = Path(args.spool_dir or tempfile.mkdtemp(prefix="aiosnap-spool-bench-"))
     spool_root.mkdir(parents=True, exist_ok=True)
+    floors: list[float] = []
+    executors = [e for e in args.executors.split(",") if e]
+    by_executor: dict[str, dict[str, Any]] = {executor: {} for executor in executors}
+    overflow: dict[str, list[dict[str, Any]]] = {executor: [] for executor in executors}
     try:
-        floor_s = spill_floor_s(spool_root, over_budget, chunk, args.floor_runs)
-        whole_floor_s = floor_s * nbytes / over_budget
         with _endpoint(args.endpoint, args.cap_mb_s) as url:
             bucket = f"aiosnap-spool-bench-{uuid.uuid4().hex[:8]}"
             asyncio.run(_create_bucket(url, bucket))
-            by_executor = {
-                executor: {
-                    mode: run_mode(url, bucket, mode, spool_root / executor / mode, state, budget, executor, chunk)
-                    for mode in modes
-                }
-                for executor in args.executors.split(",")
-            }
+            for round_ in range(max(1, args.rounds)):  # the floor and the spill side by side
+                floors.append(spill_floor_s(spool_root, over_budget, chunk, 1))
+                for executor in executors:
+                    folder = spool_root / executor / f"overflow-{round_}"
+                    overflow[executor].append(run_mode(url, bucket, "overflow", folder, state, budget, executor, chunk))
+            for executor in executors:
+                by_executor[executor]["overflow"] = _median_run(overflow[executor])
+                for mode in (m for m in modes if m != "overflow"):
+                    folder = spool_root / executor / mode
+                    by_executor[executor][mode] = run_mode(url, bucket, mode, folder, state, budget, executor, chunk)
     finally:
         if not args.spool_dir:
             shutil.rmtree(spool_root, ignore_errors=True)
+    floor_s = statistics.median(floors)
+    whole_floor_s = floor_s * nbytes / over_budget
     report = {
         "state_bytes": nbytes,
         "ram_budget_mib": args.ram_budget_mib,
@@ -131,7 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cap_mb_s": args.cap_mb_s,
         "over_budget_bytes": over_budget,
         "disk_floor_s": round(floor_s, 3),
-        "disk_floor_runs": args.floor_runs,
+        "rounds": [
+            {"disk_floor_s": round(f, 3), **{e: overflow[e][i]["blocked_s"] for e in executors}}
+            for i, f in enumerate(floors)
+        ],
         "disk_write_mb_s": round(over_budget / 1e6 / floor_s, 1),
         "executors": {executor: {"modes": found, "ratios": _ratios(found, floor_s, whole_floor_s)}
                       for executor, found in by_executor.items()},
@@ -144,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             found["overflow"]["blocked_s"],
             "s",
             f"disk floor: {over_budget / 1e6:.0f} MB over budget as fsynced {args.chunk_mib} MiB files, "
-            f"median of {args.floor_runs}",
+            f"median of {len(floors)} rounds alternating with the save",
             floor_s,
             1.5,
         )
@@ -153,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record(args.results, figures)
     print(json.dumps(report, indent=2))
     return report
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose blocked time is the median of ``runs`` (the lower one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r["blocked_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "blocked_s_each": [r["blocked_s"] for r in runs]}
 
 
 def _ratios(found: dict[str, dict[str, Any]], floor_s: float, whole_floor_s: float) -> dict[str, float]:
