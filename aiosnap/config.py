@@ -223,12 +223,13 @@ class UploadConfig(_Section):
     multi-byte dtypes (a range whose compressed form is not smaller is stored raw). Pays on
     slow links (object stores), not on fast disk. Not for multi-rank saves or single-file
     checkpoints (stored raw). See docs/guides/incremental.md."""
-    dedup: bool = False
-    """Incremental saves: a tensor byte range whose captured bytes (xxh3-128 digest, size
-    and crc32c) equal a range of the root's latest committed step is not uploaded again;
-    the new manifest names that step's range. Decided per range, on the bytes captured at
-    ``save()``. Multi-rank saves: each rank against its own earlier ranges. Single-file
-    checkpoints and saves with ``also_as`` are written whole. See docs/guides/incremental.md."""
+    dedup: bool = True
+    """Incremental saves (on by default): a tensor byte range whose captured bytes (xxh3-128
+    digest, size and crc32c) equal a range of the root's latest committed step is not
+    uploaded again; the new manifest names that step's range. Decided per range, on the
+    bytes captured at ``save()``. Multi-rank saves: each rank against its own earlier ranges.
+    Single-file checkpoints and saves with ``also_as`` are written whole. ``false``: every
+    save writes every byte. See docs/guides/incremental.md."""
 
 
 class SpoolConfig(_Section):
