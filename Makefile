@@ -78,7 +78,7 @@ bench: install
 	$(PY) -m aiosnap.bench local --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench s3
 	$(PY) -m aiosnap.bench s3 --cap-mb-s 50
-	$(PY) -m aiosnap.bench s3 --cap-mb-s 40 --size-mb 75 --results $(BENCH_RESULTS)
+	$(PY) -m aiosnap.bench s3 --cap-mb-s 40 --size-mb 100 --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench spool --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench executor --results $(BENCH_RESULTS)
 	$(PY) -m aiosnap.bench lightning
