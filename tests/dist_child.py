@@ -243,6 +243,8 @@ def fail_or_vanish(rank: int, world: int, work: str, params: dict[str, Any]) -> 
     if rank == victim and how == "skip":
         time.sleep(params["agree_timeout"] + 3)  # the others give up on this rank meanwhile
         os._exit(0)
+    state["w"].add_(1)  # new bytes: step 2 writes data objects (the same bytes would all be referenced)
+    state["r"].add_(1)
     started = time.monotonic()
     try:
         handle = ckpt.save(state, step=2)
@@ -279,6 +281,7 @@ def early_failure(rank: int, world: int, work: str, params: dict[str, Any]) -> d
     ckpt = aiosnap.SyncCheckpointer(cfg, storage=Failing(params["root"]))
     ckpt.save(state, step=1).wait(timeout=40)
     if params["how"] == "earlier":
+        state = {"w": state["w"] + 1, "v": state["v"] + 1}  # new bytes: step 2 writes data objects
         handle = ckpt.save(state, step=2)
         if rank == 0:
             with contextlib.suppress(Exception):

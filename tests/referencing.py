@@ -104,7 +104,12 @@ def frozen_chain(config: Config, steps: list[int]) -> dict[int, dict[str, Any]]:
     """Save ``steps`` whole (no retention), then make each after the first reference the one
     before it: every later step names the first step's base objects. Returns each step's state."""
     states = {step: fine_tune_state(step) for step in steps}
-    whole = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": None})})
+    whole = config.model_copy(
+        update={
+            "retention": config.retention.model_copy(update={"keep_last": None}),
+            "upload": config.upload.model_copy(update={"dedup": False}),  # made whole, referenced here
+        }
+    )
     with SyncCheckpointer(whole) as ckpt:
         for step in steps:
             ckpt.save(states[step], step=step).wait()

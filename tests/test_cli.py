@@ -27,7 +27,8 @@ def aiosnap_process(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _fill(root: Path, steps: tuple[int, ...]) -> dict[int, int]:
     sizes = {}
-    config = Config(storage={"url": str(root)}, retention={"keep_last": None}, upload={"chunk_size": "256KiB"})
+    upload = {"chunk_size": "256KiB", "dedup": False}  # each step's bytes in its own folder (ls counts them there)
+    config = Config(storage={"url": str(root)}, retention={"keep_last": None}, upload=upload)
     with SyncCheckpointer(config) as ckpt:
         for step in steps:
             state = {"model": {"w": torch.randn(100_000 + step), "b": torch.zeros(3, dtype=torch.int64)}}

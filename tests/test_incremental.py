@@ -805,14 +805,23 @@ def test_the_base_is_read_once_capture_is_over_not_while_save_blocks(root: Path)
 
 
 @pytest.mark.thread_only  # the storage is this process's
+@pytest.mark.parametrize("delete_fails", [False, True])
 def test_a_reference_deleted_while_the_manifest_is_written_takes_the_commit_back_and_skips_retention(
-    root: Path,
+    root: Path, delete_fails: bool
 ) -> None:
     """A second job saving to the same root (unsupported: pins are per process) deletes an
     object between this save's reference check and its manifest write: the step would not
     load, so its commit is taken back, retention does not run (it would count that step and
-    delete good ones), the save fails typed, and the next save writes whole."""
-    store = FaultyStorage(LocalStorage(root))
+    delete good ones), the save fails typed, and the next save writes whole. If taking it
+    back fails too (the delete of its manifest), the step stays, says so, and keeps its data."""
+
+    class Store(FaultyStorage):
+        async def delete(self, name: str) -> None:
+            if delete_fails and name == f"{step_dir(3)}/manifest.json":
+                raise OSError(5, "EIO (injected)")
+            await super().delete(name)
+
+    store = Store(LocalStorage(root))
     config = _config(root).model_copy(update={"retention": RetentionConfig(keep_last=2)})
     g = torch.Generator().manual_seed(5)
     state = {"frozen": torch.randn(300_000, generator=g), "adapter": torch.randn(64, generator=g)}
@@ -832,10 +841,18 @@ def test_a_reference_deleted_while_the_manifest_is_written_takes_the_commit_back
         for name in referenced:
             (root / name).unlink()  # the other job's retention
         store.release(ckpt._loop.loop)  # type: ignore[attr-defined]
-        with pytest.raises(CorruptCheckpointError, match="step 3.*taken back"):
+        said = "stays committed and does not load" if delete_fails else "taken back"
+        with pytest.raises(CorruptCheckpointError, match=f"step 3.*{said}"):
             third.wait()
-        assert ckpt.steps() == [1, 2]  # no retention ran; step 3 is not committed
-        assert not (root / step_dir(3) / "manifest.json").exists()
+        own = [p for p in (root / step_dir(3)).rglob("*.bin")]
+        if delete_fails:  # nothing removed behind a manifest that stands: gc's to judge
+            assert ckpt.steps() == [1, 2, 3] and own
+        else:
+            assert ckpt.steps() == [1, 2]  # no retention ran; step 3 is not committed
+            assert not (root / step_dir(3) / "manifest.json").exists()
+            while list((root / step_dir(3)).rglob("*.bin")):  # its data goes, in the background
+                assert time.monotonic() < deadline, "the taken-back attempt was never removed"
+                time.sleep(0.01)
         state["adapter"].add_(1)
         ckpt.save(state, step=4).wait()
         assert ckpt.manifest(4).references is None  # whole
@@ -953,3 +970,31 @@ def test_a_rotted_base_range_on_s3_is_read_back_and_written_again(s3_endpoint: s
         frozen = next(e for e in second.entries if e.path == "frozen")
         assert rotted.object not in {r.object for r in frozen.ranges} and second.references
         assert_same(ckpt.load(step=2), expected)
+
+
+def test_a_truncated_base_object_is_written_again_and_no_save_fails(root: Path, upload_executor: str) -> None:
+    """A base object that lost its tail in storage: its head ranges still hold their crc32c,
+    but the object is not the size its manifest records, so no range of it is named (the
+    commit's reference check compares that size): the first save after the restart writes
+    them again and commits; every later step loads."""
+    config = _config(root)
+    g = torch.Generator().manual_seed(12)
+    state = {
+        "adapter": torch.zeros(300),
+        "a": torch.randn(100_000, generator=g),
+        "b": torch.randn(100_000, generator=g),
+    }
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state, step=1).wait()
+        (cut,) = ckpt.manifest(1).objects  # adapter, a, b: the cut takes b's tail, a still holds its crc32c
+    path = root / cut.name
+    path.write_bytes(path.read_bytes()[:-1000])
+    kept: dict[int, dict[str, Any]] = {}
+    with SyncCheckpointer(config) as ckpt:
+        for step in (2, 3):
+            kept[step] = _trained(state, step)
+            ckpt.save(state, step=step).wait()  # no CorruptCheckpointError ("has ... bytes, not ...")
+        assert cut.name not in {r.name for r in ckpt.manifest(2).references or ()}
+        assert ckpt.manifest(3).references  # dedup goes on, against step 2
+        for step in (2, 3):
+            assert_same(ckpt.load(step=step), kept[step])

@@ -36,6 +36,13 @@ from tests.fuzzing import mutate_bytes, mutate_document, sign_manifest
 from tests.referencing import fine_tune_state, frozen_chain, on_root, reference, reference_base
 
 
+@pytest.fixture
+def small_config(small_config: Config) -> Config:
+    """The tests' small config, saving whole steps: this module's referencing steps are made
+    by hand (:mod:`tests.referencing`) except where :func:`_dedup` saves incrementally."""
+    return small_config.model_copy(update={"upload": small_config.upload.model_copy(update={"dedup": False})})
+
+
 def _with(config: Config, keep_last: int | None) -> Config:
     return config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": keep_last})})
 

@@ -22,7 +22,7 @@ from .events import Event
 from .progress import MiB, ProgressBoard, SaveProgress
 from .units import format_bytes, format_rate
 
-__all__ = ["LIVE_AFTER_S", "LiveDisplay", "SaveLineHandler", "save_line"]
+__all__ = ["LIVE_AFTER_S", "STAYS_COMMITTED", "LiveDisplay", "SaveLineHandler", "save_line"]
 
 LIVE_AFTER_S = 2.0
 """A save shows in the live display once it has run this long (short saves never do)."""
@@ -30,6 +30,11 @@ LIVE_AFTER_S = 2.0
 REFRESH_S = 0.25
 
 _ERROR_CHARS = 300
+
+
+STAYS_COMMITTED = "stays committed and does not load"
+"""Words of the one save failure after which the latest committed step is not what it was
+(a commit that could not be taken back): its console line does not say it is unchanged."""
 
 
 def _figures(nbytes: int | None, seconds: float | None) -> str:
@@ -56,6 +61,8 @@ def save_line(event: Event) -> str | None:
         error = next(iter((event.error or "").strip().splitlines()), "")
         if len(error) > _ERROR_CHARS:
             error = error[:_ERROR_CHARS] + "..."
+        if STAYS_COMMITTED in (event.error or ""):
+            return f"aiosnap: step {event.step} failed{rank}: {event.error_type}: {error} ({event.url})"
         return (
             f"aiosnap: step {event.step} failed{rank}: {event.error_type}: {error} "
             f"({event.url}; the latest committed step is unchanged)"

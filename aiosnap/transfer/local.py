@@ -22,7 +22,7 @@ from typing import Any
 from ..catalog.steps import apply_retention, latest_committed
 from ..catalog.tombstones import Tombstones
 from ..config import Config
-from ..core.aio import finish_despite_cancel
+from ..core.aio import complete_before_cancel, finish_despite_cancel
 from ..core.arena import Arena
 from ..core.budget import ByteBudget
 from ..core.progress import counting_sent
@@ -385,9 +385,12 @@ class _Upload:
                 try:
                     await self.incremental.check(manifest)
                 except CorruptCheckpointError as gone:
-                    self.commit_started = False  # taken back: the step is not committed
                     self.owner.whole_next.add(self.storage.url)
-                    raise await take_back(self.storage, manifest, gone) from None
+                    error, taken = await complete_before_cancel(take_back(self.storage, manifest, gone))
+                    if not taken:  # the manifest stands: its data stays, for gc (never removed behind it)
+                        return TransferOutcome(committed=False, error=error, stage_seconds=dict(self._stages))
+                    self.commit_started = False  # taken back: the step is not committed
+                    raise error from None
         if self.incremental is not None:
             self.owner.bases[self.storage.url] = BaseRanges.of(manifest, self.spec.rank)
             self.incremental.release()  # the committed manifest names what it references: retention may go

@@ -11,8 +11,9 @@ nothing extra; the first save after a restart (or on another writer's step) read
 base ranges it names once, in the upload workers (after ``save()`` returned), through
 buffers of :data:`READ_BUFFER_BYTES`, :data:`READ_CONCURRENCY` at a time per save.
 
-A range that fails its check is not named: the save writes those bytes again (one WARNING
-naming the step and object); no save fails because of it.
+A range that fails its check, or lies in an object whose size is not the one its manifest
+records (truncated), is not named: the save writes those bytes again (one WARNING naming the
+step and object); no save fails because of it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class CheckedReuse:
         self.step = step
         self._limit = asyncio.Semaphore(READ_CONCURRENCY)
         self._reading: dict[RangeKey, asyncio.Task[bool]] = {}
+        self._sized: dict[str, asyncio.Task[bool]] = {}
+        """Per base object read back: it has the size its manifest records (the commit's
+        reference check compares that size too: a truncated object is never named)."""
 
     async def take(self, nbytes: int, digest: str, crc32c: int) -> tuple[Placed, Reference] | None:
         """A base range of ``nbytes`` bytes with ``digest`` and ``crc32c``, not named yet
@@ -112,11 +116,29 @@ class CheckedReuse:
             task = self._reading[key] = asyncio.ensure_future(self._read_back(key))
         return await task
 
+    async def _whole(self, name: str) -> bool:
+        """``name`` has the size the base manifest records (one size request per object)."""
+        task = self._sized.get(name)
+        if task is None:
+            task = self._sized[name] = asyncio.ensure_future(self._size_matches(name))
+        return await task
+
+    async def _size_matches(self, name: str) -> bool:
+        recorded = self.reuse.base.objects[name].nbytes if name in self.reuse.base.objects else None
+        size = await self.storage.size(name)
+        if size != recorded:
+            log.warning(
+                "aiosnap: step %d: object %r of its base step %d has %d bytes, not the %s its manifest records "
+                "(truncated in storage?); this save writes its ranges again", self.step, name, self.reuse.base.step,
+                size, recorded,
+            )  # fmt: skip
+        return size == recorded
+
     async def _read_back(self, key: RangeKey) -> bool:
         name, offset, size, crc = key
         async with self._limit:
             try:
-                good = await _stored_crc(self.storage, name, offset, size) == crc
+                good = await self._whole(name) and await _stored_crc(self.storage, name, offset, size) == crc
             except FileNotFoundError:
                 good = False
             except Exception as exc:  # not known either way: not named this time, asked again next save

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 from ..catalog.commit import whose_commit
 from ..catalog.pins import pins_for
-from ..catalog.steps import read_manifest
+from ..catalog.steps import committed_document, read_manifest
 from ..core.aio import run_all
 from ..core.checksums import crc32c_of
+from ..core.console import STAYS_COMMITTED
 from ..core.names import manifest_name
 from ..errors import AiosnapError, CorruptCheckpointError
 from ..format.manifest import Checksums, Manifest, build_manifest
@@ -48,11 +49,16 @@ async def read_base(storage: Storage, latest: int | None, rank: int, known: Base
     """The ranges of step ``latest`` that ``rank`` may reuse, read from its manifest; or
     ``known`` when the committed manifest is the very save ``known`` holds (the step and
     its save id: another writer may have re-saved that step, removing the objects ``known``
-    names). None (the save writes every byte) when there is no committed step or its
-    manifest cannot be read."""
+    names; the bytes this process committed, byte for byte, are not parsed again). None
+    (the save writes every byte) when there is no committed step or its manifest cannot be
+    read."""
     if latest is None:
         return None
     try:
+        if known is not None and known.step == latest:
+            found = await committed_document(storage, latest)  # trusted bytes: no second validation
+            if found is not None and found[1] == known.save_id:
+                return known
         manifest = await read_manifest(storage, latest)
     except (AiosnapError, OSError) as exc:
         log.info("aiosnap: step %d of %s cannot serve as a base (this save writes whole): %r", latest, storage.url, exc)
@@ -83,28 +89,36 @@ async def check_references(storage: Storage, step: int, references: Sequence[Ref
     await run_all(check(name, nbytes) for name, _, nbytes in references)
 
 
-async def take_back(storage: Storage, manifest: Manifest, gone: CorruptCheckpointError) -> CorruptCheckpointError:
+async def take_back(
+    storage: Storage, manifest: Manifest, gone: CorruptCheckpointError
+) -> tuple[CorruptCheckpointError, bool]:
     """The one-rank incremental save of ``manifest`` committed, but checked once more (before
     its retention), an object it references is ``gone``: deleted between its check and its
     manifest's write, by a second job saving to this root (unsupported: pins and holds are
     per process). The step does not load, so its commit is taken back (its manifest deleted
     while it is still this save's) and retention does not run: it would count the step and
-    delete the other writer's good ones. Returns the error the save fails with."""
+    delete the other writer's good ones. Returns the error the save fails with, and whether
+    the commit was taken back (False: the manifest still stands, or another writer's does;
+    the save's data is then left in place for ``aiosnap gc``). Run it to its end whatever
+    cancels its caller (see :func:`~aiosnap.core.aio.complete_before_cancel`)."""
     step = manifest.step
+    taken = False
     try:
         if await whose_commit(storage, step, manifest.save_id) == "ours":
             await storage.delete(manifest_name(step))
-            what = "its commit was taken back"
+            taken = True
+            what = "its commit was taken back: the step is not committed"
         else:
-            what = "another writer's manifest stands for it now"
+            what = "another writer's manifest stands for the step now"
     except Exception as exc:  # the step stays committed and unloadable: say so loudly
         log.error("aiosnap: %s step %d references a deleted object; taking its commit back failed: %r",
                   storage.url, step, exc)  # fmt: skip
-        what = f"taking its commit back failed ({exc!r}), so it does not load"
+        what = f"taking its commit back failed ({exc!r}): the step {STAYS_COMMITTED}; roll it back or purge it"
     return CorruptCheckpointError(
         f"{storage.url} step {step}: an object it references was deleted while it committed (a second job saving "
-        f"to this root?): {what}; retention did not run, and the next save writes whole ({gone})"
-    )
+        f"to this root?): {what}; retention did not run, and the next save writes whole. The check found: "
+        f"{str(gone).split(';')[0]}"
+    ), taken
 
 
 async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], concurrency: int) -> None:
