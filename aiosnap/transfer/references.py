@@ -104,12 +104,15 @@ async def take_back(
     step = manifest.step
     taken = False
     try:
-        if await whose_commit(storage, step, manifest.save_id) == "ours":
+        verdict = await whose_commit(storage, step, manifest.save_id)
+        if verdict == "ours":
             await storage.delete(manifest_name(step))
             taken = True
             what = "its commit was taken back: the step is not committed"
-        else:
+        elif verdict == "other":
             what = "another writer's manifest stands for the step now"
+        else:
+            what = f"its manifest could not be read back: the step may be committed, and then it {STAYS_COMMITTED}"
     except Exception as exc:  # the step stays committed and unloadable: say so loudly
         log.error("aiosnap: %s step %d references a deleted object; taking its commit back failed: %r",
                   storage.url, step, exc)  # fmt: skip
