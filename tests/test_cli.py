@@ -199,9 +199,13 @@ def test_errors_are_one_line_and_non_zero(aiosnap: CliRunner, tmp_path: Path) ->
 
 
 def test_bench_runs_a_benchmark_and_prints_figures(tmp_path: Path) -> None:
-    run = aiosnap_process("bench", "local", "--size-mb", "8", "--small-budget-mib", "4", "--dir", str(tmp_path))
+    run = aiosnap_process(
+        "bench", "local", "--size-mb", "8", "--small-budget-mib", "4", "--warm-rounds", "2", "--dir", str(tmp_path)
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert "blocked" in run.stdout
+    large = json.loads(run.stdout)["budget_larger_than_state"]
+    assert len(large["warm"]["rounds_blocked_s"]) == len(large["warm_floor_rounds_s"]) == 2  # alternated
+    assert large["warm"]["blocked_s"] > 0 and large["warm_floor_s"] > 0
     assert aiosnap_process("bench", "nope").returncode == 2
 
 
