@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.conftest import FaultyStorage, assert_same, damage_entry, s3_config
 from tests.dist_launch import run_ranks
-from tests.fuzzing import mutate_document
+from tests.fuzzing import mutate_document, sign_manifest
 from tests.referencing import on_root
 
 pytestmark = pytest.mark.both_executors
@@ -361,6 +361,56 @@ def test_hand_edited_landings_in_a_journal_never_commit_a_step_that_does_not_loa
             else:
                 assert report.resumed == [], (edit, report)
             assert_same(again.load(step=1)["frozen"][:10], state["frozen"][:10])
+
+
+@pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
+def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does_not_load(tmp_path: Path) -> None:
+    """A compressed incremental save caught by a crash; its journal's landed records edited in
+    one field each, the byte shuffle of a compressed range (frame and crc32c untouched, lines
+    re-signed): the frame's crc32c still matches, so the resume decompresses every range it
+    would commit and checks the raw bytes' crc32c. The step is discarded, and the retention
+    of a commit that would not load never deletes step 1."""
+    root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
+    config = _spooled_config(root, spool_dir, keep_last=1)
+    config = config.model_copy(update={"upload": config.upload.model_copy(update={"compression": "zstd"})})
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "frozen": (torch.randn(60_000, generator=g) * 0.02).to(torch.bfloat16),
+        "adapter": torch.randn(300, generator=g),
+    }
+    first = copy.deepcopy(state)
+    store = FaultyStorage(LocalStorage(root))
+    ckpt = SyncCheckpointer(config, storage=store)
+    ckpt.save(state, step=1).wait()  # by the same transfer side: step 2 names its frames
+    state["adapter"].add_(1)
+    state["frozen"][-5:] = 0.0
+    store.hold_when = lambda name: name.startswith(step_dir(2))
+    ckpt.save(state, step=2)
+    journal = next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL
+    deadline = time.monotonic() + 20
+    while '"landed"' not in journal.read_text():  # the chunk with nothing new lands at once
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(root, root_copy)
+    with pytest.raises(TimeoutError):
+        ckpt.close(timeout=0.1)
+    _play_crash(config, spool_copy, root_copy)
+    edited = []
+
+    def unshuffled(record: dict[str, Any]) -> None:
+        for codec in record.get("codecs") or ():
+            if codec is not None and codec[2] == 2:
+                codec[2] = None
+                edited.append(record)
+
+    _edit_landed(journal, unshuffled)
+    assert edited
+    with SyncCheckpointer(config) as again:
+        report = again.resume_spool()
+        assert report.resumed == [] and again.steps() == [1], report
+        assert_same(again.load(step=1), first)
 
 
 def _fuzz_record(rng: random.Random, record: dict[str, Any]) -> None:
@@ -881,9 +931,10 @@ def test_a_base_range_that_rotted_in_storage_is_written_again_and_every_later_st
     root: Path, compression: str, upload_executor: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One flipped bit in the frozen tensor's object of a step an earlier process wrote: the
-    first save after the restart reads the base ranges it would name back (the stored
-    frame's crc32c when compressed), names none that fails, writes those bytes again, and
-    warns once; retention deletes the rotted step and every kept step loads."""
+    first save after the restart reads the raw base ranges it would name back (crc32c and
+    digest), names none that fails, writes those bytes again, and warns once; compressed
+    base ranges an earlier process wrote it never names (it writes them again, once).
+    Retention deletes the rotted step and every kept step loads."""
     config = _config(root, compression=compression)
     config = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 2})})
     state = _frozen_state(11)
@@ -901,7 +952,10 @@ def test_a_base_range_that_rotted_in_storage_is_written_again_and_every_later_st
                 frozen = next(e for e in ckpt.manifest(2).entries if e.path == "frozen")
                 assert rotted.object not in {r.object for r in frozen.ranges}
                 assert frozen.ranges[0].object.startswith(step_dir(2) + "/")  # written again, as step 2's own
-                assert ckpt.manifest(2).references  # the ranges that still hold their bytes are named
+                if compression == "none":
+                    assert ckpt.manifest(2).references  # the ranges that still hold their bytes are named
+                else:  # another process's frames are not named (checking one takes decompressing it)
+                    assert not ckpt.manifest(2).references
             elif step == 3:
                 assert ckpt.manifest(3).own_bytes < 0.1 * ckpt.manifest(3).total_bytes  # dedup goes on
         assert ckpt.steps() == [4, 5]
@@ -909,7 +963,134 @@ def test_a_base_range_that_rotted_in_storage_is_written_again_and_every_later_st
             assert_same(ckpt.load(step=step), kept[step])
     if upload_executor == "thread":  # the upload process logs in its own process
         warned = [r for r in caplog.records if "do not match the crc32c" in r.getMessage()]
-        assert len(warned) == 1 and rotted.object in warned[0].getMessage() and "step 2" in warned[0].getMessage()
+        if compression == "none":
+            assert len(warned) == 1 and rotted.object in warned[0].getMessage() and "step 2" in warned[0].getMessage()
+        else:
+            assert not warned  # never read back
+
+
+def test_an_edited_codec_field_in_the_newest_manifest_is_never_named_and_retention_keeps_a_loadable_step(
+    root: Path,
+) -> None:
+    """The newest step's manifest edited in one field, the byte shuffle of a compressed range
+    (its frame and every crc32c untouched, the manifest re-signed): that step no longer loads.
+    The saves after a restart never name another process's frames, so each of them loads, and
+    retention never leaves the root without a loadable step."""
+    config = _config(root, compression="zstd", chunk_size="64KiB")
+    config = config.model_copy(update={"retention": RetentionConfig(keep_last=2)})
+    frozen = (torch.randn(100_000, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+
+    def state(step: int) -> dict[str, Any]:
+        return {"frozen": frozen, "adapter": torch.full((300,), float(step))}
+
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state(step), step=step).wait()
+    path = root / step_dir(3) / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc.pop("crc32c")
+    edited = [r for e in doc["entries"] for r in e["ranges"] if r.get("shuffle") == 2]
+    assert edited
+    for byte_range in edited:
+        byte_range["shuffle"] = None
+    path.write_bytes(sign_manifest(doc))
+    with SyncCheckpointer(config) as ckpt, pytest.raises(CorruptCheckpointError):
+        ckpt.load(step=3)
+    for step in (4, 5):
+        with SyncCheckpointer(config) as ckpt:  # a restart before each save
+            ckpt.save(state(step), step=step).wait()
+            assert_same(ckpt.load(step=step), state(step))
+            assert ckpt.steps() == [step - 1, step]
+
+
+def _tamper_keeping_crc32c(data: bytearray, start: int, end: int) -> None:
+    """Zero the first 4000 bytes of ``data[start:end]`` and set its last 4 bytes so that its
+    crc32c stays what it was (crc32c is linear over GF(2): it is no MAC)."""
+    target = crc32c_of(bytes(data[start:end]))
+    data[start : start + 4000] = bytes(4000)
+    fix = end - 4 - start
+    body = bytearray(data[start:end])
+    body[fix : fix + 4] = bytes(4)
+    zero = crc32c_of(bytes(body))
+    basis: dict[int, tuple[int, int]] = {}  # pivot bit -> (crc change, the bits of the fix that make it)
+    for bit in range(32):
+        flipped = bytearray(body)
+        flipped[fix + bit // 8] ^= 1 << (bit % 8)
+        vector, made = crc32c_of(bytes(flipped)) ^ zero, 1 << bit
+        for pivot in sorted(basis, reverse=True):
+            if vector >> pivot & 1:
+                vector, made = vector ^ basis[pivot][0], made ^ basis[pivot][1]
+        if vector:
+            basis[vector.bit_length() - 1] = (vector, made)
+    want, made = target ^ zero, 0
+    for pivot in sorted(basis, reverse=True):
+        if want >> pivot & 1:
+            want, made = want ^ basis[pivot][0], made ^ basis[pivot][1]
+    assert want == 0
+    for bit in range(32):
+        if made >> bit & 1:
+            body[fix + bit // 8] ^= 1 << (bit % 8)
+    data[start:end] = body
+    assert crc32c_of(bytes(data[start:end])) == target
+
+
+def test_base_bytes_tampered_with_their_crc32c_kept_are_found_by_their_digest_and_written_again(root: Path) -> None:
+    """Bytes of a frozen range changed in storage with 4 more bytes set so that its crc32c
+    still matches: the read-back after a restart compares the xxh3-128 digest too, so the next
+    save writes the genuine bytes again, and every later step loads them."""
+    config = _config(root).model_copy(update={"retention": RetentionConfig(keep_last=2)})
+    frozen = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+
+    def state(step: int) -> dict[str, Any]:
+        return {"frozen": frozen, "adapter": torch.full((64,), float(step))}
+
+    with SyncCheckpointer(config) as ckpt:
+        ckpt.save(state(1), step=1).wait()
+        where = next(e for e in ckpt.manifest(1).entries if e.path == "frozen").ranges[0]
+    target = root / where.object
+    data = bytearray(target.read_bytes())
+    _tamper_keeping_crc32c(data, where.offset, where.offset + where.nbytes)
+    target.write_bytes(bytes(data))
+    for step in (2, 3):
+        with SyncCheckpointer(config) as ckpt:
+            ckpt.save(state(step), step=step).wait()
+            named = {(r.object, r.offset) for e in ckpt.manifest(step).entries for r in e.ranges}
+            assert (where.object, where.offset) not in named
+            assert_same(ckpt.load(step=step), state(step))
+
+
+@pytest.mark.parametrize("damage", ["cut", "top bit"])
+def test_a_manifest_damaged_past_json_keeps_what_it_references_so_that_repaired_it_loads(
+    root: Path, damage: str
+) -> None:
+    """Step 3's manifest references step 1's objects; damaged so that it is no longer JSON
+    (its last byte cut, or one character's top bit flipped: not UTF-8), it is neither counted
+    nor deleted by retention, and every deletion keeps every object in the attempt folders its
+    bytes mention. Repaired (a backup, a one-bit fix), it loads."""
+    config = _config(root, chunk_size="256KiB").model_copy(update={"retention": RetentionConfig(keep_last=2)})
+    frozen = torch.randn(200_000, generator=torch.Generator().manual_seed(4))
+
+    def state(step: int) -> dict[str, Any]:
+        return {"frozen": frozen, "adapter": torch.full((64,), float(step))}
+
+    with SyncCheckpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state(step), step=step).wait()
+        assert ckpt.manifest(3).references
+    path = root / step_dir(3) / "manifest.json"
+    good = path.read_bytes()
+    if damage == "cut":
+        path.write_bytes(good[:-1])
+    else:
+        at = good.index(b'"created_at"') + 2
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0x80]) + good[at + 1 :])
+    with SyncCheckpointer(config) as ckpt:
+        for step in (4, 5, 6, 7):
+            ckpt.save(state(step), step=step).wait()
+        assert ckpt.steps() == [3, 6, 7]  # the damaged step listed, neither counted nor deleted
+    path.write_bytes(good)
+    with SyncCheckpointer(config) as ckpt:
+        assert_same(ckpt.load(step=3), state(3))
 
 
 @pytest.mark.thread_only  # the storage that counts reads is this process's

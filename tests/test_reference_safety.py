@@ -21,7 +21,7 @@ import pytest
 import torch
 from aiosnap import Config, CorruptCheckpointError, StorageError, SyncCheckpointer
 from aiosnap.catalog.garbage import collect_garbage
-from aiosnap.catalog.keep import names_in_manifest
+from aiosnap.catalog.keep import KeptNames, names_in_manifest
 from aiosnap.catalog.maintenance import verify_step
 from aiosnap.catalog.pins import ReferencePins, pins_for
 from aiosnap.catalog.steps import apply_retention, committed_steps, read_manifest, remove_steps_after
@@ -390,16 +390,21 @@ def test_gc_in_another_process_while_referencing_steps_are_committed(small_confi
 def test_names_in_a_manifest_are_read_leniently(small_config: Config) -> None:
     frozen_chain(small_config, [1, 2])
     document = (Path(small_config.storage.url) / step_dir(2) / "manifest.json").read_bytes()
-    names = names_in_manifest(2, document)
-    assert names == {o.name for o in _manifest(small_config, 2).stored_objects()}
-    assert names_in_manifest(2, document, valid=True) == names
+    objects = {o.name for o in _manifest(small_config, 2).stored_objects()}
+    folders = {"/".join(name.split("/")[:2]) + "/" for name in objects}
+    assert len(folders) == 2  # step 2's own attempt and step 1's, which it references
+    assert names_in_manifest(2, document, valid=True) == objects  # what a reader accepted names
+    assert names_in_manifest(2, document) == objects | folders  # refused: every folder it mentions stays whole
     unlisted = json.loads(document)
     unlisted["references"] = unlisted["references"][1:]  # a hand edit a reader refuses: still kept
-    assert names_in_manifest(2, json.dumps(unlisted).encode()) == names
+    assert names_in_manifest(2, json.dumps(unlisted).encode()) == objects | folders
     newer = json.loads(document)
-    newer.update(format_version=99, references=None, elsewhere={"x": sorted(names)})  # a future layout
-    assert names_in_manifest(2, json.dumps(newer).encode()) == names
-    assert names_in_manifest(2, document[:-10]) == frozenset()  # not JSON: names nothing
+    newer.update(format_version=99, references=None, elsewhere={"x": sorted(objects)})  # a future layout
+    assert names_in_manifest(2, json.dumps(newer).encode()) == objects | folders
+    for damaged in (document[:-10], document.replace(b"rank-0", b"r\xe1nk-0", 1)):  # not JSON, not UTF-8
+        kept = KeptNames(names_in_manifest(2, damaged))
+        assert set(kept) == folders and all(name in kept for name in objects)  # repaired, it loads
+        assert f"{step_dir(3)}/0123456789abcdef/rank-0/0.bin" not in kept
     assert names_in_manifest(2, b"[1]") == frozenset()
 
 

@@ -18,7 +18,7 @@ from ..core.names import attempt_prefix, manifest_name, parse_step_dir, step_dir
 from ..errors import AiosnapError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..storage.base import Storage
-from .keep import names_in_manifest
+from .keep import KeptNames, names_in_manifest
 from .pins import pins_for
 from .tombstones import Tombstones, retire_attempt
 from .trusted import TRUSTED
@@ -229,7 +229,7 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
     marks, StorageError: the caller deletes nothing."""
     listed = await committed_steps(storage)
     for _ in range(LISTINGS):
-        keep = set(pins_for(storage.url).pinned())
+        keep = KeptNames(pins_for(storage.url).pinned())
         steps = [s for s in listed if s not in leaving]
         documents = await asyncio.gather(*(committed_document(storage, s) for s in steps))
         for step, found in zip(steps, documents, strict=True):

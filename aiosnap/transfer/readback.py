@@ -5,11 +5,18 @@ holds now: a range that rotted after its commit (a flipped bit on disk, a bad re
 would be named by every later incremental save, while retention deletes the steps that
 still had good copies. So a save names a base range only once this transfer side knows
 its stored bytes: it wrote and checksummed them itself (every range it lands is recorded
-here), or it read them back and checked their crc32c (the stored frame's ``stored_crc32c``
-when compressed) once, when a save of its first took that base. A long-running job reads
-nothing extra; the first save after a restart (or on another writer's step) reads the
-base ranges it names once, in the upload workers (after ``save()`` returned), through
-buffers of :data:`READ_BUFFER_BYTES`, :data:`READ_CONCURRENCY` at a time per save.
+here, with every field its manifest records for it), or it read them back once, when a
+save of its first took that base, and found both their crc32c and their xxh3-128 digest.
+A long-running job reads nothing extra; the first save after a restart (or on another
+writer's step) reads the raw base ranges it names once, in the upload workers (after
+``save()`` returned), through buffers of :data:`READ_BUFFER_BYTES`,
+:data:`READ_CONCURRENCY` at a time per save.
+
+A compressed base range that this transfer side did not write is never named: checking it
+would take decompressing it whole (its byte shuffle spans the range), and its frame's own
+crc32c says nothing of its codec fields (a manifest whose shuffle was edited, or whose frame
+was swapped with its crc32c, would be named by every later save and load by none). The save
+writes those bytes again, once; the saves after it name what it wrote.
 
 A range that fails its check, or lies in an object whose size is not the one its manifest
 records (truncated), is not named: the save writes those bytes again (one WARNING naming the
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import xxhash
 
 from ..core.checksums import crc32c_of
 from ..format.placement import BaseRanges, Landing, Placed, Reference, Reuse
@@ -36,15 +45,14 @@ READ_BUFFER_BYTES = 1 << 20
 READ_CONCURRENCY = 4
 """Ranges one save reads back at once (at most this many buffers in memory)."""
 
-RangeKey = tuple[str, int, int, int]
-"""A stored range as read back: (object, offset, stored size, crc32c of the stored bytes)."""
+RangeKey = tuple[Placed, int]
+"""A stored range: every field a manifest records for it, and its raw size. Two ranges are
+the same only when all of them are (an edited shuffle or crc32c is another range)."""
 
 
 def stored_key(placed: Placed, nbytes: int) -> RangeKey:
-    """What is stored of ``placed`` (``nbytes`` raw bytes): its frame when compressed."""
-    if placed.stored is not None and placed.stored_crc32c is not None:
-        return placed.object, placed.offset, placed.stored, placed.stored_crc32c
-    return placed.object, placed.offset, nbytes, placed.crc32c
+    """The key of ``placed`` (``nbytes`` raw bytes)."""
+    return placed, nbytes
 
 
 class CheckedRanges:
@@ -88,6 +96,7 @@ class CheckedReuse:
         self.step = step
         self._limit = asyncio.Semaphore(READ_CONCURRENCY)
         self._reading: dict[RangeKey, asyncio.Task[bool]] = {}
+        self._said_compressed = False
         self._sized: dict[str, asyncio.Task[bool]] = {}
         """Per base object read back: it has the size its manifest records (the commit's
         reference check compares that size too: a truncated object is never named)."""
@@ -135,10 +144,21 @@ class CheckedReuse:
         return size == recorded
 
     async def _read_back(self, key: RangeKey) -> bool:
-        name, offset, size, crc = key
+        placed, size = key
+        name, offset = placed.object, placed.offset
+        if placed.stored is not None:  # compressed by another transfer side: never named (module docstring)
+            if not self._said_compressed:
+                self._said_compressed = True
+                log.info(
+                    "aiosnap: step %d: the compressed ranges of its base step %d were not written by this process; "
+                    "this save writes them again (once)", self.step, self.reuse.base.step,
+                )  # fmt: skip
+            return False
         async with self._limit:
             try:
-                good = await self._whole(name) and await _stored_crc(self.storage, name, offset, size) == crc
+                good = await self._whole(name) and await _stored_sums(self.storage, name, offset, size) == (
+                    placed.crc32c, placed.digest,
+                )  # fmt: skip
             except FileNotFoundError:
                 good = False
             except Exception as exc:  # not known either way: not named this time, asked again next save
@@ -149,7 +169,7 @@ class CheckedReuse:
                 return False
         if not good:
             log.warning(
-                "aiosnap: step %d: %d bytes at %d of %r (of its base step %d) do not match the crc32c "
+                "aiosnap: step %d: %d bytes at %d of %r (of its base step %d) do not match the crc32c and digest "
                 "recorded for them (rotted in storage?); this save writes them again",
                 self.step, size, offset, name, self.reuse.base.step,
             )  # fmt: skip
@@ -157,16 +177,23 @@ class CheckedReuse:
         return good
 
 
-async def _stored_crc(storage: Storage, name: str, offset: int, size: int) -> int | None:
-    """The crc32c of the ``size`` stored bytes at ``offset`` of ``name``, streamed through
-    one buffer of at most :data:`READ_BUFFER_BYTES` (None: the object ends early)."""
+async def _stored_sums(storage: Storage, name: str, offset: int, size: int) -> tuple[int, str] | None:
+    """The crc32c and the xxh3-128 digest (hex) of the ``size`` stored bytes at ``offset`` of
+    ``name``, streamed through one buffer of at most :data:`READ_BUFFER_BYTES` (None: the
+    object ends early). Both: a crc32c is easily forged together with the bytes it covers."""
     buffer = memoryview(bytearray(min(size, READ_BUFFER_BYTES)))
+    digest = xxhash.xxh3_128()
     crc = done = 0
+
+    def add(data: memoryview, crc: int) -> int:  # a worker thread (both release the GIL)
+        digest.update(data)
+        return crc32c_of(data, crc)
+
     while done < size:
         want = buffer[: min(len(buffer), size - done)]
         got = await storage.read_into(name, offset + done, want)
         if got != len(want):
             return None
-        crc = await asyncio.to_thread(crc32c_of, want, crc)
+        crc = await asyncio.to_thread(add, want, crc)
         done += got
-    return crc
+    return crc, digest.hexdigest()

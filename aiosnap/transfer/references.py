@@ -21,6 +21,7 @@ from ..catalog.pins import pins_for
 from ..catalog.steps import committed_document, read_manifest
 from ..core.aio import run_all
 from ..core.checksums import crc32c_of
+from ..core.codec import decompress_into
 from ..core.console import STAYS_COMMITTED
 from ..core.names import manifest_name
 from ..errors import AiosnapError, CorruptCheckpointError
@@ -127,9 +128,12 @@ async def take_back(
 async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], concurrency: int) -> None:
     """Read every range of ``manifest`` in the objects ``names`` and check its crc32c
     (:class:`CorruptCheckpointError` naming the first that does not match): what a resumed
-    incremental save does with the places its journal recorded, before it commits them.
-    Holds at most ``concurrency`` ranges in memory."""
+    incremental save does with the places its journal recorded, before it commits them. A
+    compressed range is also decompressed and its raw bytes' crc32c checked: its frame's
+    crc32c says nothing of the codec fields the journal recorded for it. Holds at most
+    ``concurrency`` ranges in memory (a compressed one: its frame and its raw bytes)."""
     limit = asyncio.Semaphore(concurrency)
+    compressed = {(r.object, r.offset): r for _, r in manifest.whole_ranges() if r.codec is not None}
 
     async def check(name: str, offset: int, nbytes: int, crc: int | None) -> None:
         async with limit:
@@ -138,7 +142,11 @@ async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], c
                 got = await storage.read_into(name, offset, buffer)
             except FileNotFoundError:
                 got = -1
-            if got != nbytes or crc is None or await asyncio.to_thread(crc32c_of, buffer) != crc:
+            good = got == nbytes and crc is not None and await asyncio.to_thread(crc32c_of, buffer) == crc
+            raw = compressed.get((name, offset))
+            if good and raw is not None:
+                good = await asyncio.to_thread(_inflates_to, buffer, raw.nbytes, raw.shuffle or 1, raw.crc32c)
+            if not good:
                 raise CorruptCheckpointError(
                     f"{storage.url} step {manifest.step}: {nbytes} bytes at {offset} of {name!r} do not match "
                     "the crc32c the save recorded"
@@ -149,6 +157,17 @@ async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], c
         for _, span in manifest.all_ranges()
         if span.object in names
     )  # fmt: skip
+
+
+def _inflates_to(frame: memoryview, nbytes: int, itemsize: int, crc: int | None) -> bool:
+    """Whether ``frame`` decompresses (unshuffled by ``itemsize``) to ``nbytes`` raw bytes
+    whose crc32c is ``crc`` (a worker thread)."""
+    raw = memoryview(bytearray(nbytes))
+    try:
+        decompress_into(frame, raw, itemsize)
+    except ValueError:
+        return False
+    return crc is not None and crc32c_of(raw) == crc
 
 
 class IncrementalSave:
