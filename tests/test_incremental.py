@@ -36,7 +36,7 @@ from aiosnap.storage.local import LocalStorage
 from aiosnap.transfer.readback import READ_BUFFER_BYTES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import FaultyStorage, assert_same, damage_entry, s3_config
+from tests.conftest import CliRunner, FaultyStorage, assert_same, damage_entry, s3_config
 from tests.dist_launch import run_ranks
 from tests.fuzzing import mutate_document, sign_manifest
 from tests.referencing import on_root
@@ -364,12 +364,16 @@ def test_hand_edited_landings_in_a_journal_never_commit_a_step_that_does_not_loa
 
 
 @pytest.mark.thread_only  # the storage wrapper that holds writes lives in the trainer's process
-def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does_not_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["shuffle", "stored"])
+def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does_not_load(
+    tmp_path: Path, field: str
+) -> None:
     """A compressed incremental save caught by a crash; its journal's landed records edited in
-    one field each, the byte shuffle of a compressed range (frame and crc32c untouched, lines
-    re-signed): the frame's crc32c still matches, so the resume decompresses every range it
-    would commit and checks the raw bytes' crc32c. The step is discarded, and the retention
-    of a commit that would not load never deletes step 1."""
+    one field each (lines re-signed): the byte shuffle of a compressed range (frame and crc32c
+    untouched: the frame's crc32c still matches, so the resume decompresses every range it
+    would commit and checks the raw bytes' crc32c), or its stored size (2**62: refused before
+    anything of that size is allocated). The leftover is discarded, not kept to fail again,
+    and the retention of a commit that would not load never deletes step 1."""
     root, spool_dir = tmp_path / "ckpt", tmp_path / "spool"
     config = _spooled_config(root, spool_dir, keep_last=1)
     config = config.model_copy(update={"upload": config.upload.model_copy(update={"compression": "zstd"})})
@@ -399,17 +403,18 @@ def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does
     _play_crash(config, spool_copy, root_copy)
     edited = []
 
-    def unshuffled(record: dict[str, Any]) -> None:
+    def edit(record: dict[str, Any]) -> None:
         for codec in record.get("codecs") or ():
             if codec is not None and codec[2] == 2:
-                codec[2] = None
+                codec[2 if field == "shuffle" else 0] = None if field == "shuffle" else 2**62
                 edited.append(record)
 
-    _edit_landed(journal, unshuffled)
+    _edit_landed(journal, edit)
     assert edited
     with SyncCheckpointer(config) as again:
         report = again.resume_spool()
-        assert report.resumed == [] and again.steps() == [1], report
+        assert report.resumed == [] and report.failed == [] and len(report.discarded) == 1, report
+        assert again.steps() == [1]
         assert_same(again.load(step=1), first)
 
 
@@ -1059,14 +1064,15 @@ def test_base_bytes_tampered_with_their_crc32c_kept_are_found_by_their_digest_an
             assert_same(ckpt.load(step=step), state(step))
 
 
-@pytest.mark.parametrize("damage", ["cut", "top bit"])
+@pytest.mark.parametrize("damage", ["cut", "emptied", "top bit"])
 def test_a_manifest_damaged_past_json_keeps_what_it_references_so_that_repaired_it_loads(
-    root: Path, damage: str
+    root: Path, damage: str, aiosnap: CliRunner
 ) -> None:
     """Step 3's manifest references step 1's objects; damaged so that it is no longer JSON
-    (its last byte cut, or one character's top bit flipped: not UTF-8), it is neither counted
-    nor deleted by retention, and every deletion keeps every object in the attempt folders its
-    bytes mention. Repaired (a backup, a one-bit fix), it loads."""
+    (its last byte cut, every byte lost, or one character's top bit flipped: not UTF-8), it
+    is neither counted nor deleted by retention, and every deletion, gc's too, keeps every
+    object of every attempt of its step and the steps before it. Repaired (a backup, a
+    one-bit fix), it loads; then what only it kept goes."""
     config = _config(root, chunk_size="256KiB").model_copy(update={"retention": RetentionConfig(keep_last=2)})
     frozen = torch.randn(200_000, generator=torch.Generator().manual_seed(4))
 
@@ -1081,6 +1087,8 @@ def test_a_manifest_damaged_past_json_keeps_what_it_references_so_that_repaired_
     good = path.read_bytes()
     if damage == "cut":
         path.write_bytes(good[:-1])
+    elif damage == "emptied":
+        path.write_bytes(b"")
     else:
         at = good.index(b'"created_at"') + 2
         path.write_bytes(good[:at] + bytes([good[at] ^ 0x80]) + good[at + 1 :])
@@ -1088,9 +1096,16 @@ def test_a_manifest_damaged_past_json_keeps_what_it_references_so_that_repaired_
         for step in (4, 5, 6, 7):
             ckpt.save(state(step), step=step).wait()
         assert ckpt.steps() == [3, 6, 7]  # the damaged step listed, neither counted nor deleted
+    assert aiosnap("gc", str(root), "--keep-last", "2", "--grace", "0s").returncode == 0
     path.write_bytes(good)
     with SyncCheckpointer(config) as ckpt:
         assert_same(ckpt.load(step=3), state(3))
+        ckpt.save(state(8), step=8).wait()  # retention counts step 3 again, and deletes it
+        assert ckpt.steps() == [7, 8]
+        assert_same(ckpt.load(step=8), state(8))
+        named = {o.name for step in (7, 8) for o in ckpt.manifest(step).stored_objects()}
+    assert aiosnap("gc", str(root), "--keep-last", "2", "--grace", "0s").returncode == 0
+    assert {str(p.relative_to(root)) for p in root.rglob("*.bin")} == named  # what only step 3 held is gone
 
 
 @pytest.mark.thread_only  # the storage that counts reads is this process's

@@ -391,20 +391,23 @@ def test_names_in_a_manifest_are_read_leniently(small_config: Config) -> None:
     frozen_chain(small_config, [1, 2])
     document = (Path(small_config.storage.url) / step_dir(2) / "manifest.json").read_bytes()
     objects = {o.name for o in _manifest(small_config, 2).stored_objects()}
-    folders = {"/".join(name.split("/")[:2]) + "/" for name in objects}
-    assert len(folders) == 2  # step 2's own attempt and step 1's, which it references
-    assert names_in_manifest(2, document, valid=True) == objects  # what a reader accepted names
-    assert names_in_manifest(2, document) == objects | folders  # refused: every folder it mentions stays whole
+    names = names_in_manifest(2, document)
+    assert names == objects
+    assert names_in_manifest(2, document, valid=True) == names
     unlisted = json.loads(document)
     unlisted["references"] = unlisted["references"][1:]  # a hand edit a reader refuses: still kept
-    assert names_in_manifest(2, json.dumps(unlisted).encode()) == objects | folders
+    assert names_in_manifest(2, json.dumps(unlisted).encode()) == names
     newer = json.loads(document)
-    newer.update(format_version=99, references=None, elsewhere={"x": sorted(objects)})  # a future layout
-    assert names_in_manifest(2, json.dumps(newer).encode()) == objects | folders
-    for damaged in (document[:-10], document.replace(b"rank-0", b"r\xe1nk-0", 1)):  # not JSON, not UTF-8
-        kept = KeptNames(names_in_manifest(2, damaged))
-        assert set(kept) == folders and all(name in kept for name in objects)  # repaired, it loads
-        assert f"{step_dir(3)}/0123456789abcdef/rank-0/0.bin" not in kept
+    newer.update(format_version=99, references=None, elsewhere={"x": sorted(names)})  # a future layout
+    assert names_in_manifest(2, json.dumps(newer).encode()) == names
+    assert names_in_manifest(2, document[:-10]) == frozenset()  # not JSON: names nothing itself
+    kept = KeptNames()
+    kept.hold_through(2)  # what the mark keeps for a manifest a reader refuses
+    assert all(name in kept for name in objects)
+    assert f"{step_dir(3)}/0123456789abcdef/rank-0/0.bin" not in kept and "elsewhere/0.bin" not in kept
+    assert kept.holds_under(f"{step_dir(1)}/0123456789abcdef") and not kept.holds_under(
+        f"{step_dir(3)}/0123456789abcdef"
+    )
     assert names_in_manifest(2, b"[1]") == frozenset()
 
 
@@ -565,6 +568,66 @@ def test_a_failed_download_never_removes_a_referenced_object_another_committed_c
     target_config = _dedup(target, keep_last=None)
     assert_same(_load(target_config, 2), _frozen_state(2))
     _only_what_is_named(target_config)
+
+
+class _ReadFails(LocalStorage):
+    """A source root whose object ``name`` cannot be read (a network error mid-copy), once
+    ``go`` is set."""
+
+    def __init__(self, root: str, name: str, go: asyncio.Event) -> None:
+        super().__init__(root)
+        self.name, self.go = name, go
+
+    async def read_into(self, name: str, offset: int, dest: memoryview) -> int:
+        if name == self.name:
+            await asyncio.wait_for(self.go.wait(), 30)
+            raise OSError(5, "injected read error")
+        return await super().read_into(name, offset, dest)
+
+
+class _TellsWrites(LocalStorage):
+    """A target that sets ``wrote`` once every one of ``names`` is written."""
+
+    def __init__(self, root: str, names: set[str]) -> None:
+        super().__init__(root)
+        self.waiting, self.wrote = set(names), asyncio.Event()
+
+    async def write(self, name: str, data: Any, *, if_absent: bool = False) -> None:
+        await super().write(name, data, if_absent=if_absent)
+        self.waiting.discard(name)
+        if not self.waiting:
+            self.wrote.set()
+
+
+def test_a_failed_download_of_a_step_copied_before_keeps_what_a_later_copied_step_references(
+    tmp_path: Path,
+) -> None:
+    """Steps 1 and 2 (2 references 1's base) downloaded into a target, where gc then deletes
+    step 1's manifest (its base stays: step 2 names it). A second download of step 1 rewrites
+    the same objects under the same names and fails on a read: its undo deletes only what no
+    committed manifest names, so the target's step 2 still loads."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    with SyncCheckpointer(_dedup(source, keep_last=None)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_frozen_state(step), step=step).wait()
+        first = ckpt.manifest(1)
+        referenced = {o.name for o in ckpt.manifest(2).references or ()}
+    unread = next(o.name for o in first.objects if o.name not in referenced)
+
+    async def main() -> None:
+        src, dst = LocalStorage(str(source)), LocalStorage(str(target))
+        for step in (1, 2):
+            assert await copy_step(src, dst, await read_manifest(src, step))
+        report = await collect_garbage(dst, keep_last=1, grace_s=0.0)
+        assert report.deleted_steps == [1]
+        again = _TellsWrites(str(target), referenced)  # the failing copy rewrites them first
+        with pytest.raises(OSError, match="injected"):
+            await copy_step(_ReadFails(str(source), unread, again.wrote), again, await read_manifest(src, 1))
+
+    asyncio.run(main())
+    assert referenced and all((target / name).exists() for name in referenced)
+    target_config = _dedup(target, keep_last=None)
+    assert_same(_load(target_config, 2), _frozen_state(2))
 
 
 class _ManifestAlwaysGone(LocalStorage):

@@ -28,40 +28,55 @@ The rule under concurrency (other processes' retention or gc while saves run):
 
 Names are read from a manifest's JSON (:func:`names_in_manifest`): what is kept may only be
 more than a reader would accept, never less. A manifest that a reader refuses (damaged,
-hand-edited, newer; even one no longer JSON, such as a flipped top bit or a cut tail) keeps
-every object in every attempt folder its bytes mention (a damaged name still lies in a folder
-that its other names mention), so a damaged step that is repaired still loads. Such a folder
-is kept as an element ``"<step folder>/<save id>/"`` of :class:`KeptNames`. Pure code, no
-I/O; any thread (a lock guards the cache).
+hand-edited, newer; even one no longer JSON, such as a flipped top bit or a cut tail, which
+may have lost every mention of what it references) keeps every object of every attempt of
+its step and of all earlier steps (:meth:`KeptNames.hold_through`), so a damaged step that
+is repaired still loads; what it kept goes once the step is repaired and retention or gc runs
+again, or once the step is deleted (``rollback``, ``purge``). Pure code, no I/O; any thread
+(a lock guards the cache).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from ..core.names import attempt_of_object
 
 __all__ = ["KeptNames", "names_in_manifest"]
 
-_ATTEMPT_IN_TEXT = re.compile(r"(?<![0-9])([0-9]{12,20})/([0-9a-f]{16})/")
-
 
 class KeptNames(set[str]):
-    """Object names that must stay, and attempt folders (elements ending in ``/``) all of
-    whose objects must: ``name in kept`` is true for both (see the module docstring)."""
+    """Object names that must stay, and (:meth:`hold_through`) every object of every attempt
+    folder up to a step: ``name in kept`` is true for both (see the module docstring)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        super().__init__(names)
+        self.through = -1
+        """Every object in an attempt folder of a step up to this one stays (-1: none)."""
+
+    def hold_through(self, step: int) -> None:
+        """Keep every object of every attempt of ``step`` and of the steps before it."""
+        self.through = max(self.through, step)
 
     def __contains__(self, name: object) -> bool:
         if set.__contains__(self, name):
             return True
-        if not isinstance(name, str):
+        if self.through < 0 or not isinstance(name, str):
             return False
-        parts = name.split("/", 2)
-        return len(parts) == 3 and set.__contains__(self, f"{parts[0]}/{parts[1]}/")
+        attempt = attempt_of_object(name)
+        return attempt is not None and attempt[0] <= self.through
+
+    def holds_under(self, prefix: str) -> bool:
+        """Whether an object under the folder ``prefix`` is kept (for a backend that cannot
+        list the folder)."""
+        attempt = attempt_of_object(prefix + "/x")
+        held = attempt is not None and attempt[0] <= self.through
+        return held or any(name.startswith(prefix + "/") for name in self)
 
 
 _CACHE_LIMIT = 64
@@ -72,9 +87,9 @@ _cache_lock = threading.Lock()
 def names_in_manifest(step: int, data: bytes, *, valid: bool = False) -> frozenset[str]:
     """The object names the manifest ``data`` of ``step`` names: its own objects and its
     references when it is ``valid`` (a reader accepted it: its ranges name nothing else), and
-    every other string in it that names an object in an attempt folder otherwise, and every
-    attempt folder its bytes mention (``"<step folder>/<save id>/"``: all of its objects stay;
-    see :class:`KeptNames`), JSON or not (a damaged manifest may be repaired). Remembered by content: the
+    every other string in it that names an object in an attempt folder otherwise; a document
+    that is not JSON names nothing here (the caller keeps every attempt up to its step: see
+    :class:`KeptNames`). Remembered by content: the
     manifests of kept steps are read at every retention."""
     key = (step, hashlib.blake2b(data + (b"\x01" if valid else b"\x00"), digest_size=32).digest())
     with _cache_lock:
@@ -94,30 +109,13 @@ def _names(data: bytes, valid: bool) -> frozenset[str]:
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError):
-        doc = None
-    if valid:  # the ranges of a valid manifest name only listed objects
-        return (
-            frozenset(_listed(doc.get("objects")) | _listed(doc.get("references")))
-            if isinstance(doc, dict)
-            else frozenset()
-        )
-    found = _attempt_folders(data)
-    if isinstance(doc, dict):
-        found |= _listed(doc.get("objects")) | _listed(doc.get("references"))
-    if doc is not None:
-        found |= _every_object_name(doc)
-    return frozenset(found)
-
-
-def _attempt_folders(data: bytes) -> set[str]:
-    """Every attempt folder (``"<step folder>/<save id>/"``) the bytes of a refused manifest
-    mention, read as Latin-1 (every byte a character: damage cannot stop the scan)."""
-    found: set[str] = set()
-    for match in _ATTEMPT_IN_TEXT.finditer(data.decode("latin-1")):
-        folder = f"{match[1]}/{match[2]}/"
-        if attempt_of_object(folder + "x") is not None:  # a step folder aiosnap would write
-            found.add(folder)
-    return found
+        return frozenset()  # the caller keeps every attempt up to its step (module docstring)
+    if not isinstance(doc, dict):
+        return frozenset()
+    listed = _listed(doc.get("objects")) | _listed(doc.get("references"))
+    if valid:
+        return frozenset(listed)  # the ranges of a valid manifest name only listed objects
+    return frozenset(listed | _every_object_name(doc))
 
 
 def _listed(objects: Any) -> set[str]:

@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..format.manifest import DataObject, Manifest, Span
 from ..storage.base import Storage
+from .keep import KeptNames
 from .steps import committed_steps, read_manifest
 
 __all__ = ["ReferencedStep", "StepInfo", "list_steps", "referenced_steps", "split_name", "verify_step"]
@@ -113,7 +114,10 @@ async def list_steps(storage: Storage, *, include_incomplete: bool = False) -> l
                 entries=len(found.entries),
             )
     if include_incomplete:
-        named = {o.name for m in read if isinstance(m, Manifest) for o in m.stored_objects()}
+        named = KeptNames(o.name for m in read if isinstance(m, Manifest) for o in m.stored_objects())
+        for step, found in zip(committed, read, strict=True):
+            if isinstance(found, CorruptCheckpointError):
+                named.hold_through(step)  # what deletions keep for an unreadable step (see .keep)
         attempts: dict[int, dict[str, list[float]]] = {}
         sizes: dict[int, int] = {}
         unnamed: set[int] = set()

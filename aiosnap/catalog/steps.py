@@ -235,6 +235,8 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
         for step, found in zip(steps, documents, strict=True):
             if found is not None:
                 keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
+                if found[1] is None:  # refused: it may have lost the names of what it references
+                    keep.hold_through(step)
         again = await committed_steps(storage)
         if again == listed and all(found is not None for found in documents):
             return keep

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..core.names import attempt_prefix, step_dir
 from ..format.markers import VERDICT_FILE, VERDICT_READ_S
 from ..storage.base import Storage
+from .keep import KeptNames
 
 __all__ = ["Keep", "Tombstones", "retire_attempt"]
 
@@ -89,11 +90,11 @@ async def retire_attempt(
             listed = [o.name for o in await storage.walk(prefix)]
     kept = frozenset() if keep is None else await keep()
     if listed is None:
-        if keep is None or not any(name.startswith(prefix + "/") for name in kept):
+        if keep is None or not _holds_under(kept, prefix):
             await storage.delete_prefix(prefix)
         else:
             log.warning("aiosnap: %s cannot list %s, which holds referenced objects: left whole", storage.url, prefix)
-            return [name for name in kept if name.startswith(prefix + "/")]
+            return [name for name in kept if name.startswith(prefix + "/")] or [prefix + "/"]
         return []
     held = [name for name in listed if name in kept]
     if not held and not with_verdict:
@@ -107,3 +108,10 @@ async def retire_attempt(
         assert tombstones is not None
         tombstones.add(storage, step, save_id)
     return held
+
+
+def _holds_under(kept: Set[str], prefix: str) -> bool:
+    """Whether ``kept`` keeps an object under the folder ``prefix``."""
+    if isinstance(kept, KeptNames):
+        return kept.holds_under(prefix)
+    return any(name.startswith(prefix + "/") for name in kept)

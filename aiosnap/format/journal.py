@@ -370,7 +370,7 @@ def _landing_of(spec: SaveSpec, record: Landed) -> Landing | None:
     assert record.placed is not None
     assert record.references is not None
     chunk = spec.chunks[record.chunk]
-    referenced = {name for name, _, _ in record.references}
+    referenced = {name: size for name, _, size in record.references}
     if len(record.placed) != len(chunk.pieces) or record.stored > chunk.nbytes:
         raise JournalError(f"chunk {record.chunk}: its landing does not match its pieces")
     codecs = record.codecs if record.codecs is not None else [None] * len(record.placed)
@@ -381,8 +381,10 @@ def _landing_of(spec: SaveSpec, record: Landed) -> Landing | None:
         chunk.pieces, record.placed, record.pieces, codecs, strict=True
     ):
         extent = piece.nbytes if codec is None else codec[0]
+        if codec is not None and not 0 < extent < piece.nbytes:  # a frame is smaller than its range, or not kept
+            raise JournalError(f"chunk {record.chunk}: a compressed piece of {piece.nbytes} bytes stores {extent}")
         own = name == chunk.object_name and offset + extent <= record.stored
-        if not own and name not in referenced:
+        if not own and not (name in referenced and offset + extent <= referenced[name]):
             raise JournalError(f"chunk {record.chunk}: a piece landed in {name!r:.120}, which it does not name")
         pieces.append(Placed(name, offset, crc, digest, *(codec or (None, None, None))))
     return Landing(record.stored, tuple(pieces), tuple((n, r, size) for n, r, size in record.references))

@@ -121,20 +121,19 @@ async def _already_copied(dest: Storage, name: str, buffer: memoryview, ranges: 
 
 
 async def _remove_written(dest: Storage, names: list[str], step: int, save_id: str) -> None:
-    """Undo a failed copy: the objects this run wrote in the copied step's own attempt folder,
-    and those it wrote of earlier saves (references) that no committed manifest of ``dest``
-    names now (another copy into ``dest`` may have committed a step naming them), then their
+    """Undo a failed copy: the objects this run wrote (of the copied step's own attempt, and of
+    earlier saves it references) that no committed manifest of ``dest`` names now, then their
     folders if empty -- unless another run of the same copy committed meanwhile (the objects
-    are then that copy's)."""
+    are then that copy's). Its own attempt's objects too may be named: the step was copied
+    into ``dest`` before, and a later step copied there references them (same names, same
+    bytes, rewritten by this run)."""
     if await committed_save_id(dest, step) == save_id:
         return
-    own = attempt_prefix(step, save_id) + "/"
     folders = {name.rsplit("/", 1)[0] for name in names} | {attempt_prefix(step, save_id), step_dir(step)}
     try:
-        others = [name for name in names if not name.startswith(own)]
-        kept = await objects_to_keep(dest) if others else set()  # after the names are known: mark after list
+        kept = await objects_to_keep(dest) if names else set()  # after the names are known: mark after list
         for name in names:
-            if name.startswith(own) or name not in kept:
+            if name not in kept:
                 await dest.delete(name)
         for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):  # deepest first
             await dest.remove_empty_folder(folder)

@@ -21,7 +21,7 @@ from ..catalog.pins import pins_for
 from ..catalog.steps import committed_document, read_manifest
 from ..core.aio import run_all
 from ..core.checksums import crc32c_of
-from ..core.codec import decompress_into
+from ..core.codec import check_frame, decompress_into
 from ..core.console import STAYS_COMMITTED
 from ..core.names import manifest_name
 from ..errors import AiosnapError, CorruptCheckpointError
@@ -162,8 +162,9 @@ async def verify_ranges(storage: Storage, manifest: Manifest, names: set[str], c
 def _inflates_to(frame: memoryview, nbytes: int, itemsize: int, crc: int | None) -> bool:
     """Whether ``frame`` decompresses (unshuffled by ``itemsize``) to ``nbytes`` raw bytes
     whose crc32c is ``crc`` (a worker thread)."""
-    raw = memoryview(bytearray(nbytes))
     try:
+        check_frame(frame, nbytes)  # before anything of that size is allocated
+        raw = memoryview(bytearray(nbytes))
         decompress_into(frame, raw, itemsize)
     except ValueError:
         return False
