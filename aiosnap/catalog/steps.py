@@ -237,6 +237,7 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
                 keep |= names_in_manifest(step, found[0], valid=found[1] is not None)
                 if found[1] is None:  # refused: it may have lost the names of what it references
                     keep.hold_through(step)
+                    _say_held(storage, step)
         again = await committed_steps(storage)
         if again == listed and all(found is not None for found in documents):
             return keep
@@ -245,6 +246,19 @@ async def objects_to_keep(storage: Storage, leaving: Set[int] = frozenset()) -> 
         f"what to keep in {storage.url} could not be read: its committed steps changed during each of "
         f"{LISTINGS} reads (other processes commit and delete steps meanwhile); nothing was deleted, try again"
     )
+
+
+_said_held: set[tuple[str, int]] = set()
+
+
+def _say_held(storage: Storage, step: int) -> None:
+    """Warn once per process and step: an unreadable manifest holds every older step's data."""
+    if (storage.url, step) not in _said_held:
+        _said_held.add((storage.url, step))
+        log.warning(
+            "aiosnap: %s step %d: its manifest cannot be read (damaged, or written by a newer aiosnap); until it is "
+            "repaired, rolled back or purged, no deletion removes data of it or of any earlier step", storage.url, step,
+        )  # fmt: skip
 
 
 async def remove_step(storage: Storage, step: int, tombstones: Tombstones | None = None) -> None:
