@@ -6,6 +6,7 @@ referenced bytes so that the copy stands alone."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -87,6 +88,13 @@ def _first_reference(root: Path) -> Path:
     return root / _doc(root, 2)["references"][0]["name"]
 
 
+def _fifo_for_first_reference(root: Path) -> None:
+    """A FIFO where a referenced object was (opening it to read would wait for a writer)."""
+    path = _first_reference(root)
+    path.unlink()
+    os.mkfifo(path)
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "load_says", "verify_says"),
     [
@@ -115,8 +123,9 @@ def _first_reference(root: Path) -> Path:
             "checksum",
             "checksum mismatch",
         ),
+        (_fifo_for_first_reference, CorruptCheckpointError, "referenced, of step 1", "is missing"),
     ],
-    ids=["step-folder-never-existed", "attempt-never-existed", "object-missing", "wrong-size", "crc-mismatch"],
+    ids=["step-folder-never-existed", "attempt-never-existed", "object-missing", "wrong-size", "crc-mismatch", "fifo"],
 )
 def test_hand_edited_references_are_refused_at_load_and_reported_by_verify(
     aiosnap: CliRunner, small_config: Config, damage: Any, error: type[Exception], load_says: str, verify_says: str

@@ -8,8 +8,10 @@ the new one, or an ignorable ``.*.tmp`` file, never a half-written object under 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
+import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +173,7 @@ class LocalStorage(Storage):
 
     @staticmethod
     async def _read(path: Path, limit: int | None) -> bytes:
-        async with aiofiles.open(path, "rb") as f:
+        async with aiofiles.open(path, "rb", opener=open_regular) as f:
             if limit is None:
                 return await f.read()
             # read(n) reserves n bytes first: a limit far above the file's size (1 GiB for a
@@ -197,7 +199,7 @@ class LocalStorage(Storage):
         return await complete_before_cancel(self._read_into(self._path(name), offset, dest))
 
     async def _read_into(self, path: Path, offset: int, dest: memoryview) -> int:
-        async with aiofiles.open(path, "rb", buffering=0) as f:
+        async with aiofiles.open(path, "rb", buffering=0, opener=open_regular) as f:
             await f.seek(offset)
             total = 0
             while total < len(dest):
@@ -212,7 +214,7 @@ class LocalStorage(Storage):
 
     @staticmethod
     def _read_scatter(path: Path, offset: int, buffers: Sequence[memoryview]) -> int:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(str(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             return preadv_all(fd, buffers, offset)
         finally:
@@ -295,3 +297,18 @@ def _finish_file(tmp: Path, path: Path, size: int) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def open_regular(path: str, flags: int) -> int:
+    """``os.open`` for reading an object: a path that is not a regular file (a FIFO, which
+    would block the read forever; a device, a directory) is no object: FileNotFoundError.
+    Opened without blocking (a FIFO's open waits for a writer otherwise); any thread."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
