@@ -8,6 +8,7 @@ spool with a resume, and S3 (moto). What each step owns is read from its manifes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import json
@@ -203,7 +204,7 @@ def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], P
         assert time.monotonic() < deadline
         time.sleep(0.01)
     spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
-    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"), copy_function=_copy_unless_gone)
     shutil.copytree(root, root_copy)
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)
@@ -242,6 +243,13 @@ def test_retention_after_a_resumed_incremental_save_keeps_the_bytes_it_reference
         assert_same(again.load(step=2), state)
 
 
+def _copy_unless_gone(source: str, dest: str) -> None:
+    """Copy a spool file that the save may delete meanwhile (a chunk's file goes once its
+    landing is journaled: a crash then leaves it gone too)."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.copy2(source, dest)
+
+
 def _crash_while_saving(config: Config, state: dict[str, Any], step: int, chunks_landed: int) -> Path:
     """Save ``step`` with its object writes and manifest held, until ``chunks_landed`` chunks
     landed (those with nothing new land at once), then crash; returns its spool folder."""
@@ -257,7 +265,7 @@ def _crash_while_saving(config: Config, state: dict[str, Any], step: int, chunks
         assert time.monotonic() < deadline
         time.sleep(0.01)
     copy = folder.parent / f"crashed-{folder.name}"
-    shutil.copytree(folder, copy)
+    shutil.copytree(folder, copy, copy_function=_copy_unless_gone)  # the save goes on meanwhile
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)
     _restore(copy, folder)
@@ -396,7 +404,7 @@ def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does
         assert time.monotonic() < deadline
         time.sleep(0.01)
     spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
-    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"))
+    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"), copy_function=_copy_unless_gone)
     shutil.copytree(root, root_copy)
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)
