@@ -198,9 +198,19 @@ def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], P
     store.hold_when = lambda name: name.startswith(step_dir(2))
     ckpt = SyncCheckpointer(config, storage=store)
     ckpt.save(state, step=2)
+    spool_copy, root_copy = _crash_once_landed(ckpt, spool_dir, root, tmp_path, landed=2)
+    return config, state, spool_copy, root_copy
+
+
+def _crash_once_landed(
+    ckpt: SyncCheckpointer, spool_dir: Path, root: Path, tmp_path: Path, landed: int
+) -> tuple[Path, Path]:
+    """Once the spooled save in flight has journaled ``landed`` landings (chunks with nothing
+    new land at once), copy the spool and the root as a crash would leave them, then give the
+    save up; returns the copies."""
     journal = next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL
     deadline = time.monotonic() + 20
-    while journal.read_text().count('"landed"') < 2:  # chunks with nothing new land at once
+    while journal.read_text().count('"landed"') < landed:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
@@ -208,7 +218,7 @@ def _crashed_incremental_save(tmp_path: Path) -> tuple[Config, dict[str, Any], P
     shutil.copytree(root, root_copy)
     with pytest.raises(TimeoutError):
         ckpt.close(timeout=0.1)
-    return config, state, spool_copy, root_copy
+    return spool_copy, root_copy
 
 
 def _play_crash(config: Config, spool_copy: Path, root_copy: Path) -> None:
@@ -398,16 +408,7 @@ def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does
     state["frozen"][-5:] = 0.0
     store.hold_when = lambda name: name.startswith(step_dir(2))
     ckpt.save(state, step=2)
-    journal = next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL
-    deadline = time.monotonic() + 20
-    while '"landed"' not in journal.read_text():  # the chunk with nothing new lands at once
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    spool_copy, root_copy = tmp_path / "spool-copy", tmp_path / "root-copy"
-    shutil.copytree(spool_dir, spool_copy, ignore=shutil.ignore_patterns("LOCK"), copy_function=_copy_unless_gone)
-    shutil.copytree(root, root_copy)
-    with pytest.raises(TimeoutError):
-        ckpt.close(timeout=0.1)
+    spool_copy, root_copy = _crash_once_landed(ckpt, spool_dir, root, tmp_path, landed=1)
     _play_crash(config, spool_copy, root_copy)
     edited = []
 
@@ -417,7 +418,7 @@ def test_a_journal_whose_codec_fields_were_edited_never_commits_a_step_that_does
                 codec[2 if field == "shuffle" else 0] = None if field == "shuffle" else 2**62
                 edited.append(record)
 
-    _edit_landed(journal, edit)
+    _edit_landed(next(p for p in spool_dir.iterdir() if p.is_dir()) / JOURNAL, edit)
     assert edited
     with SyncCheckpointer(config) as again:
         report = again.resume_spool()
